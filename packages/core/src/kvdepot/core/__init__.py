@@ -1,0 +1,31 @@
+"""kvdepot.core: pure block/token accounting shared by the server, the connector and routers.
+
+Nothing here does I/O, reads a clock, logs, or imports anything heavier than attrs.
+"""
+
+from kvdepot.core._errors import (
+    InvalidArgumentError,
+    InvalidTransitionError,
+    KVDepotError,
+    ParallelConfigError,
+    UnknownRequestError,
+)
+from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace, chunk_keys, pack_tokens
+from kvdepot.core._parallel import ParallelStrategy
+from kvdepot.core._version import __version__
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "KEY_SIZE",
+    "InvalidArgumentError",
+    "InvalidTransitionError",
+    "KVDepotError",
+    "KeyChain",
+    "Namespace",
+    "ParallelConfigError",
+    "ParallelStrategy",
+    "UnknownRequestError",
+    "__version__",
+    "chunk_keys",
+    "pack_tokens",
+]
