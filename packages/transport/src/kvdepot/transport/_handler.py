@@ -1,0 +1,45 @@
+"""What a server plugs into an endpoint: a `Handler`, and the `PeerInfo` it is handed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvdepot.transport._messages import ReplyBody, RequestBody
+
+
+@dataclass(slots=True, eq=False)
+class PeerInfo:
+    """One connected client as the server endpoint knows it.
+
+    `client_id` is the client's random id from Hello and the key to use for per-client
+    state; it stays the same across reconnects of that client. `last_seen` is the
+    endpoint's monotonic clock at the last frame received from it.
+    """
+
+    client_id: str
+    client_name: str = ""
+    protocol_version: int = 0
+    identity: bytes = b""
+    connected_at: float = 0.0
+    last_seen: float = 0.0
+    requests: int = field(default=0)
+
+
+class Handler(Protocol):
+    """The server side of the protocol, called from the endpoint's poll loop thread only.
+
+    `handle` gets every request body of a greeted peer, Hello included (the endpoint has
+    already checked its version and secret), and returns the reply body: the matching
+    `*Reply` struct, or an `ErrorReply`. An exception becomes an `ErrorReply` whose code is
+    the exception's `code` attribute when it has one (raise `UnknownLeaseError(...)` and
+    friends), `invalid_argument` for an `InvalidArgumentError`, and `internal` otherwise.
+
+    `peer_gone` is called once when a greeted peer stays silent past the endpoint's
+    `peer_timeout`; reclaim its leases and reservations there. A peer that ended its session
+    with EndSession is forgotten without a `peer_gone` call.
+    """
+
+    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody: ...
+
+    def peer_gone(self, peer: PeerInfo) -> None: ...

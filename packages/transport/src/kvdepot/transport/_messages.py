@@ -1,0 +1,350 @@
+"""Every message of the kvdepot control protocol, as msgspec structs.
+
+A frame on the wire is one msgpack-encoded envelope: `Request(id, body)` from a client,
+`Reply(id, body)` from the server. `body` is a tagged union over a closed set of structs,
+so a peer can never make us build a type outside this module. Field constraints
+(`Meta`) are checked while decoding, at the boundary, once.
+
+Compatibility rules (see docs/protocol.md): `Hello`, `HelloReply` and `ErrorReply` are
+map-encoded and may only ever gain optional fields, so that peers of any version can still
+tell each other that their versions differ. Everything else changes only together with
+`PROTOCOL_VERSION`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from kvdepot.core import KEY_SIZE
+
+#: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
+PROTOCOL_VERSION = 1
+
+# Bounds that keep a peer's numbers from driving large allocations. The frame-size bound in
+# the codec is the real limit; these catch nonsense early with a precise message.
+MAX_KEYS_PER_REQUEST = 1 << 16  # 65,536 chunks of 256 tokens = 16M tokens, far beyond any prompt
+MAX_ITEMS_PER_LOOKUP = 1 << 14  # requests of one engine step; vLLM batches are a few thousand
+MAX_IDS_PER_RELEASE = 1 << 16
+MAX_NAME_LENGTH = 1024  # salts, names, layout fingerprints, paths
+MAX_INT = (1 << 63) - 1
+
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_SIZE, max_length=KEY_SIZE)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_LENGTH)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_IDS_PER_RELEASE)]
+Indices = Annotated[list[Count], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
+FieldValue = str | int | float | bool | None
+
+
+class _Body(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Base of request and reply bodies: immutable, strict about unknown fields."""
+
+
+class _Inner(msgspec.Struct, frozen=True, array_like=True):
+    """Base of small structs repeated many times per message, encoded as arrays."""
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """First request of every connection: protocol version and the client's identity.
+
+    `client_id` is random hex chosen once per client, never a pid. `auth` carries the
+    shared secret when the server requires one. Unknown fields are ignored so that a
+    newer client can still be told that its version is not spoken here.
+    """
+
+    protocol_version: int
+    client_id: Name
+    client_name: Name = ""
+    auth: Name = ""
+
+
+class Register(_Body, tag="register"):
+    """Declares the KV layout this client stores and loads; answered with the pool to map."""
+
+    layout: Name
+    chunk_size: Count
+    chunk_bytes: Count
+    kv_world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1
+    kv_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    model: Name = ""
+
+
+class LookupItem(_Inner):
+    """The chunk keys of one request, under its cache salt."""
+
+    salt: Name
+    keys: Keys
+
+
+class Lookup(_Body, tag="lookup"):
+    """All lookups of one engine step; each item is answered with its longest committed prefix."""
+
+    items: Annotated[list[LookupItem], msgspec.Meta(max_length=MAX_ITEMS_PER_LOOKUP)]
+
+
+class Reserve(_Body, tag="reserve"):
+    """Asks for slots to store `keys`; keys already present or pending are skipped."""
+
+    salt: Name
+    keys: Keys
+    chunk_bytes: Count
+
+
+class Commit(_Body, tag="commit"):
+    """Makes reserved chunks visible to lookups; `indices=None` commits all of them."""
+
+    reservation_id: Id
+    indices: Indices | None = None
+
+
+class Abort(_Body, tag="abort"):
+    """Gives back every uncommitted slot of a reservation."""
+
+    reservation_id: Id
+
+
+class Release(_Body, tag="release"):
+    """Ends leases taken by lookups, so their chunks may be evicted again."""
+
+    lease_ids: Ids
+
+
+class EndSession(_Body, tag="end_session"):
+    """The client is leaving: the server reclaims its leases and reservations now."""
+
+
+class Stats(_Body, tag="stats"):
+    """Asks for the server's counters."""
+
+
+class Clear(_Body, tag="clear"):
+    """Removes the stored chunks of one salt, or of every salt when `salt` is None."""
+
+    salt: Name | None = None
+
+
+class Ping(_Body, tag="ping"):
+    """Liveness probe and heartbeat; answered with Pong."""
+
+
+class SetQuota(_Body, tag="set_quota"):
+    """Limits the bytes one salt may hold; `max_bytes=None` removes the limit."""
+
+    salt: Name
+    max_bytes: Count | None
+
+
+class GetQuotas(_Body, tag="get_quotas"):
+    """Asks for every quota in force."""
+
+
+RequestBody = (
+    Hello
+    | Register
+    | Lookup
+    | Reserve
+    | Commit
+    | Abort
+    | Release
+    | EndSession
+    | Stats
+    | Clear
+    | Ping
+    | SetQuota
+    | GetQuotas
+)
+REQUEST_TYPES: tuple[type, ...] = RequestBody.__args__  # type: ignore[attr-defined]
+
+
+# --- replies ----------------------------------------------------------------------------
+
+
+class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
+    """The server's protocol version, package version and random per-process id.
+
+    A changed `server_id` after a reconnect means the server restarted and lost all state.
+    """
+
+    protocol_version: int
+    server_version: str
+    server_id: str
+
+
+class PoolInfo(msgspec.Struct, frozen=True):
+    """How to map the server's shared pool: a file (e.g. under /dev/shm) of `size` bytes."""
+
+    kind: Literal["shm_file"]
+    path: Name
+    size: Count
+
+
+class RegisterReply(_Body, tag="register_reply"):
+    """The chunk size the server uses, the pool to map, and the alignment of every slot."""
+
+    chunk_size: Count
+    pool: PoolInfo
+    slot_alignment: Count = 1
+
+
+class Slot(_Inner):
+    """Where one chunk's bytes lie in the pool."""
+
+    offset: Count
+    length: Count
+
+
+class LookupResult(_Inner):
+    """Longest committed prefix of one lookup item, its lease and where its chunks are.
+
+    `lease_id` is 0 when there were no hits and so no lease was taken.
+    """
+
+    num_hits: Count
+    lease_id: Id
+    slots: list[Slot]
+
+
+class LookupReply(_Body, tag="lookup_reply"):
+    """One result per lookup item, in the same order."""
+
+    results: list[LookupResult]
+
+
+class ReservedSlot(_Inner):
+    """A slot to fill for `keys[index]` of the reservation."""
+
+    index: Count
+    offset: Count
+    length: Count
+
+
+class ReserveReply(_Body, tag="reserve_reply"):
+    """Slots for the keys that were neither committed nor pending; `full` if some did not fit."""
+
+    reservation_id: Id
+    slots: list[ReservedSlot]
+    present: list[Count]
+    full: bool = False
+
+
+class CommitReply(_Body, tag="commit_reply"):
+    """How many chunks became visible."""
+
+    committed: Count
+
+
+class AbortReply(_Body, tag="abort_reply"):
+    """How many reserved slots were freed."""
+
+    freed: Count
+
+
+class ReleaseReply(_Body, tag="release_reply"):
+    """How many leases ended."""
+
+    released: Count
+
+
+class EndSessionReply(_Body, tag="end_session_reply"):
+    """The session's resources are reclaimed."""
+
+
+class StatsReply(_Body, tag="stats_reply"):
+    """The server's counters. `extra` holds counters newer than this protocol version."""
+
+    capacity_bytes: Count = 0
+    used_bytes: Count = 0
+    chunks: Count = 0
+    hits: Count = 0
+    misses: Count = 0
+    bytes_stored: Count = 0
+    bytes_loaded: Count = 0
+    evictions: Count = 0
+    leases: Count = 0
+    reservations: Count = 0
+    clients: Count = 0
+    salt_bytes: dict[str, int] = {}
+    extra: dict[str, FieldValue] = {}
+
+
+class ClearReply(_Body, tag="clear_reply"):
+    """How many chunks were removed."""
+
+    removed: Count
+
+
+class Pong(_Body, tag="pong"):
+    """Answer to Ping."""
+
+
+class QuotaReply(_Body, tag="quota_reply"):
+    """Every quota in force, in bytes per salt."""
+
+    quotas: dict[str, int]
+
+
+class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
+    """The request failed. `code` is one of `ERROR_CODES`; `fields` carry the details."""
+
+    code: str
+    message: str
+    fields: dict[str, FieldValue] = {}
+
+
+ReplyBody = (
+    HelloReply
+    | RegisterReply
+    | LookupReply
+    | ReserveReply
+    | CommitReply
+    | AbortReply
+    | ReleaseReply
+    | EndSessionReply
+    | StatsReply
+    | ClearReply
+    | Pong
+    | QuotaReply
+    | ErrorReply
+)
+REPLY_TYPES: tuple[type, ...] = ReplyBody.__args__  # type: ignore[attr-defined]
+
+#: The reply type that answers each request type (besides ErrorReply, which answers any).
+REPLY_FOR: dict[type, type] = {
+    Hello: HelloReply,
+    Register: RegisterReply,
+    Lookup: LookupReply,
+    Reserve: ReserveReply,
+    Commit: CommitReply,
+    Abort: AbortReply,
+    Release: ReleaseReply,
+    EndSession: EndSessionReply,
+    Stats: StatsReply,
+    Clear: ClearReply,
+    Ping: Pong,
+    SetQuota: QuotaReply,
+    GetQuotas: QuotaReply,
+}
+
+
+# --- envelopes --------------------------------------------------------------------------
+
+
+class Request(msgspec.Struct, frozen=True, array_like=True):
+    """One request frame: a client-chosen id (> 0) and the body."""
+
+    id: Id
+    body: RequestBody
+
+
+class Reply(msgspec.Struct, frozen=True, array_like=True):
+    """One reply frame: the id of the request it answers (0 if that id was unreadable)."""
+
+    id: Id
+    body: ReplyBody
