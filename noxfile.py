@@ -50,7 +50,10 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
 def tests(session: nox.Session) -> None:
     """Every test of the repository: unit, integration and end to end on real vLLM."""
     _install_workspace(session, *TEST_DEPS)
-    env = {"PYTHONHASHSEED": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0")}
+    env = {
+        "PYTHONHASHSEED": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+    }
     session.run("pytest", *(session.posargs or []), env=env)
 
 
@@ -59,7 +62,9 @@ def _package_session(name: str) -> None:
     def run(session: nox.Session) -> None:
         extra = [TORCH] if name in ("gpu", "vllm_connector") else []
         deps = [f"packages/{dep}" for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
-        session.install(*extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100")
+        session.install(
+            *extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100"
+        )
         session.run("pytest", f"packages/{name}/tests", *session.posargs)
 
 

@@ -12,20 +12,33 @@ from kvdepot.core._errors import (
 )
 from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace, chunk_keys, pack_tokens
 from kvdepot.core._parallel import ParallelStrategy
+from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
+from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
+from kvdepot.core._state import TRANSITIONS, Event, RequestState
 from kvdepot.core._version import __version__
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "KEY_SIZE",
+    "TRANSITIONS",
+    "Event",
     "InvalidArgumentError",
     "InvalidTransitionError",
     "KVDepotError",
     "KeyChain",
+    "LoadedRequest",
     "Namespace",
     "ParallelConfigError",
     "ParallelStrategy",
+    "Planner",
+    "Recovery",
+    "RequestState",
+    "RequestTracker",
+    "RetrievePlan",
+    "StorePlan",
     "UnknownRequestError",
     "__version__",
     "chunk_keys",
     "pack_tokens",
+    "recover_load_failures",
 ]

@@ -113,9 +113,7 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
     try:
         packed = array("I", tokens)
     except (OverflowError, TypeError) as exc:
-        raise InvalidArgumentError(
-            f"token ids must be ints in [0, {_MAX_TOKEN_ID}]: {exc}", field="tokens"
-        ) from exc
+        raise InvalidArgumentError(f"token ids must be ints in [0, {_MAX_TOKEN_ID}]: {exc}", field="tokens") from exc
     if packed.itemsize != 4:  # pragma: no cover - no such platform in use
         packed = array("L", tokens)
     if _BIG_ENDIAN:  # pragma: no cover
@@ -144,6 +142,10 @@ class KeyChain:
         self._chunk_bytes = chunk_size * 4
         self._tails = [ns.seed for ns in spaces]
         self._keys: list[list[bytes]] = [[] for _ in spaces]
+
+    @property
+    def num_namespaces(self) -> int:
+        return len(self._keys)
 
     @property
     def num_chunks(self) -> int:

@@ -1,0 +1,317 @@
+"""Per-request trackers and the planner that decides what to load, store and release.
+
+The planner is fed by the engine's scheduler (lookups, allocations, each step's
+scheduled tokens, preemption, finish, abort) and answers with plain values:
+`RetrievePlan`, `StorePlan`, and lease ids to release (`take_releases`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+
+from kvdepot.core._errors import InvalidArgumentError, UnknownRequestError
+from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KeyChain, Namespace
+from kvdepot.core._state import TERMINAL, Event, RequestState, next_state
+
+
+@attrs.frozen
+class RetrievePlan:
+    """Load chunks ``[first_chunk, first_chunk + num_chunks)`` of a request into its blocks.
+
+    ``block_ids`` are the blocks of those chunks, ``blocks_per_chunk`` per chunk in
+    order. The first ``skip_blocks`` of them already hold the engine's own
+    prefix-cache hit (other requests may be reading them) and must not be written.
+    ``keys[r]`` are the chunk keys of KV rank ``r``.
+    """
+
+    req_id: str
+    cache_salt: str
+    first_chunk: int
+    num_chunks: int
+    keys: tuple[tuple[bytes, ...], ...]
+    block_ids: tuple[int, ...]
+    skip_blocks: int
+    num_tokens: int
+    lease_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class StorePlan:
+    """Store chunks ``[first_chunk, first_chunk + num_chunks)`` of a request from its blocks."""
+
+    req_id: str
+    cache_salt: str
+    first_chunk: int
+    num_chunks: int
+    keys: tuple[tuple[bytes, ...], ...]
+    block_ids: tuple[int, ...]
+
+
+@attrs.define
+class RequestTracker:
+    """What the planner knows of one request. Mutated only by `Planner`."""
+
+    req_id: str
+    cache_salt: str
+    chain: KeyChain
+    state: RequestState = RequestState.NEW
+    hit_chunks: int = 0
+    lease_ids: tuple[int, ...] = ()
+    engine_hit_tokens: int = 0
+    num_external_tokens: int = 0
+    #: Tokens whose KV is in the request's blocks once the last scheduled step has run.
+    num_computed_tokens: int = 0
+    block_ids: list[int] = attrs.Factory(list)
+    #: Chunks below this index are stored, were hits, or are planned: never planned again.
+    next_store_chunk: int = 0
+
+    def move(self, event: Event) -> None:
+        self.state = next_state(self.req_id, self.state, event)
+
+
+def _non_negative(name: str, value: int) -> None:
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must not be negative, got {value}", field=name, got=value)
+
+
+class Planner:
+    """Store and retrieve planning for every request of one engine.
+
+    ``namespace`` names the model and KV layout; its ``kv_world_size`` says how many
+    KV ranks hold distinct shards (each gets its own keys), and its ``cache_salt``,
+    ``lora`` and ``extra`` are replaced per request.
+    """
+
+    def __init__(self, namespace: Namespace, *, block_size: int, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+        if block_size < 1 or chunk_size < 1 or chunk_size % block_size:
+            raise InvalidArgumentError(
+                f"chunk_size ({chunk_size}) must be a positive multiple of block_size ({block_size})",
+                chunk_size=chunk_size,
+                block_size=block_size,
+            )
+        self.namespace = namespace
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.blocks_per_chunk = chunk_size // block_size
+        self._requests: dict[str, RequestTracker] = {}
+        self._spaces: dict[tuple[str, str, tuple[bytes, ...]], list[Namespace]] = {}
+        self._releases: list[int] = []
+        # Requests that ended while their lookup was in flight: its lease is released on arrival.
+        self._orphans: set[str] = set()
+
+    # -- bookkeeping ---------------------------------------------------------------
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def get(self, req_id: str) -> RequestTracker:
+        try:
+            return self._requests[req_id]
+        except KeyError:
+            raise UnknownRequestError(
+                f"request {req_id!r} is not tracked; call add_request first", req_id=req_id
+            ) from None
+
+    def take_releases(self) -> list[int]:
+        """Lease ids to release with the server, each exactly once."""
+        out, self._releases = self._releases, []
+        return out
+
+    def _release(self, tracker: RequestTracker) -> None:
+        self._releases.extend(lease for lease in tracker.lease_ids if lease)
+        tracker.lease_ids = ()
+
+    def _namespaces(self, cache_salt: str, lora: str, extra: tuple[bytes, ...]) -> list[Namespace]:
+        spaces = self._spaces.get((cache_salt, lora, extra))
+        if spaces is None:
+            base = attrs.evolve(self.namespace, cache_salt=cache_salt, lora=lora, extra=extra, kv_rank=0)
+            spaces = [base.for_rank(rank) for rank in range(base.kv_world_size)]
+            self._spaces[cache_salt, lora, extra] = spaces
+        return spaces
+
+    # -- scheduler events ----------------------------------------------------------
+
+    def add_request(
+        self, req_id: str, *, cache_salt: str | None = None, lora: str | None = None, extra: Sequence[bytes] = ()
+    ) -> RequestTracker:
+        """Track a new request; its keys are scoped by salt, LoRA adapter and extra digests."""
+        if req_id in self._requests:
+            raise InvalidArgumentError(f"request {req_id!r} is already tracked", req_id=req_id)
+        self._orphans.discard(req_id)
+        salt = cache_salt or ""
+        chain = KeyChain(self._namespaces(salt, lora or "", tuple(extra)), self.chunk_size)
+        tracker = RequestTracker(req_id=req_id, cache_salt=salt, chain=chain)
+        self._requests[req_id] = tracker
+        return tracker
+
+    def start_lookup(self, req_id: str, all_token_ids: Sequence[int]) -> list[list[bytes]] | None:
+        """Keys to look up, one list per KV rank, or None when the request has no full chunk.
+
+        With None the request is already looked up with zero hits.
+        """
+        tracker = self.get(req_id)
+        tracker.move(Event.LOOKUP_SENT)
+        tracker.chain.update(all_token_ids)
+        if tracker.chain.num_chunks == 0:
+            self.on_lookup_done(req_id, [0], ())
+            return None
+        return [list(tracker.chain.keys(rank)) for rank in range(tracker.chain.num_namespaces)]
+
+    def on_lookup_done(self, req_id: str, hit_chunks: Sequence[int], lease_ids: Sequence[int]) -> None:
+        """Record a lookup reply: hits per KV rank (a chunk is a hit only if every rank has it)."""
+        if req_id in self._orphans:
+            self._orphans.discard(req_id)
+            self._releases.extend(lease for lease in lease_ids if lease)
+            return
+        tracker = self.get(req_id)
+        tracker.move(Event.LOOKUP_DONE)
+        hits = min(hit_chunks, default=0)
+        _non_negative("hit_chunks", hits)
+        tracker.hit_chunks = min(hits, tracker.chain.num_chunks)
+        tracker.lease_ids = tuple(lease_ids)
+
+    def num_tokens_to_load(self, req_id: str, engine_hit_tokens: int, num_tokens: int) -> int:
+        """Tokens the cache can supply beyond the engine's own prefix-cache hit.
+
+        At least one token of the request is always left for the engine to compute.
+        """
+        tracker = self.get(req_id)
+        _non_negative("engine_hit_tokens", engine_hit_tokens)
+        tracker.engine_hit_tokens = engine_hit_tokens
+        if tracker.state is not RequestState.LOOKED_UP:
+            return 0
+        usable = min(tracker.hit_chunks * self.chunk_size, num_tokens - 1)
+        return max(0, usable - engine_hit_tokens)
+
+    def on_allocated(self, req_id: str, block_ids: Sequence[int], num_external_tokens: int) -> RetrievePlan | None:
+        """The engine allocated ``block_ids`` and will load ``num_external_tokens`` from the cache."""
+        tracker = self.get(req_id)
+        _non_negative("num_external_tokens", num_external_tokens)
+        tracker.block_ids = list(block_ids)
+        tracker.num_external_tokens = num_external_tokens
+        tracker.num_computed_tokens = tracker.engine_hit_tokens + num_external_tokens
+        tracker.next_store_chunk = max(tracker.next_store_chunk, tracker.hit_chunks)
+        if num_external_tokens == 0:
+            tracker.move(Event.ALLOCATED)
+            self._release(tracker)
+            return None
+        load_end = tracker.num_computed_tokens
+        if load_end > tracker.hit_chunks * self.chunk_size:
+            raise InvalidArgumentError(
+                f"request {req_id!r} asks to load up to token {load_end} but only "
+                f"{tracker.hit_chunks * self.chunk_size} tokens were hits",
+                req_id=req_id,
+            )
+        tracker.move(Event.ALLOCATED_WITH_LOAD)
+        bpc = self.blocks_per_chunk
+        first = tracker.engine_hit_tokens // self.chunk_size
+        end = -(-load_end // self.chunk_size)
+        if len(block_ids) < end * bpc:
+            raise InvalidArgumentError(
+                f"request {req_id!r} has {len(block_ids)} blocks but loading {end} chunks needs {end * bpc}",
+                req_id=req_id,
+            )
+        return RetrievePlan(
+            req_id=req_id,
+            cache_salt=tracker.cache_salt,
+            first_chunk=first,
+            num_chunks=end - first,
+            keys=tuple(tuple(tracker.chain.keys(rank)[first:end]) for rank in range(tracker.chain.num_namespaces)),
+            block_ids=tuple(block_ids[first * bpc : end * bpc]),
+            skip_blocks=(tracker.engine_hit_tokens - first * self.chunk_size) // self.block_size,
+            num_tokens=num_external_tokens,
+            lease_ids=tracker.lease_ids,
+        )
+
+    def on_scheduled(
+        self,
+        req_id: str,
+        num_scheduled_tokens: int,
+        all_token_ids: Sequence[int],
+        new_block_ids: Sequence[int] = (),
+        *,
+        replace_blocks: bool = False,
+    ) -> StorePlan | None:
+        """A step computes ``num_scheduled_tokens`` more tokens; returns the chunks to store.
+
+        New and running requests alike grow by the step's scheduled tokens. Chunks are
+        stored only when full, only once, and never beyond the tokens whose keys are
+        known, the blocks allocated, or the tokens computed once this step has run.
+        """
+        tracker = self.get(req_id)
+        _non_negative("num_scheduled_tokens", num_scheduled_tokens)
+        tracker.move(Event.SCHEDULED)
+        if replace_blocks:
+            tracker.block_ids = list(new_block_ids)
+        elif new_block_ids:
+            tracker.block_ids.extend(new_block_ids)
+        tracker.num_computed_tokens += num_scheduled_tokens
+        chain = tracker.chain
+        if len(all_token_ids) - chain.num_tokens_hashed >= self.chunk_size:
+            chain.update(all_token_ids)
+        limit = min(chain.num_tokens_hashed, len(tracker.block_ids) * self.block_size, tracker.num_computed_tokens)
+        end = limit // self.chunk_size
+        first = tracker.next_store_chunk
+        if end <= first:
+            return None
+        tracker.next_store_chunk = end
+        bpc = self.blocks_per_chunk
+        return StorePlan(
+            req_id=req_id,
+            cache_salt=tracker.cache_salt,
+            first_chunk=first,
+            num_chunks=end - first,
+            keys=tuple(tuple(chain.keys(rank)[first:end]) for rank in range(tracker.chain.num_namespaces)),
+            block_ids=tuple(tracker.block_ids[first * bpc : end * bpc]),
+        )
+
+    def on_load_done(self, req_id: str) -> None:
+        """The chunks of the request's retrieve plan are in its blocks; its leases go back."""
+        tracker = self.get(req_id)
+        tracker.move(Event.LOAD_DONE)
+        self._release(tracker)
+
+    def on_load_failed(self, req_id: str, num_computed_tokens: int) -> None:
+        """The load failed; the engine recomputes from ``num_computed_tokens`` (see `recover_load_failures`)."""
+        tracker = self.get(req_id)
+        _non_negative("num_computed_tokens", num_computed_tokens)
+        tracker.move(Event.LOAD_FAILED)
+        self._release(tracker)
+        tracker.num_computed_tokens = min(tracker.num_computed_tokens, num_computed_tokens)
+        # Recomputed chunks may be stored again; the server skips keys it already has.
+        tracker.next_store_chunk = min(tracker.next_store_chunk, tracker.num_computed_tokens // self.chunk_size)
+        tracker.hit_chunks = min(tracker.hit_chunks, tracker.next_store_chunk)
+
+    def on_preempted(self, req_id: str) -> None:
+        """The engine took the request's blocks back; it will look up again when resumed."""
+        tracker = self.get(req_id)
+        tracker.move(Event.PREEMPTED)
+        self._release(tracker)
+        tracker.block_ids = []
+        tracker.hit_chunks = tracker.engine_hit_tokens = tracker.num_external_tokens = 0
+        tracker.num_computed_tokens = 0
+
+    def finish(self, req_id: str) -> bool:
+        """The request ended normally; False if it was not tracked (finishing twice is fine)."""
+        return self._end(req_id, Event.FINISHED)
+
+    def abort(self, req_id: str) -> bool:
+        """The request was aborted in any state; False if it was not tracked."""
+        return self._end(req_id, Event.ABORTED)
+
+    def _end(self, req_id: str, event: Event) -> bool:
+        tracker = self._requests.get(req_id)
+        if tracker is None:
+            return False
+        if tracker.state is RequestState.PREFETCHING:
+            self._orphans.add(req_id)
+        tracker.move(event)
+        assert tracker.state in TERMINAL
+        self._release(tracker)
+        del self._requests[req_id]
+        return True

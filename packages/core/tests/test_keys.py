@@ -1,0 +1,191 @@
+import hashlib
+import struct
+import subprocess
+import sys
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvdepot.core import InvalidArgumentError, KeyChain, Namespace, chunk_keys, pack_tokens
+
+GOLDEN = [
+    (
+        Namespace(model="kvdepot/golden"),
+        list(range(512)),
+        256,
+        "32bd9436f7c24c130376984930f0b958ff6ffc5a638bed94f3189d26d214dd87",
+        [
+            "50d406c9e27d6980124c8fe8f16cc779abe720557cfe8729f2cad61c035e7d3c",
+            "64808dd049ef29e6de9cfbb6dadc2d9ce53a4a3a020b301bf2f46a84d5588754",
+        ],
+    ),
+    (
+        Namespace(
+            model="kvdepot/golden",
+            layout="fp32:L4:B128:8192",
+            kv_world_size=2,
+            kv_rank=1,
+            lora="adapter-a",
+            cache_salt="tenant-1",
+            extra=(b"\x01" * 32,),
+        ),
+        list(range(1000, 1032)),
+        16,
+        "a8df1682316db6de14a87faad6b8ca3dc42901f8e4b5cd96eb37f1bb8a0cd7b7",
+        [
+            "2233e618bd56ac087cbcd82393dc1cf625da1ec86db74197892283dc60ae4b52",
+            "c87e4132efb4c2315349805fd77781e8c78302fbd3b9c33d901c8d3cc5f0739f",
+        ],
+    ),
+    (
+        Namespace(model="kvdepot/golden", cache_salt="tenant-1"),
+        list(range(512)),
+        256,
+        "11f379ef89e69365a224a96c4c7f94375439fb42f5910ba4d62b8edbbf195a71",
+        [
+            "841a4abdd4a7c4be5158a6a87f8bfd5b2b560601ed1e6c035ce94c30bcd2c670",
+            "46bcb2f5c6face57c28ab3d09e0eb211b7cb520357afd09176bca1bac0c77729",
+        ],
+    ),
+]
+
+
+def _spec_seed(ns: Namespace) -> bytes:
+    """The namespace seed written straight from the spec in docs/core.md."""
+
+    def field(tag: bytes, value: bytes) -> bytes:
+        return tag + struct.pack("<I", len(value)) + value
+
+    data = b"kvdepot/namespace/v1"
+    data += field(b"model", ns.model.encode()) + field(b"layout", ns.layout.encode())
+    data += field(b"kv_world_size", struct.pack("<I", ns.kv_world_size))
+    data += field(b"kv_rank", struct.pack("<I", ns.kv_rank))
+    data += field(b"lora", ns.lora.encode()) + field(b"cache_salt", ns.cache_salt.encode())
+    data += field(b"extra", struct.pack("<I", len(ns.extra)))
+    data += b"".join(field(b"digest", d) for d in ns.extra)
+    return hashlib.sha256(data).digest()
+
+
+@pytest.mark.parametrize(("ns", "tokens", "chunk_size", "seed", "keys"), GOLDEN)
+def test_golden_vectors(ns, tokens, chunk_size, seed, keys):
+    """Keys equal the published golden vectors, byte for byte."""
+    assert ns.seed.hex() == seed
+    assert [k.hex() for k in chunk_keys(ns, tokens, chunk_size)] == keys
+
+
+@pytest.mark.parametrize(("ns", "tokens", "chunk_size", "seed", "keys"), GOLDEN)
+def test_golden_vectors_match_spec(ns, tokens, chunk_size, seed, keys):
+    """An independent implementation of the documented spec gives the same keys."""
+    prev = _spec_seed(ns)
+    assert prev.hex() == seed
+    for i, key in enumerate(keys):
+        chunk = tokens[i * chunk_size : (i + 1) * chunk_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{len(chunk)}I", *chunk)).digest()
+        assert prev.hex() == key
+
+
+def test_keys_stable_across_processes():
+    """Another interpreter with a different hash seed computes the same keys."""
+    code = (
+        "from kvdepot.core import Namespace, chunk_keys;"
+        "print(chunk_keys(Namespace(model='kvdepot/golden'), list(range(512)), 256)[1].hex())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env={"PYTHONHASHSEED": "12345"}
+    )
+    assert out.stdout.strip() == GOLDEN[0][4][1]
+
+
+def test_only_full_chunks_are_keyed():
+    """A partial trailing chunk gets no key."""
+    ns = Namespace(model="m")
+    assert len(chunk_keys(ns, list(range(255)), 256)) == 0
+    assert len(chunk_keys(ns, list(range(767)), 256)) == 2
+
+
+@given(
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=200),
+    cuts=st.lists(st.integers(0, 200), max_size=6),
+    chunk_size=st.integers(1, 17),
+)
+def test_incremental_equals_one_shot(tokens, cuts, chunk_size):
+    """Extending a chain as tokens grow gives the keys of hashing everything at once."""
+    ns = Namespace(model="m")
+    chain = KeyChain(ns, chunk_size)
+    for cut in sorted(cuts):
+        chain.update(tokens[:cut])
+    chain.update(tokens)
+    assert chain.keys() == chunk_keys(ns, tokens, chunk_size)
+
+
+def test_incremental_does_not_rehash_earlier_chunks():
+    """Later updates hash only the new chunks: earlier keys are kept as they were."""
+    chain = KeyChain(Namespace(model="m"), 4)
+    assert chain.update(list(range(8))) == 2
+    first = list(chain.keys())
+    assert chain.update(list(range(9))) == 0
+    assert chain.update(list(range(12))) == 1
+    assert chain.keys()[:2] == first
+    assert chain.num_tokens_hashed == 12
+
+
+FIELD_CHANGES = {
+    "model": "other-model",
+    "layout": "bf16:L4",
+    "kv_world_size": 4,
+    "kv_rank": 1,
+    "lora": "adapter",
+    "cache_salt": "salt",
+    "extra": (b"\x02" * 32,),
+}
+
+
+@pytest.mark.parametrize("field", sorted(FIELD_CHANGES))
+def test_every_namespace_field_changes_every_key(field):
+    """Changing any single namespace field changes every chunk key."""
+    base = Namespace(model="m", kv_world_size=2)
+    changed = attrs.evolve(base, **{field: FIELD_CHANGES[field]})
+    tokens = list(range(64))
+    a, b = chunk_keys(base, tokens, 16), chunk_keys(changed, tokens, 16)
+    assert len(a) == 4
+    assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+def test_multi_namespace_chain_matches_single():
+    """One chain over several ranks gives each rank its own single-namespace keys."""
+    spaces = [Namespace(model="m", kv_world_size=2, kv_rank=r) for r in range(2)]
+    chain = KeyChain(spaces, 8)
+    tokens = list(range(40))
+    chain.update(tokens)
+    for rank, ns in enumerate(spaces):
+        assert chain.keys(rank) == chunk_keys(ns, tokens, 8)
+    assert chain.keys(0)[0] != chain.keys(1)[0]
+
+
+@pytest.mark.parametrize("bad", [[-1], [2**32], ["a"], [1.5]])
+def test_bad_token_ids_raise_typed_error(bad):
+    """Token ids outside uint32 raise InvalidArgumentError, not an obscure low-level error."""
+    with pytest.raises(InvalidArgumentError):
+        pack_tokens(bad)
+
+
+@pytest.mark.parametrize("kwargs", [{"kv_world_size": 0}, {"kv_rank": 2, "kv_world_size": 2}, {"kv_rank": -1}])
+def test_bad_namespace_raises(kwargs):
+    """A rank outside its world is refused with a typed error."""
+    with pytest.raises(InvalidArgumentError):
+        Namespace(model="m", **kwargs)
+
+
+@pytest.mark.parametrize("chunk_size", [0, -4, True, 2.0])
+def test_bad_chunk_size_raises(chunk_size):
+    """A chunk size that is not a positive int is refused."""
+    with pytest.raises(InvalidArgumentError):
+        KeyChain(Namespace(model="m"), chunk_size)
+
+
+def test_extra_must_be_bytes():
+    """Extra digests must be bytes so they encode the same everywhere."""
+    with pytest.raises(InvalidArgumentError):
+        Namespace(model="m", extra=("text",))  # type: ignore[arg-type]

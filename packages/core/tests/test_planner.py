@@ -1,0 +1,277 @@
+import pytest
+
+from kvdepot.core import (
+    InvalidArgumentError,
+    InvalidTransitionError,
+    Namespace,
+    Planner,
+    RequestState,
+    UnknownRequestError,
+    chunk_keys,
+)
+
+BLOCK, CHUNK = 4, 8  # two blocks per chunk
+NS = Namespace(model="m", layout="l")
+
+
+def planner(kv_world_size: int = 1) -> Planner:
+    return Planner(Namespace(model="m", layout="l", kv_world_size=kv_world_size), block_size=BLOCK, chunk_size=CHUNK)
+
+
+def admitted(p: Planner, req: str, tokens: list[int], hits: int, leases=(7,), engine_hit: int = 0, salt=None):
+    """Add, look up, and allocate a request; returns (tokens to load, retrieve plan)."""
+    p.add_request(req, cache_salt=salt)
+    keys = p.start_lookup(req, tokens)
+    if keys is not None:
+        p.on_lookup_done(req, [hits] * len(keys), leases)
+    load = p.num_tokens_to_load(req, engine_hit, len(tokens))
+    blocks = list(range(100, 100 + -(-len(tokens) // BLOCK)))
+    plan = p.on_allocated(req, blocks, load)
+    return load, plan
+
+
+def test_chunk_must_be_multiple_of_block():
+    """A chunk size that is not a multiple of the block size is refused."""
+    with pytest.raises(InvalidArgumentError):
+        Planner(NS, block_size=16, chunk_size=24)
+
+
+def test_lookup_keys_are_the_chunk_keys():
+    """The lookup sends the namespace's keys of the prompt's full chunks."""
+    p = planner()
+    p.add_request("r")
+    keys = p.start_lookup("r", list(range(20)))
+    assert keys == [chunk_keys(NS, list(range(20)), CHUNK)]
+    assert p.get("r").state is RequestState.PREFETCHING
+
+
+def test_no_full_chunk_means_no_lookup():
+    """A prompt shorter than one chunk is looked up locally with zero hits."""
+    p = planner()
+    p.add_request("r")
+    assert p.start_lookup("r", [1, 2, 3]) is None
+    assert p.get("r").state is RequestState.LOOKED_UP
+    assert p.num_tokens_to_load("r", 0, 3) == 0
+
+
+def test_salt_scopes_keys():
+    """Requests with different salts get different keys for the same tokens."""
+    p = planner()
+    p.add_request("a", cache_salt="x")
+    p.add_request("b", cache_salt="y")
+    assert p.start_lookup("a", list(range(8))) != p.start_lookup("b", list(range(8)))
+
+
+def test_tensor_parallel_ranks_get_distinct_keys_and_hit_is_minimum():
+    """Each KV rank has its own keys; a chunk is a hit only when every rank has it."""
+    p = planner(kv_world_size=2)
+    p.add_request("r")
+    keys = p.start_lookup("r", list(range(24)))
+    assert len(keys) == 2
+    assert keys[0][0] != keys[1][0]
+    p.on_lookup_done("r", [3, 1], (5, 6))
+    assert p.num_tokens_to_load("r", 0, 24) == 8
+
+
+def test_full_hit_leaves_one_token_to_compute():
+    """When every token hits, one token is still left for the engine."""
+    p = planner()
+    load, plan = admitted(p, "r", list(range(16)), hits=2)
+    assert load == 15
+    assert plan.first_chunk == 0
+    assert plan.num_chunks == 2
+    assert plan.block_ids == (100, 101, 102, 103)
+
+
+def test_engine_prefix_hit_is_skipped_not_overwritten():
+    """Blocks the engine's prefix cache holds are skipped by the retrieve."""
+    p = planner()
+    load, plan = admitted(p, "r", list(range(30)), hits=3, engine_hit=12)
+    assert load == 24 - 12
+    # chunk 1 holds tokens 8..15; the engine holds blocks 0..2 (tokens 0..11)
+    assert plan.first_chunk == 1
+    assert plan.num_chunks == 2
+    assert plan.skip_blocks == 1
+    assert plan.block_ids == (102, 103, 104, 105)
+    assert plan.num_tokens == 12
+
+
+def test_engine_hit_beyond_cache_hit_loads_nothing_and_releases():
+    """If the engine already holds more than the cache, nothing loads and the lease returns at once."""
+    p = planner()
+    load, plan = admitted(p, "r", list(range(30)), hits=1, engine_hit=16)
+    assert (load, plan) == (0, None)
+    assert p.take_releases() == [7]
+    assert p.get("r").state is RequestState.READY
+
+
+def test_store_grows_by_scheduled_tokens_for_new_and_running():
+    """Stores follow the scheduled tokens of every step (chunked prefill), never num_computed."""
+    p = planner()
+    tokens = list(range(20))
+    admitted(p, "r", tokens, hits=0, leases=())
+    assert p.on_scheduled("r", 6, tokens) is None  # 6 tokens: no full chunk
+    plan = p.on_scheduled("r", 6, tokens)  # 12 tokens: chunk 0
+    assert (plan.first_chunk, plan.num_chunks, plan.block_ids) == (0, 1, (100, 101))
+    plan = p.on_scheduled("r", 8, tokens)  # 20 tokens: chunk 1
+    assert (plan.first_chunk, plan.num_chunks) == (1, 1)
+    assert plan.keys == (tuple(chunk_keys(NS, tokens, CHUNK)[1:2]),)
+
+
+def test_store_bounded_by_known_tokens():
+    """A chunk whose tokens are not all known yet is not stored."""
+    p = planner()
+    tokens = list(range(14))
+    admitted(p, "r", tokens, hits=0, leases=())
+    assert p.on_scheduled("r", 14, tokens).num_chunks == 1
+    tokens += [99]
+    assert p.on_scheduled("r", 1, tokens) is None  # 15 known tokens, 15 computed
+    assert p.on_scheduled("r", 2, tokens) is None  # 16 computed (a draft token), 15 known
+    tokens += [98]
+    plan = p.on_scheduled("r", 0, tokens)
+    assert plan.first_chunk == 1
+    assert plan.keys[0] == tuple(chunk_keys(NS, tokens, CHUNK)[1:2])
+
+
+def test_store_bounded_by_allocated_blocks():
+    """Chunks beyond the allocated blocks are not stored until blocks arrive."""
+    p = planner()
+    tokens = list(range(16))
+    p.add_request("r")
+    p.start_lookup("r", tokens)
+    p.on_lookup_done("r", [0], ())
+    p.num_tokens_to_load("r", 0, 16)
+    p.on_allocated("r", [100, 101, 102], 0)
+    assert p.on_scheduled("r", 16, tokens).num_chunks == 1
+    assert p.on_scheduled("r", 0, tokens, [103]).first_chunk == 1
+
+
+def test_hits_are_not_stored_again_and_max_of_prefixes_is_used():
+    """Hit chunks are skipped; the computed prefix is max(engine hit, cache hit), never their sum."""
+    p = planner()
+    tokens = list(range(40))
+    load, _ = admitted(p, "r", tokens, hits=2, engine_hit=8)
+    assert load == 8
+    plan = p.on_scheduled("r", 8, tokens)  # computed = 16 + 8 = 24 -> chunk 2
+    assert (plan.first_chunk, plan.num_chunks) == (2, 1)
+
+
+def test_each_chunk_planned_once():
+    """A chunk planned for store is never planned again, however the steps fall."""
+    p = planner()
+    tokens = list(range(32))
+    admitted(p, "r", tokens, hits=0, leases=())
+    firsts = []
+    for _ in range(8):
+        plan = p.on_scheduled("r", 4, tokens)
+        if plan:
+            firsts.extend(range(plan.first_chunk, plan.first_chunk + plan.num_chunks))
+    assert firsts == [0, 1, 2, 3]
+
+
+def test_lease_released_after_load():
+    """The lease of a load returns once the load is done, exactly once."""
+    p = planner()
+    admitted(p, "r", list(range(16)), hits=2)
+    assert p.take_releases() == []
+    p.on_scheduled("r", 1, list(range(16)))
+    p.on_load_done("r")
+    assert p.take_releases() == [7]
+    p.finish("r")
+    assert p.take_releases() == []
+
+
+@pytest.mark.parametrize("stage", ["new", "prefetching", "looked_up", "waiting", "ready", "preempted"])
+@pytest.mark.parametrize("end", ["finish", "abort"])
+def test_end_in_every_state_releases_exactly_once(stage, end):
+    """Finish or abort in any state releases each lease exactly once, including a lookup still in flight."""
+    p = planner()
+    tokens = list(range(24))
+    p.add_request("r")
+    if stage != "new":
+        p.start_lookup("r", tokens)
+    if stage in ("looked_up", "waiting", "ready", "preempted"):
+        p.on_lookup_done("r", [2], (7,))
+    if stage in ("waiting", "ready", "preempted"):
+        p.on_allocated("r", list(range(6)), p.num_tokens_to_load("r", 0, 24))
+    if stage in ("ready", "preempted"):
+        p.on_load_done("r")
+    if stage == "preempted":
+        p.on_preempted("r")
+    released = p.take_releases()
+    assert getattr(p, end)("r") is True
+    released += p.take_releases()
+    if stage == "prefetching":
+        assert released == []
+        p.on_lookup_done("r", [2], (7,))  # the reply arrives after the end
+        released += p.take_releases()
+    assert released == ([] if stage == "new" else [7])
+    assert "r" not in p
+    assert getattr(p, end)("r") is False  # a second end is a normal event
+
+
+def test_preempted_request_looks_up_again_and_can_load():
+    """A resumed request looks up again, may load again, and does not store its stored chunks twice."""
+    p = planner()
+    tokens = list(range(24))
+    admitted(p, "r", tokens, hits=0, leases=())
+    assert p.on_scheduled("r", 24, tokens).num_chunks == 3
+    p.on_preempted("r")
+    assert p.get("r").state is RequestState.PREEMPTED
+    keys = p.start_lookup("r", [*tokens, 5])
+    p.on_lookup_done("r", [len(keys[0])], (9,))
+    load = p.num_tokens_to_load("r", 0, 25)
+    assert load == 24
+    plan = p.on_allocated("r", [200 + i for i in range(7)], load)
+    assert plan.block_ids[:2] == (200, 201)
+    assert p.on_scheduled("r", 1, [*tokens, 5], replace_blocks=True, new_block_ids=[200 + i for i in range(7)]) is None
+    p.on_load_done("r")
+    assert p.take_releases() == [9]
+
+
+def test_load_failure_rolls_back_and_allows_restore():
+    """After a failed load the recomputed chunks are stored again from the failure point."""
+    p = planner()
+    tokens = list(range(40))
+    admitted(p, "r", tokens, hits=4)
+    # 32 loaded + 8 computed: chunk 4 is planned (the worker drops it when the load fails)
+    assert p.on_scheduled("r", 8, tokens).first_chunk == 4
+    p.on_load_failed("r", 8)
+    assert p.take_releases() == [7]
+    plan = p.on_scheduled("r", 32, tokens)
+    assert (plan.first_chunk, plan.num_chunks) == (1, 4)
+
+
+def test_events_out_of_order_raise():
+    """Events the table does not allow raise InvalidTransitionError."""
+    p = planner()
+    p.add_request("r")
+    with pytest.raises(InvalidTransitionError):
+        p.on_scheduled("r", 1, [1])
+    with pytest.raises(InvalidTransitionError):
+        p.on_load_done("r")
+    with pytest.raises(InvalidTransitionError):
+        p.on_preempted("r")
+
+
+def test_unknown_request_raises():
+    """Operations on an untracked request raise UnknownRequestError."""
+    with pytest.raises(UnknownRequestError):
+        planner().on_scheduled("nope", 1, [1])
+
+
+def test_duplicate_request_raises():
+    """Adding a request twice is a caller bug."""
+    p = planner()
+    p.add_request("r")
+    with pytest.raises(InvalidArgumentError):
+        p.add_request("r")
+
+
+def test_server_claiming_more_hits_than_keys_is_clamped():
+    """A reply with more hits than keys sent cannot make the engine load unknown chunks."""
+    p = planner()
+    p.add_request("r")
+    p.start_lookup("r", list(range(16)))
+    p.on_lookup_done("r", [50], (1,))
+    assert p.num_tokens_to_load("r", 0, 100) == 16
