@@ -1,0 +1,45 @@
+"""kvdepot.server: the cache daemon behind `kvdepot serve`.
+
+It owns a shared-memory pool of fixed capacity, an index from (cache_salt, chunk key) to
+slots of that pool with two-phase stores, leases, LRU eviction and per-salt quotas, and
+answers the `kvdepot.transport` protocol. It never imports torch, gpu or vllm.
+"""
+
+from kvdepot.server._errors import (
+    ChunkTooLargeError,
+    NotRegisteredError,
+    PoolError,
+    ServerArgumentError,
+    ServerError,
+    TooManyError,
+    UnknownReservationError,
+)
+from kvdepot.server._index import ChunkIndex, IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
+from kvdepot.server._pool import PoolMapping, SharedPool
+from kvdepot.server._slabs import SLOT_ALIGNMENT, SlabAllocator, auto_page_size
+from kvdepot.server._units import format_size, parse_size
+from kvdepot.server._version import __version__
+
+__all__ = [
+    "SLOT_ALIGNMENT",
+    "ChunkIndex",
+    "ChunkTooLargeError",
+    "IndexStats",
+    "LookupOutcome",
+    "NotRegisteredError",
+    "PoolError",
+    "PoolMapping",
+    "Reclaimed",
+    "ReserveOutcome",
+    "SaltUsage",
+    "ServerArgumentError",
+    "ServerError",
+    "SharedPool",
+    "SlabAllocator",
+    "TooManyError",
+    "UnknownReservationError",
+    "__version__",
+    "auto_page_size",
+    "format_size",
+    "parse_size",
+]

@@ -1,0 +1,46 @@
+"""Errors of the kvdepot server, rooted at `kvdepot.core.KVDepotError`.
+
+Each error that can reach a client carries `code`, the `ErrorReply.code` it travels as.
+"""
+
+from __future__ import annotations
+
+from kvdepot.core import InvalidArgumentError, KVDepotError
+
+
+class ServerError(KVDepotError):
+    """Root of the errors the kvdepot server raises."""
+
+    code = "internal"
+
+
+class ServerArgumentError(ServerError, InvalidArgumentError):
+    """A request or a command-line flag carried a value the server cannot use."""
+
+    code = "invalid_argument"
+
+
+class ChunkTooLargeError(ServerArgumentError):
+    """A chunk does not fit in one page of the pool; the server needs a larger `--page-size`."""
+
+
+class UnknownReservationError(ServerError):
+    """A commit named a reservation this client does not hold (never made, expired or finished)."""
+
+    code = "unknown_reservation"
+
+
+class NotRegisteredError(ServerError):
+    """A client sent a data request before `Register`."""
+
+    code = "not_registered"
+
+
+class TooManyError(ServerError):
+    """A client holds more leases or reservations than the server allows one client."""
+
+    code = "invalid_argument"
+
+
+class PoolError(ServerError):
+    """The shared-memory pool could not be created or mapped."""

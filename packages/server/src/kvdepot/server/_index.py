@@ -1,0 +1,592 @@
+"""The chunk index: which (salt, key) lives in which slot, and who may touch it.
+
+Pure state: no clock, no sockets, no logging. Every method that depends on time takes
+`now: float` (seconds, any monotonic origin), so the server loop feeds it a clock and the
+tests feed it numbers.
+
+Life of a chunk::
+
+    (absent) --reserve--> PENDING --commit--> COMMITTED --evict/clear--> (absent)
+                             |                   ^  |
+                             +--abort/expire-->  |  lookup: leases += 1 (never evicted while > 0)
+                               (absent)          +--release/lease expiry: leases -= 1
+
+Rules that hold after every method returns (`check()` asserts them):
+
+- a slot holds at most one entry, inside the pool, of the entry's size class;
+- PENDING and leased chunks are never evicted, cleared or overwritten;
+- the LRU lists hold exactly the COMMITTED chunks with no lease;
+- a salt's usage never exceeds its quota because of a reserve, and a salt only ever sees its
+  own chunks (the index is keyed by (salt, key)).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from kvdepot.server._errors import (
+    NotRegisteredError,
+    ServerArgumentError,
+    TooManyError,
+    UnknownReservationError,
+)
+from kvdepot.server._slabs import SlabAllocator
+
+# Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
+# a loaded engine to schedule and scatter a hit; short enough that a stuck client frees memory.
+DEFAULT_LEASE_TTL = 60.0
+# Seconds a reservation may stay uncommitted before its slots return to the pool.
+DEFAULT_RESERVATION_TTL = 60.0
+# Seconds without any request (heartbeats included) after which a client counts as gone.
+DEFAULT_SESSION_TTL = 30.0
+# Live leases and reservations one client may hold: a bound on what one peer can pin.
+MAX_LEASES_PER_CLIENT = 1 << 16
+MAX_RESERVATIONS_PER_CLIENT = 1 << 16
+# Keys in one request, summed over its items, and the longest key and salt accepted.
+MAX_KEYS_PER_REQUEST = 1 << 16
+MAX_KEY_BYTES = 64
+MAX_SALT_CHARS = 1024
+
+EntryKey = tuple[str, bytes]
+
+
+@attrs.define(eq=False)
+class _Entry:
+    salt: str
+    key: bytes
+    offset: int
+    length: int
+    slot_size: int
+    committed: bool = False
+    leases: int = 0
+
+
+@attrs.define(eq=False)
+class _Reservation:
+    id: int
+    client: str
+    salt: str
+    deadline: float
+    pending: dict[int, _Entry]  # position in the Reserve keys -> entry still PENDING
+
+
+@attrs.define(eq=False)
+class _Lease:
+    id: int
+    client: str
+    deadline: float
+    entries: list[_Entry]
+
+
+@attrs.define(eq=False)
+class _Session:
+    client: str
+    name: str
+    last_seen: float
+    chunk_bytes: int | None = None
+    reservations: set[int] = attrs.field(factory=set)
+    leases: set[int] = attrs.field(factory=set)
+
+
+@attrs.frozen
+class LookupOutcome:
+    """One lookup item's answer: the committed prefix, its lease (0 = none) and its slots."""
+
+    num_hits: int
+    lease_id: int
+    slots: list[tuple[int, int]]  # (offset, length) per hit, in key order
+
+
+@attrs.frozen
+class ReserveOutcome:
+    """A reserve's answer; `slots` are (index in keys, offset, length) to write then commit."""
+
+    reservation_id: int  # 0 when nothing was reserved
+    slots: list[tuple[int, int, int]]
+    present: list[int]
+    full: bool
+
+
+@attrs.frozen
+class Reclaimed:
+    """What closing a client's session (or expiry) gave back."""
+
+    reservations: int = 0
+    leases: int = 0
+    chunks: int = 0
+
+
+@attrs.frozen
+class SaltUsage:
+    bytes: int
+    chunks: int
+
+
+@attrs.frozen
+class IndexStats:
+    """Figures for `kvdepot stats` and the metrics; counters only grow."""
+
+    capacity_bytes: int
+    used_bytes: int
+    page_size: int
+    pages_total: int
+    pages_free: int
+    chunks: int
+    pending_chunks: int
+    leased_chunks: int
+    hits: int
+    misses: int
+    bytes_stored: int
+    bytes_loaded: int
+    evictions: int
+    leases: int
+    reservations: int
+    expired_leases: int
+    expired_reservations: int
+    clients: int
+    full_reserves: int
+    per_salt: dict[str, SaltUsage]
+    quotas: dict[str, int]
+
+
+class ChunkIndex:
+    """Maps (salt, key) to pool slots with two-phase stores, leases, LRU eviction and quotas."""
+
+    def __init__(
+        self,
+        allocator: SlabAllocator,
+        *,
+        lease_ttl: float = DEFAULT_LEASE_TTL,
+        reservation_ttl: float = DEFAULT_RESERVATION_TTL,
+        session_ttl: float = DEFAULT_SESSION_TTL,
+    ) -> None:
+        self.allocator = allocator
+        self.lease_ttl = lease_ttl
+        self.reservation_ttl = reservation_ttl
+        self.session_ttl = session_ttl
+        self._entries: dict[EntryKey, _Entry] = {}
+        self._by_offset: dict[int, _Entry] = {}
+        self._lru: OrderedDict[EntryKey, _Entry] = OrderedDict()
+        self._salt_lru: dict[str, OrderedDict[bytes, _Entry]] = {}
+        self._salt_bytes: dict[str, int] = {}
+        self._salt_chunks: dict[str, int] = {}
+        self._quotas: dict[str, int] = {}
+        self._reservations: dict[int, _Reservation] = {}
+        self._leases: dict[int, _Lease] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._deadlines: list[tuple[float, int, int]] = []  # (deadline, kind, id); kind 0 lease, 1 reservation
+        self._next_id = 1
+        self._chunks = 0
+        self._pending = 0
+        self._leased_chunks = 0
+        self.hits = self.misses = self.bytes_stored = self.bytes_loaded = 0
+        self.evictions = self.expired_leases = self.expired_reservations = self.full_reserves = 0
+
+    # -- sessions -------------------------------------------------------------------------
+
+    def touch(self, client: str, now: float, name: str = "") -> None:
+        """Note that `client` is alive (any request or heartbeat); opens its session if new."""
+        session = self._sessions.get(client)
+        if session is None:
+            self._sessions[client] = _Session(client, name, now)
+            return
+        session.last_seen = now
+        if name:
+            session.name = name
+
+    def register(self, client: str, chunk_bytes: int, now: float) -> int:
+        """Record the client's chunk size in bytes; returns its slot size. Opens the session."""
+        slot_size = self.allocator.slot_size(chunk_bytes)
+        self.touch(client, now)
+        self._sessions[client].chunk_bytes = chunk_bytes
+        return slot_size
+
+    def is_registered(self, client: str) -> bool:
+        session = self._sessions.get(client)
+        return session is not None and session.chunk_bytes is not None
+
+    def close_session(self, client: str) -> Reclaimed:
+        """Give back everything `client` holds and forget it; a no-op for unknown clients."""
+        session = self._sessions.pop(client, None)
+        if session is None:
+            return Reclaimed()
+        reservations, leases = list(session.reservations), list(session.leases)
+        chunks = sum(self._abort(self._reservations[rid]) for rid in reservations)
+        for lid in leases:
+            self._drop_lease(self._leases[lid])
+        return Reclaimed(len(reservations), len(leases), chunks)
+
+    def clients(self) -> list[str]:
+        return list(self._sessions)
+
+    # -- store ----------------------------------------------------------------------------
+
+    def reserve(self, client: str, salt: str, keys: Sequence[bytes], chunk_bytes: int, now: float) -> ReserveOutcome:
+        """Give slots to keys neither committed nor pending, in order, until the pool is full.
+
+        Keys already present are listed in `present` (and count as used). Placement stops at
+        the first key that cannot be placed without evicting leased or pending chunks or
+        breaking the salt's quota; `full` then says so. Never blocks.
+        """
+        session = self._data_session(client, now)
+        _check_salt(salt)
+        _check_keys(len(keys), keys)
+        slot_size = self.allocator.slot_size(chunk_bytes)
+        if len(session.reservations) >= MAX_RESERVATIONS_PER_CLIENT:
+            raise TooManyError(
+                f"client holds {len(session.reservations)} reservations; commit or abort some first",
+                limit=MAX_RESERVATIONS_PER_CLIENT,
+            )
+        rid = self._new_id()
+        reservation = _Reservation(rid, client, salt, now + self.reservation_ttl, {})
+        slots: list[tuple[int, int, int]] = []
+        present: list[int] = []
+        full = False
+        for index, key in enumerate(keys):
+            entry = self._entries.get((salt, key))
+            if entry is not None:
+                present.append(index)
+                if entry.committed and not entry.leases:
+                    self._lru.move_to_end((salt, key))
+                    self._salt_lru[salt].move_to_end(key)
+                continue
+            if full:
+                continue
+            offset = self._place(salt, slot_size)
+            if offset is None:
+                full = True
+                continue
+            entry = _Entry(salt, key, offset, chunk_bytes, slot_size)
+            self._entries[(salt, key)] = entry
+            self._by_offset[offset] = entry
+            self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
+            self._pending += 1
+            reservation.pending[index] = entry
+            slots.append((index, offset, chunk_bytes))
+        if full:
+            self.full_reserves += 1
+        if not reservation.pending:
+            return ReserveOutcome(0, slots, present, full)
+        self._reservations[rid] = reservation
+        session.reservations.add(rid)
+        heapq.heappush(self._deadlines, (reservation.deadline, 1, rid))
+        return ReserveOutcome(rid, slots, present, full)
+
+    def commit(self, client: str, reservation_id: int, indices: Iterable[int] | None, now: float) -> int:
+        """Make the reservation's chunks at `indices` (None = all) visible; returns how many.
+
+        Indices that are not pending in this reservation are ignored. The reservation ends
+        when nothing in it is pending any more.
+        """
+        session = self._data_session(client, now)
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.client != client:
+            raise UnknownReservationError(
+                f"reservation {reservation_id} is unknown, expired or finished; reserve the keys again",
+                reservation_id=reservation_id,
+            )
+        chosen = list(reservation.pending) if indices is None else list(indices)
+        committed = 0
+        for index in chosen:
+            entry = reservation.pending.pop(index, None)
+            if entry is None:
+                continue
+            entry.committed = True
+            self._pending -= 1
+            self._chunks += 1
+            self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
+            self._lru[(entry.salt, entry.key)] = entry
+            self._salt_lru.setdefault(entry.salt, OrderedDict())[entry.key] = entry
+            self.bytes_stored += entry.length
+            committed += 1
+        if not reservation.pending:
+            del self._reservations[reservation_id]
+            session.reservations.discard(reservation_id)
+        return committed
+
+    def abort(self, client: str, reservation_id: int) -> int:
+        """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""
+        reservation = self._reservations.get(reservation_id)
+        if reservation is None or reservation.client != client:
+            return 0
+        return self._abort(reservation)
+
+    # -- retrieve -------------------------------------------------------------------------
+
+    def lookup(self, client: str, items: Sequence[tuple[str, Sequence[bytes]]], now: float) -> list[LookupOutcome]:
+        """Per item, the longest prefix of committed keys, leased until release or expiry."""
+        session = self._data_session(client, now)
+        _check_keys(sum(len(keys) for _, keys in items), ())
+        if len(session.leases) + len(items) > MAX_LEASES_PER_CLIENT:
+            raise TooManyError(
+                f"client holds {len(session.leases)} leases; release some first", limit=MAX_LEASES_PER_CLIENT
+            )
+        results: list[LookupOutcome] = []
+        for salt, keys in items:
+            _check_salt(salt)
+            hits: list[_Entry] = []
+            for key in keys:
+                entry = self._entries.get((salt, key))
+                if entry is None or not entry.committed:
+                    break
+                hits.append(entry)
+            self.hits += len(hits)
+            self.misses += len(keys) - len(hits)
+            if not hits:
+                results.append(LookupOutcome(0, 0, []))
+                continue
+            for entry in hits:
+                if not entry.leases:
+                    del self._lru[(salt, entry.key)]
+                    del self._salt_lru[salt][entry.key]
+                    self._leased_chunks += 1
+                entry.leases += 1
+                self.bytes_loaded += entry.length
+            lid = self._new_id()
+            lease = _Lease(lid, client, now + self.lease_ttl, hits)
+            self._leases[lid] = lease
+            session.leases.add(lid)
+            heapq.heappush(self._deadlines, (lease.deadline, 0, lid))
+            results.append(LookupOutcome(len(hits), lid, [(e.offset, e.length) for e in hits]))
+        return results
+
+    def release(self, client: str, lease_ids: Iterable[int]) -> int:
+        """End the client's leases; unknown or foreign ids are skipped. Returns how many ended."""
+        released = 0
+        for lid in lease_ids:
+            lease = self._leases.get(lid)
+            if lease is None or lease.client != client:
+                continue
+            self._drop_lease(lease)
+            released += 1
+        return released
+
+    # -- administration -------------------------------------------------------------------
+
+    def clear(self, salt: str | None = None) -> int:
+        """Remove committed, unleased chunks (of `salt`, or all); returns how many."""
+        victims = list(self._lru.values()) if salt is None else list(self._salt_lru.get(salt, {}).values())
+        for entry in victims:
+            self._remove(entry)
+        return len(victims)
+
+    def set_quota(self, salt: str, max_bytes: int | None) -> dict[str, int]:
+        """Limit the bytes `salt` may hold (None removes the limit); evicts its LRU chunks now."""
+        _check_salt(salt)
+        if max_bytes is None:
+            self._quotas.pop(salt, None)
+            return dict(self._quotas)
+        if max_bytes < 0:
+            raise ServerArgumentError(f"quota must be >= 0 bytes, got {max_bytes}", max_bytes=max_bytes)
+        self._quotas[salt] = max_bytes
+        own = self._salt_lru.get(salt)
+        while own and self._salt_bytes.get(salt, 0) > max_bytes:
+            self._evict(next(iter(own.values())))
+        return dict(self._quotas)
+
+    def quotas(self) -> dict[str, int]:
+        return dict(self._quotas)
+
+    def expire(self, now: float) -> Reclaimed:
+        """End leases and reservations past their deadline and sessions silent too long."""
+        leases = reservations = chunks = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, kind, ident = heapq.heappop(self._deadlines)
+            if kind == 0:
+                lease = self._leases.get(ident)
+                if lease is not None:
+                    self._drop_lease(lease)
+                    self.expired_leases += 1
+                    leases += 1
+            else:
+                reservation = self._reservations.get(ident)
+                if reservation is not None:
+                    chunks += self._abort(reservation)
+                    self.expired_reservations += 1
+                    reservations += 1
+        for client in [c for c, s in self._sessions.items() if now - s.last_seen > self.session_ttl]:
+            gone = self.close_session(client)
+            leases += gone.leases
+            reservations += gone.reservations
+            chunks += gone.chunks
+        return Reclaimed(reservations, leases, chunks)
+
+    def stats(self) -> IndexStats:
+        per_salt = {
+            salt: SaltUsage(used, self._salt_chunks.get(salt, 0)) for salt, used in self._salt_bytes.items() if used
+        }
+        return IndexStats(
+            capacity_bytes=self.allocator.capacity,
+            used_bytes=self.allocator.used_bytes,
+            page_size=self.allocator.page_size,
+            pages_total=self.allocator.num_pages,
+            pages_free=self.allocator.free_pages,
+            chunks=self._chunks,
+            pending_chunks=self._pending,
+            leased_chunks=self._leased_chunks,
+            hits=self.hits,
+            misses=self.misses,
+            bytes_stored=self.bytes_stored,
+            bytes_loaded=self.bytes_loaded,
+            evictions=self.evictions,
+            leases=len(self._leases),
+            reservations=len(self._reservations),
+            expired_leases=self.expired_leases,
+            expired_reservations=self.expired_reservations,
+            clients=len(self._sessions),
+            full_reserves=self.full_reserves,
+            per_salt=per_salt,
+            quotas=dict(self._quotas),
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _new_id(self) -> int:
+        ident = self._next_id
+        self._next_id += 1
+        return ident
+
+    def _data_session(self, client: str, now: float) -> _Session:
+        session = self._sessions.get(client)
+        if session is None or session.chunk_bytes is None:
+            raise NotRegisteredError(
+                "this client has not registered; send Register (layout, chunk_size, chunk_bytes) first",
+                client=client,
+            )
+        session.last_seen = now
+        return session
+
+    def _place(self, salt: str, slot_size: int) -> int | None:
+        """A free slot for a new chunk of `salt`, evicting as the quota and LRU allow."""
+        quota = self._quotas.get(salt)
+        if quota is not None:
+            if slot_size > quota:
+                return None
+            own = self._salt_lru.get(salt)
+            while self._salt_bytes.get(salt, 0) + slot_size > quota:
+                if not own:
+                    return None
+                self._evict(next(iter(own.values())))
+        while True:
+            offset = self.allocator.allocate(slot_size)
+            if offset is not None:
+                return offset
+            if not self._make_room(slot_size):
+                return None
+
+    def _make_room(self, slot_size: int) -> bool:
+        """Evict the least recently used chunks that free a slot of `slot_size` or a page."""
+        for entry in self._lru.values():
+            if entry.slot_size == slot_size:
+                self._evict(entry)
+                return True
+            page = self.allocator.page_of(entry.offset)
+            residents = [self._by_offset.get(off) for off in self.allocator.page_slots(page)]
+            if all(r is None or (r.committed and not r.leases) for r in residents):
+                for resident in residents:
+                    if resident is not None:
+                        self._evict(resident)
+                return True
+        return False
+
+    def _evict(self, entry: _Entry) -> None:
+        self._remove(entry)
+        self.evictions += 1
+
+    def _remove(self, entry: _Entry) -> None:
+        assert entry.committed, "only committed chunks are evicted or cleared"
+        assert not entry.leases, "leased chunks are never evicted or cleared"
+        del self._lru[(entry.salt, entry.key)]
+        own = self._salt_lru[entry.salt]
+        del own[entry.key]
+        if not own:
+            del self._salt_lru[entry.salt]
+        self._chunks -= 1
+        self._salt_chunks[entry.salt] -= 1
+        if not self._salt_chunks[entry.salt]:
+            del self._salt_chunks[entry.salt]
+        self._free_slot(entry)
+
+    def _free_slot(self, entry: _Entry) -> None:
+        del self._entries[(entry.salt, entry.key)]
+        del self._by_offset[entry.offset]
+        self.allocator.free(entry.offset)
+        left = self._salt_bytes[entry.salt] - entry.slot_size
+        if left:
+            self._salt_bytes[entry.salt] = left
+        else:
+            del self._salt_bytes[entry.salt]
+
+    def _abort(self, reservation: _Reservation) -> int:
+        del self._reservations[reservation.id]
+        session = self._sessions.get(reservation.client)
+        if session is not None:
+            session.reservations.discard(reservation.id)
+        for entry in reservation.pending.values():
+            self._pending -= 1
+            self._free_slot(entry)
+        return len(reservation.pending)
+
+    def _drop_lease(self, lease: _Lease) -> None:
+        del self._leases[lease.id]
+        session = self._sessions.get(lease.client)
+        if session is not None:
+            session.leases.discard(lease.id)
+        for entry in lease.entries:
+            entry.leases -= 1
+            if not entry.leases:
+                assert self._entries.get((entry.salt, entry.key)) is entry, "a leased chunk left the index"
+                self._leased_chunks -= 1
+                self._lru[(entry.salt, entry.key)] = entry
+                self._salt_lru.setdefault(entry.salt, OrderedDict())[entry.key] = entry
+
+    def check(self) -> None:
+        """Assert every invariant of the index and its allocator (for tests)."""
+        self.allocator.check()
+        used = 0
+        spans = []
+        for (salt, key), entry in self._entries.items():
+            assert (entry.salt, entry.key) == (salt, key)
+            assert self._by_offset[entry.offset] is entry
+            assert self.allocator.page_slot_size(self.allocator.page_of(entry.offset)) == entry.slot_size
+            assert entry.offset + entry.slot_size <= self.allocator.capacity
+            in_lru = (salt, key) in self._lru
+            assert in_lru == (entry.committed and not entry.leases)
+            assert in_lru == (key in self._salt_lru.get(salt, {}))
+            spans.append((entry.offset, entry.offset + entry.slot_size))
+            used += entry.slot_size
+        spans.sort()
+        for (_, end), (start, _) in itertools.pairwise(spans):
+            assert end <= start, "two chunks share bytes"
+        assert used == self.allocator.used_bytes == sum(self._salt_bytes.values())
+        assert len(self._by_offset) == len(self._entries)
+        assert self._pending == sum(len(r.pending) for r in self._reservations.values())
+        assert self._chunks == sum(1 for e in self._entries.values() if e.committed)
+        assert self._leased_chunks == sum(1 for e in self._entries.values() if e.leases)
+        for lease in self._leases.values():
+            assert lease.id in self._sessions[lease.client].leases
+        for reservation in self._reservations.values():
+            assert reservation.pending
+            assert reservation.id in self._sessions[reservation.client].reservations
+
+
+def _check_salt(salt: str) -> None:
+    if len(salt) > MAX_SALT_CHARS:
+        raise ServerArgumentError(f"cache_salt longer than {MAX_SALT_CHARS} characters", length=len(salt))
+
+
+def _check_keys(count: int, keys: Sequence[bytes]) -> None:
+    if count > MAX_KEYS_PER_REQUEST:
+        raise ServerArgumentError(
+            f"{count} keys in one request; send at most {MAX_KEYS_PER_REQUEST} per request", count=count
+        )
+    for key in keys:
+        if not 0 < len(key) <= MAX_KEY_BYTES:
+            raise ServerArgumentError(
+                f"a chunk key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}", length=len(key)
+            )

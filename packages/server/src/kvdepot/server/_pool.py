@@ -1,0 +1,197 @@
+"""The shared-memory pool: one file of fixed size under /dev/shm, owner-only, mapped by all.
+
+The server creates the file (mode 0o600, exclusive, never followed through a symlink), sizes
+it once with ftruncate and maps it. Clients map the same file by path (`PoolInfo.path` in the
+Register reply) with `PoolMapping`, or with plain `mmap` in a few lines. The file's size never
+changes, so the pool can never exceed its capacity. Pages of the file take memory only once
+someone writes them (tmpfs allocates on first touch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import tempfile
+from pathlib import Path
+
+import structlog
+
+from kvdepot.server._errors import PoolError
+
+log = structlog.get_logger(__name__)
+
+SHM_DIR = Path("/dev/shm")  # noqa: S108 - the pool is created O_EXCL|O_NOFOLLOW, 0o600, random name
+_STALE_NAME = re.compile(r"^kvdepot-(\d+)-(\d+)-[0-9a-f]+\.pool$")
+
+
+def default_pool_dir() -> Path:
+    """The shared-memory filesystem where it exists (memory-backed), else the temporary directory."""
+    return SHM_DIR if SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def pool_dir_free_bytes(directory: Path | None = None) -> int:
+    """Bytes free in the filesystem that holds pools (tmpfs: memory the pool may take)."""
+    st = os.statvfs(directory or default_pool_dir())
+    return st.f_bavail * st.f_frsize
+
+
+def remove_stale_pools(directory: Path | None = None) -> list[Path]:
+    """Delete pool files this user left behind when a server died without cleaning up."""
+    directory = directory or default_pool_dir()
+    removed: list[Path] = []
+    uid = os.getuid()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        match = _STALE_NAME.match(name)
+        if not match or int(match.group(1)) != uid:
+            continue
+        pid = int(match.group(2))
+        if pid == os.getpid() or _pid_alive(pid):
+            continue
+        path = directory / name
+        with contextlib.suppress(OSError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SharedPool:
+    """The server's side of the pool: creates, maps, and finally unlinks the file."""
+
+    def __init__(self, path: Path, size: int, fd: int, mapping: mmap.mmap) -> None:
+        self.path = path
+        self.size = size
+        self._fd = fd
+        self._mmap: mmap.mmap | None = mapping
+
+    @classmethod
+    def create(cls, size: int, directory: Path | None = None) -> SharedPool:
+        """Create a new pool file of `size` bytes, readable and writable by this user only."""
+        if size <= 0:
+            raise PoolError(f"pool size must be positive, got {size}", size=size)
+        directory = Path(directory) if directory is not None else default_pool_dir()
+        free = pool_dir_free_bytes(directory)
+        if size > free:
+            raise PoolError(
+                f"the pool needs {size} bytes but {directory} has only {free} free; lower --capacity",
+                size=size,
+                free=free,
+            )
+        path = directory / f"kvdepot-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}.pool"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as exc:
+            raise PoolError(f"cannot create the pool file {path}: {exc.strerror}", path=str(path)) from exc
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask did
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            raise PoolError(f"cannot size or map the pool file {path}: {exc.strerror}", path=str(path)) from exc
+        log.debug("pool_created", path=str(path), size=size)
+        return cls(path, size, fd, mapping)
+
+    @property
+    def buffer(self) -> memoryview:
+        """The whole pool as a writable memoryview (release it before `close`)."""
+        assert self._mmap is not None, "pool is closed"
+        return memoryview(self._mmap)
+
+    @property
+    def closed(self) -> bool:
+        return self._mmap is None
+
+    def close(self) -> None:
+        """Unmap and delete the file; clients that still map it keep their mapping until they unmap."""
+        if self._mmap is None:
+            return
+        with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
+            self._mmap.close()
+        self._mmap = None
+        os.close(self._fd)
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        log.debug("pool_removed", path=str(self.path))
+
+    def __enter__(self) -> SharedPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class PoolMapping:
+    """A client's mapping of the pool, by path and size from the Register reply.
+
+    `view(offset, length)` is a zero-copy memoryview for writing (after Reserve) or reading
+    (after Lookup) one chunk slot.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], size: int, *, writable: bool = True) -> None:
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            raise PoolError(f"cannot open the pool file {path}: {exc.strerror}", path=str(path)) from exc
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise PoolError(
+                    f"the pool file {path} has {actual} bytes, the server announced {size}; is it the same server?",
+                    path=str(path),
+                    size=size,
+                    actual=actual,
+                )
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=prot)
+        finally:
+            os.close(fd)
+        self.path = str(path)
+        self.size = size
+        self._view = memoryview(self._mmap)
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """The bytes of one slot, without copying."""
+        if offset < 0 or length < 0 or offset + length > self.size:
+            raise PoolError(f"slot [{offset}, {offset + length}) lies outside the pool of {self.size} bytes")
+        return self._view[offset : offset + length]
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
+        self.view(offset, len(data))[:] = data
+
+    def read(self, offset: int, length: int) -> bytes:
+        return bytes(self.view(offset, length))
+
+    def close(self) -> None:
+        if self._mmap is None:
+            return
+        self._view.release()
+        with contextlib.suppress(BufferError):
+            self._mmap.close()
+        self._mmap = None
+
+    def __enter__(self) -> PoolMapping:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

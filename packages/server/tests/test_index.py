@@ -1,0 +1,288 @@
+"""The chunk index: two-phase store, leased lookups, eviction, quotas and sessions."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.server import (
+    ChunkIndex,
+    NotRegisteredError,
+    SlabAllocator,
+    TooManyError,
+    UnknownReservationError,
+)
+
+PAGE = 4096
+CHUNK = 1024  # four slots per page
+
+
+def make_index(pages: int = 2, **kwargs) -> ChunkIndex:
+    index = ChunkIndex(SlabAllocator(pages * PAGE, PAGE), **kwargs)
+    for client in ("a", "b"):
+        index.register(client, CHUNK, now=0.0)
+    return index
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def store(index: ChunkIndex, keys: list[bytes], salt: str = "", client: str = "a", now: float = 0.0):
+    out = index.reserve(client, salt, keys, CHUNK, now)
+    if out.reservation_id:
+        index.commit(client, out.reservation_id, None, now)
+    return out
+
+
+def test_reserved_chunk_is_invisible_until_commit():
+    """Lookups do not see a pending chunk; after commit they do, at the reserved slot."""
+    index = make_index()
+    out = index.reserve("a", "", [k(1)], CHUNK, 0.0)
+    assert out.slots == [(0, 0, CHUNK)]
+    assert not out.full
+    assert index.lookup("b", [("", [k(1)])], 0.0)[0].num_hits == 0
+    assert index.commit("a", out.reservation_id, None, 0.0) == 1
+    hit = index.lookup("b", [("", [k(1)])], 0.0)[0]
+    assert (hit.num_hits, hit.slots) == (1, [(0, CHUNK)])
+    index.check()
+
+
+def test_reserve_skips_keys_present_or_pending():
+    """Keys committed or pending elsewhere come back in `present` and get no slot."""
+    index = make_index()
+    store(index, [k(1)])
+    pending = index.reserve("b", "", [k(2)], CHUNK, 0.0)
+    out = index.reserve("a", "", [k(1), k(2), k(3)], CHUNK, 0.0)
+    assert out.present == [0, 1]
+    assert [s[0] for s in out.slots] == [2]
+    assert pending.reservation_id != out.reservation_id
+    index.check()
+
+
+def test_lookup_returns_longest_committed_prefix():
+    """A lookup stops at the first key that is missing or pending."""
+    index = make_index()
+    store(index, [k(1), k(2), k(4)])
+    index.reserve("b", "", [k(3)], CHUNK, 0.0)
+    res = index.lookup("a", [("", [k(1), k(2), k(3), k(4)]), ("", [k(9), k(1)])], 0.0)
+    assert [r.num_hits for r in res] == [2, 0]
+    assert res[1].lease_id == 0
+    assert index.stats().hits == 2
+    assert index.stats().misses == 4
+
+
+def test_salts_never_share_chunks():
+    """The same key under another salt is a different chunk: a miss, and stored separately."""
+    index = make_index()
+    store(index, [k(1)], salt="tenant-a")
+    assert index.lookup("b", [("tenant-b", [k(1)])], 0.0)[0].num_hits == 0
+    out = index.reserve("b", "tenant-b", [k(1)], CHUNK, 0.0)
+    assert out.present == []
+    assert len(out.slots) == 1
+
+
+def test_commit_of_part_keeps_the_rest_pending():
+    """Committing some indices leaves the others pending in the same reservation."""
+    index = make_index()
+    out = index.reserve("a", "", [k(1), k(2)], CHUNK, 0.0)
+    assert index.commit("a", out.reservation_id, [1], 0.0) == 1
+    assert index.stats().pending_chunks == 1
+    assert index.commit("a", out.reservation_id, None, 0.0) == 1
+    with pytest.raises(UnknownReservationError):
+        index.commit("a", out.reservation_id, None, 0.0)
+    index.check()
+
+
+def test_foreign_reservation_and_lease_cannot_be_used():
+    """A client cannot commit, abort or release what another client holds."""
+    index = make_index()
+    out = index.reserve("a", "", [k(1)], CHUNK, 0.0)
+    with pytest.raises(UnknownReservationError):
+        index.commit("b", out.reservation_id, None, 0.0)
+    assert index.abort("b", out.reservation_id) == 0
+    index.commit("a", out.reservation_id, None, 0.0)
+    lease = index.lookup("a", [("", [k(1)])], 0.0)[0].lease_id
+    assert index.release("b", [lease]) == 0
+    assert index.release("a", [lease, lease]) == 1
+
+
+def test_abort_frees_slots():
+    """Aborting a reservation gives its slots back and the keys can be reserved again."""
+    index = make_index()
+    out = index.reserve("a", "", [k(1), k(2)], CHUNK, 0.0)
+    assert index.abort("a", out.reservation_id) == 2
+    assert index.stats().used_bytes == 0
+    assert len(index.reserve("b", "", [k(1)], CHUNK, 0.0).slots) == 1
+    index.check()
+
+
+def test_lru_evicts_least_recently_used_unleased():
+    """When the pool is full, the chunk used longest ago goes first; a lookup refreshes a chunk."""
+    index = make_index(pages=1)
+    store(index, [k(i) for i in range(4)])
+    index.release("a", [index.lookup("a", [("", [k(0)])], 0.0)[0].lease_id])
+    out = store(index, [k(10)])
+    assert not out.full
+    hits = {i: index.lookup("a", [("", [k(i)])], 0.0)[0].num_hits for i in (0, 1, 2, 3, 10)}
+    assert hits == {0: 1, 1: 0, 2: 1, 3: 1, 10: 1}
+    assert index.stats().evictions == 1
+    index.check()
+
+
+def test_full_pool_of_leased_chunks_says_full_and_never_overwrites():
+    """With every chunk leased, reserve places nothing, says full, and the leased bytes stay put."""
+    index = make_index(pages=1)
+    store(index, [k(i) for i in range(4)])
+    leased = index.lookup("b", [("", [k(i) for i in range(4)])], 0.0)[0]
+    assert leased.num_hits == 4
+    out = index.reserve("a", "", [k(10), k(11)], CHUNK, 0.0)
+    assert out.full
+    assert out.slots == []
+    assert out.reservation_id == 0
+    again = index.lookup("a", [("", [k(i) for i in range(4)])], 0.0)[0]
+    assert again.slots == leased.slots
+    index.release("b", [leased.lease_id])
+    assert index.reserve("a", "", [k(10)], CHUNK, 0.0).full
+    index.release("a", [again.lease_id])
+    assert not index.reserve("a", "", [k(10)], CHUNK, 0.0).full
+    index.check()
+
+
+def test_partial_placement_places_a_prefix():
+    """When only some keys fit, the first ones get slots and `full` is set."""
+    index = make_index(pages=1)
+    out = index.reserve("a", "", [k(i) for i in range(6)], CHUNK, 0.0)
+    assert [s[0] for s in out.slots] == [0, 1, 2, 3]
+    assert out.full
+    assert index.stats().full_reserves == 1
+
+
+def test_other_class_takes_a_whole_page_by_eviction():
+    """A chunk of a new size evicts a whole page of unleased chunks of another size."""
+    index = make_index(pages=1)
+    store(index, [k(i) for i in range(4)])
+    index.register("c", 3000, 0.0)
+    out = index.reserve("c", "", [k(20)], 3000, 0.0)
+    assert len(out.slots) == 1
+    assert not out.full
+    assert index.stats().evictions == 4
+    index.check()
+
+
+def test_other_class_cannot_take_a_page_with_a_leased_chunk():
+    """A page that holds one leased chunk is never reclaimed for another size class."""
+    index = make_index(pages=1)
+    store(index, [k(i) for i in range(4)])
+    index.lookup("a", [("", [k(2)])], 0.0)
+    index.register("c", 3000, 0.0)
+    assert index.reserve("c", "", [k(20)], 3000, 0.0).full
+    assert index.lookup("b", [("", [k(2)])], 0.0)[0].num_hits == 1
+    index.check()
+
+
+def test_quota_evicts_own_chunks_first():
+    """A salt at its quota evicts its own oldest chunk, never another salt's."""
+    index = make_index(pages=2)
+    store(index, [k(1)], salt="other")
+    index.set_quota("t", 2 * CHUNK)
+    store(index, [k(1), k(2)], salt="t")
+    out = store(index, [k(3)], salt="t")
+    assert not out.full
+    stats = index.stats()
+    assert stats.per_salt["t"].bytes == 2 * CHUNK
+    assert index.lookup("a", [("t", [k(1)])], 0.0)[0].num_hits == 0
+    assert index.lookup("a", [("other", [k(1)])], 0.0)[0].num_hits == 1
+    index.check()
+
+
+def test_lowering_a_quota_evicts_down_to_it():
+    """Setting a quota below current use evicts the salt's unleased chunks down to the quota."""
+    index = make_index(pages=2)
+    store(index, [k(i) for i in range(4)], salt="t")
+    assert index.set_quota("t", CHUNK) == {"t": CHUNK}
+    assert index.stats().per_salt["t"].chunks == 1
+    assert index.set_quota("t", None) == {}
+
+
+def test_expired_reservation_frees_slots():
+    """A reservation not committed by its deadline expires and its slots return."""
+    index = make_index(reservation_ttl=5.0)
+    out = index.reserve("a", "", [k(1)], CHUNK, 0.0)
+    assert index.expire(4.0).reservations == 0
+    assert index.expire(5.0).reservations == 1
+    assert index.stats().used_bytes == 0
+    with pytest.raises(UnknownReservationError):
+        index.commit("a", out.reservation_id, None, 6.0)
+
+
+def test_expired_lease_makes_chunk_evictable_again():
+    """A lease never released expires and its chunk can be evicted again."""
+    index = make_index(pages=1, lease_ttl=5.0, session_ttl=100.0)
+    store(index, [k(i) for i in range(4)])
+    index.lookup("b", [("", [k(i) for i in range(4)])], 0.0)
+    assert index.reserve("a", "", [k(9)], CHUNK, 1.0).full
+    index.expire(5.0)
+    assert index.stats().leases == 0
+    assert not index.reserve("a", "", [k(9)], CHUNK, 6.0).full
+
+
+def test_silent_client_is_reclaimed():
+    """A client with no request for longer than the session TTL loses its leases and reservations."""
+    index = make_index(session_ttl=10.0)
+    store(index, [k(1)])
+    index.lookup("b", [("", [k(1)])], 0.0)
+    index.reserve("b", "", [k(2)], CHUNK, 0.0)
+    index.touch("a", 9.0)
+    gone = index.expire(11.0)
+    assert (gone.leases, gone.reservations) == (1, 1)
+    assert index.clients() == ["a"]
+    stats = index.stats()
+    assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 0, 0)
+    index.check()
+
+
+def test_closing_a_session_reclaims_everything():
+    """EndSession or disconnect returns all of a client's leases and reservations."""
+    index = make_index()
+    store(index, [k(1)])
+    index.lookup("b", [("", [k(1)])], 0.0)
+    index.reserve("b", "", [k(2), k(3)], CHUNK, 0.0)
+    gone = index.close_session("b")
+    assert (gone.leases, gone.reservations, gone.chunks) == (1, 1, 2)
+    assert index.close_session("b").leases == 0
+    index.check()
+
+
+def test_data_requests_need_registration():
+    """Lookup and reserve from a client that never registered fail with not_registered."""
+    index = make_index()
+    index.touch("x", 0.0)
+    with pytest.raises(NotRegisteredError):
+        index.lookup("x", [("", [k(1)])], 0.0)
+    with pytest.raises(NotRegisteredError) as info:
+        index.reserve("x", "", [k(1)], CHUNK, 0.0)
+    assert info.value.code == "not_registered"
+
+
+def test_clear_keeps_leased_and_pending():
+    """Clear removes committed unleased chunks only."""
+    index = make_index()
+    store(index, [k(1), k(2)], salt="s")
+    store(index, [k(1)], salt="t")
+    index.lookup("a", [("s", [k(1)])], 0.0)
+    index.reserve("a", "s", [k(3)], CHUNK, 0.0)
+    assert index.clear("s") == 1
+    assert index.clear() == 1
+    assert index.stats().chunks == 1
+    index.check()
+
+
+def test_per_client_lease_limit(monkeypatch):
+    """One client cannot hold more leases than the per-client limit."""
+    monkeypatch.setattr("kvdepot.server._index.MAX_LEASES_PER_CLIENT", 2)
+    index = make_index()
+    store(index, [k(1)])
+    index.lookup("a", [("", [k(1)])], 0.0)
+    index.lookup("a", [("", [k(1)])], 0.0)
+    with pytest.raises(TooManyError):
+        index.lookup("a", [("", [k(1)])], 0.0)
