@@ -4,6 +4,9 @@ Messages are msgspec structs (`_messages`), frames are bounded msgpack (`_codec`
 every failure is a `TransportError` (`_errors`).
 """
 
+from kvdepot.transport._address import default_address
+from kvdepot.transport._cache_client import Batch, CacheClient
+from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
     DEFAULT_MAX_FRAME_BYTES,
     decode,
@@ -13,6 +16,7 @@ from kvdepot.transport._codec import (
     encode_reply,
     encode_request,
 )
+from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT
 from kvdepot.transport._errors import (
     ERROR_CLASSES,
     ERROR_CODES,
@@ -38,6 +42,7 @@ from kvdepot.transport._errors import (
     remote_error,
 )
 from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._memory import MemoryServerEndpoint
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -79,10 +84,14 @@ from kvdepot.transport._messages import (
     Stats,
     StatsReply,
 )
+from kvdepot.transport._server import ServerEndpoint
 from kvdepot.transport._version import __version__
 
 __all__ = [
+    "DEFAULT_HEARTBEAT_INTERVAL",
     "DEFAULT_MAX_FRAME_BYTES",
+    "DEFAULT_PEER_TIMEOUT",
+    "DEFAULT_TIMEOUT",
     "ERROR_CLASSES",
     "ERROR_CODES",
     "PROTOCOL_VERSION",
@@ -92,6 +101,8 @@ __all__ = [
     "Abort",
     "AbortReply",
     "BadRequestError",
+    "Batch",
+    "CacheClient",
     "Clear",
     "ClearReply",
     "Commit",
@@ -112,6 +123,7 @@ __all__ = [
     "LookupItem",
     "LookupReply",
     "LookupResult",
+    "MemoryServerEndpoint",
     "NotRegisteredError",
     "PeerInfo",
     "Ping",
@@ -134,6 +146,7 @@ __all__ = [
     "Reserve",
     "ReserveReply",
     "ReservedSlot",
+    "ServerEndpoint",
     "SetQuota",
     "Slot",
     "Stats",
@@ -149,6 +162,7 @@ __all__ = [
     "decode",
     "decode_reply",
     "decode_request",
+    "default_address",
     "encode",
     "encode_reply",
     "encode_request",

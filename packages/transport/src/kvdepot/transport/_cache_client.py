@@ -1,0 +1,264 @@
+"""`CacheClient`: one method per protocol operation, each returning a future of its reply.
+
+Futures resolve on the shared I/O thread; callbacks added to them run there, so keep them
+short. A future fails with `DeadlineExceededError`, a `RemoteError` subclass for an error
+reply, `TransportBrokenError` when the connection drops under it, or
+`TransportClosedError` once the client is closed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import structlog
+
+from kvdepot.transport._client import (
+    DEFAULT_HEARTBEAT_INTERVAL,
+    DEFAULT_TIMEOUT,
+    Call,
+    Connection,
+    ReconnectCallback,
+)
+from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
+from kvdepot.transport._messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortReply,
+    Clear,
+    ClearReply,
+    Commit,
+    CommitReply,
+    EndSession,
+    EndSessionReply,
+    GetQuotas,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupItem,
+    LookupReply,
+    Ping,
+    Pong,
+    QuotaReply,
+    Register,
+    RegisterReply,
+    Release,
+    ReleaseReply,
+    RequestBody,
+    Reserve,
+    ReserveReply,
+    SetQuota,
+    Stats,
+    StatsReply,
+)
+
+log = structlog.get_logger(__name__)
+R = TypeVar("R")
+LookupInput = LookupItem | tuple[str, Sequence[bytes]]
+
+
+def _items(items: Iterable[LookupInput]) -> list[LookupItem]:
+    out = []
+    for item in items:
+        if isinstance(item, LookupItem):
+            out.append(item)
+        else:
+            salt, keys = item
+            out.append(LookupItem(salt, keys if isinstance(keys, list) else list(keys)))
+    return out
+
+
+class _Operations:
+    """The typed operations, shared by `CacheClient` and `Batch`."""
+
+    _conn: Connection
+
+    def _call(self, body: RequestBody) -> Future[Any]:
+        raise NotImplementedError
+
+    def hello(self) -> Future[HelloReply]:
+        """Says Hello again (the client already does on every connect); answers the server's versions."""
+        conn = self._conn
+        return self._call(Hello(PROTOCOL_VERSION, conn.client_id, conn.client_name, conn._auth))
+
+    def register(  # noqa: PLR0917 (mirrors the fields of Register)
+        self,
+        layout: str,
+        chunk_size: int,
+        chunk_bytes: int,
+        kv_world_size: int = 1,
+        kv_rank: int = 0,
+        model: str = "",
+    ) -> Future[RegisterReply]:
+        """Declares this client's KV layout; the client repeats it by itself after a server restart."""
+        return self._call(Register(layout, chunk_size, chunk_bytes, kv_world_size, kv_rank, model))
+
+    def lookup(self, items: Iterable[LookupInput]) -> Future[LookupReply]:
+        """Longest committed prefix (and a lease on it) for each item: LookupItem or (salt, keys)."""
+        return self._call(Lookup(_items(items)))
+
+    def reserve(self, salt: str, keys: Sequence[bytes], chunk_bytes: int) -> Future[ReserveReply]:
+        """Slots for the keys that are neither committed nor pending."""
+        return self._call(Reserve(salt, keys if isinstance(keys, list) else list(keys), chunk_bytes))
+
+    def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> Future[CommitReply]:
+        """Makes the reserved chunks (or only `indices` of them) visible to lookups."""
+        return self._call(Commit(reservation_id, None if indices is None else list(indices)))
+
+    def abort(self, reservation_id: int) -> Future[AbortReply]:
+        """Gives back the uncommitted slots of a reservation."""
+        return self._call(Abort(reservation_id))
+
+    def release(self, lease_ids: Sequence[int]) -> Future[ReleaseReply]:
+        """Ends leases taken by lookups."""
+        return self._call(Release(list(lease_ids)))
+
+    def end_session(self) -> Future[EndSessionReply]:
+        """Tells the server to reclaim this client's leases and reservations now."""
+        return self._call(EndSession())
+
+    def stats(self) -> Future[StatsReply]:
+        """The server's counters."""
+        return self._call(Stats())
+
+    def clear(self, salt: str | None = None) -> Future[ClearReply]:
+        """Removes the chunks of one salt, or all chunks."""
+        return self._call(Clear(salt))
+
+    def ping(self) -> Future[Pong]:
+        """A round trip that does nothing."""
+        return self._call(Ping())
+
+    def set_quota(self, salt: str, max_bytes: int | None) -> Future[QuotaReply]:
+        """Limits the bytes of one salt (None removes the limit)."""
+        return self._call(SetQuota(salt, max_bytes))
+
+    def get_quotas(self) -> Future[QuotaReply]:
+        """Every quota in force."""
+        return self._call(GetQuotas())
+
+
+class CacheClient(_Operations):
+    """A client of one kvdepot server (`ipc://`, `tcp://` or `memory://` address).
+
+    Thread-safe: any thread may call any method. All clients of a process share one I/O
+    thread. The client connects in the background, says Hello first, and after a server
+    restart says Hello and repeats the last Register by itself, then calls
+    `on_reconnect(hello_reply, register_reply_or_None)` on the I/O thread.
+    """
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        client_name: str = "",
+        auth_secret: str | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        on_reconnect: ReconnectCallback | None = None,
+    ) -> None:
+        self._conn = Connection(
+            address,
+            timeout=timeout,
+            heartbeat_interval=heartbeat_interval,
+            client_name=client_name,
+            auth_secret=auth_secret,
+            max_frame_bytes=max_frame_bytes,
+            on_reconnect=on_reconnect,
+        )
+
+    @property
+    def address(self) -> str:
+        """The server address."""
+        return self._conn.address
+
+    @property
+    def client_id(self) -> str:
+        """This client's random id, as the server sees it."""
+        return self._conn.client_id
+
+    @property
+    def server_id(self) -> str | None:
+        """The id of the server from the last handshake (changes when the server restarts)."""
+        return self._conn.server_id
+
+    @property
+    def connected(self) -> bool:
+        """True while the handshake is done and the connection is up."""
+        return self._conn.state == "ready"
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Late replies (after their deadline), bad reply frames, reconnects."""
+        return dict(self._conn.stats)
+
+    def _call(self, body: RequestBody) -> Future[Any]:
+        call = self._conn.prepare(body)
+        self._conn.submit((call,))
+        return call.future
+
+    def request(self, body: RequestBody, *, timeout: float | None = None) -> Future[Any]:
+        """Sends any request body; the future resolves to its reply body."""
+        call = self._conn.prepare(body, timeout)
+        self._conn.submit((call,))
+        return call.future
+
+    def batch(self, *, timeout: float | None = None) -> Batch:
+        """Collects requests (e.g. all of one engine step) to send as one message; see `Batch`."""
+        return Batch(self._conn, timeout)
+
+    def close(self, *, end_session: bool = True, timeout: float = 0.5) -> None:
+        """Ends the session (best effort, if connected) and fails whatever is still pending."""
+        if end_session and self._conn.state == "ready":
+            call = self._conn.prepare(EndSession(), timeout)
+            self._conn.submit((call,))
+            try:
+                call.future.result(timeout + 0.1)
+            except Exception as exc:  # the server is gone or slow; closing goes on regardless
+                log.debug("end_session_failed", address=self.address, error=str(exc))
+        self._conn.close()
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Batch(_Operations):
+    """Requests that travel together as one message: `with client.batch() as b: f = b.lookup(...)`.
+
+    Each operation returns its own future at once; nothing is sent until `send()` (called
+    by the `with` block on exit). Each request still gets its own reply and error.
+    """
+
+    def __init__(self, conn: Connection, timeout: float | None) -> None:
+        self._conn = conn
+        self._timeout = timeout
+        self._calls: list[Call] = []
+
+    def _call(self, body: RequestBody) -> Future[Any]:
+        call = self._conn.prepare(body, self._timeout)
+        self._calls.append(call)
+        return call.future
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def send(self) -> None:
+        """Sends everything collected so far in one message."""
+        calls, self._calls = self._calls, []
+        self._conn.submit(calls)
+
+    def __enter__(self) -> Batch:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.send()
+        else:
+            for call in self._calls:
+                call.future.cancel()
+            self._calls = []

@@ -1,0 +1,509 @@
+"""One client's connection to a server: handshake, futures, deadlines, heartbeats, reconnects.
+
+`Connection` is driven by the shared I/O thread (`_io.IOLoop`); `submit` and `close` are
+the only methods other threads call. The bytes move through a link: `ZmqLink` (DEALER) or
+the in-memory link of `_memory`.
+
+States: connecting -> handshaking (Hello, then Register again if the server lost us)
+-> ready -> (disconnected) connecting ... ; failed (version or secret refused); closed.
+User requests wait in a queue until the connection is ready, and fail at their deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Any, Protocol
+
+import structlog
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from kvdepot.transport._address import MEMORY_SCHEME, default_address
+from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_reply, encode
+from kvdepot.transport._errors import (
+    DeadlineExceededError,
+    HelloRequiredError,
+    RemoteError,
+    RemoteProtocolError,
+    TransportBrokenError,
+    TransportClosedError,
+    TransportError,
+    remote_error,
+)
+from kvdepot.transport._io import IOLoop
+from kvdepot.transport._messages import (
+    PROTOCOL_VERSION,
+    REPLY_FOR,
+    ErrorReply,
+    Hello,
+    HelloReply,
+    Ping,
+    Register,
+    RegisterReply,
+    Request,
+    RequestBody,
+)
+from kvdepot.transport._server import HARD_LIMIT_FACTOR
+
+log = structlog.get_logger(__name__)
+
+# A client gives up on a reply after this long unless told otherwise: long enough for a
+# loaded server, short enough that "nothing is listening" surfaces within seconds.
+DEFAULT_TIMEOUT = 5.0
+# Pings keep the server's view of us alive; the server's peer timeout is 10 s.
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+# Reconnect quickly after a server restart, backing off to once a second.
+RECONNECT_IVL_MS = 50
+RECONNECT_IVL_MAX_MS = 1000
+# Replies read per wake-up before timers are checked again.
+MAX_RECV_PER_WAKE = 1024
+SEND_HWM = 100_000
+# A batch of more frames than the server accepts in one message is split.
+MAX_FRAMES_PER_SEND = 4096
+
+ReconnectCallback = Callable[[HelloReply, "RegisterReply | None"], None]
+
+
+class Link(Protocol):
+    """Moves frames between a Connection and one server; all methods on the I/O thread."""
+
+    def open(self) -> None: ...
+
+    def send(self, frames: list[bytes]) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class Call:
+    """One request in flight: its frame, future and deadline."""
+
+    __slots__ = ("body", "deadline", "frame", "future", "id", "internal", "timeout")
+
+    def __init__(self, request_id: int, body: RequestBody, frame: bytes, timeout: float, internal: bool) -> None:
+        self.id = request_id
+        self.body = body
+        self.frame = frame
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.future: Future[Any] = Future()
+        self.internal = internal
+
+
+def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    if future.done():
+        return
+    try:
+        if exc is not None:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass  # cancelled by its owner in the meantime
+
+
+class Connection:
+    """The protocol state of one client, on top of a link."""
+
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
+        client_name: str = "",
+        auth_secret: str | None = None,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        on_reconnect: ReconnectCallback | None = None,
+    ) -> None:
+        self.address = address or default_address()
+        self.timeout = timeout
+        self.heartbeat_interval = heartbeat_interval
+        self.client_name = client_name
+        self.client_id = secrets.token_hex(16)
+        self.max_frame_bytes = max_frame_bytes
+        self.on_reconnect = on_reconnect
+        self._auth = auth_secret or ""
+        self._ids = itertools.count(1)
+        self._loop = IOLoop.shared()
+        self._closed = False
+        self._closed_event = threading.Event()
+        # I/O thread state
+        self.state = "connecting"
+        self.ever_connected = False
+        self.server_id: str | None = None
+        self.hello_reply: HelloReply | None = None
+        self._failure: RemoteError | None = None
+        self._register: Register | None = None
+        self._lost_session = False
+        self._queue: deque[Call] = deque()
+        self._inflight: dict[int, Call] = {}
+        self._deadlines: dict[float, deque[Call]] = {}
+        self._last_sent = 0.0
+        self.stats = {"late_replies": 0, "bad_replies": 0, "reconnects": 0}
+        self._link: Link = self._make_link()
+        self._loop.call_soon(self._open)
+
+    def _make_link(self) -> Link:
+        if self.address.startswith(MEMORY_SCHEME):
+            from kvdepot.transport._memory import MemoryLink
+
+            return MemoryLink(self, self._loop)
+        return ZmqLink(self, self._loop)
+
+    # -- any thread ----------------------------------------------------------------------
+
+    def prepare(self, body: RequestBody, timeout: float | None = None) -> Call:
+        """A call for `body` (encoded now, in the caller's thread); submit it with `submit`."""
+        request_id = next(self._ids)
+        frame = b""
+        call = Call(request_id, body, frame, self.timeout if timeout is None else timeout, internal=False)
+        try:
+            call.frame = encode(Request(request_id, body), max_frame_bytes=self.max_frame_bytes)
+        except TransportError as exc:
+            call.future.set_exception(exc)
+        except Exception as exc:  # a field of the wrong type: our caller's mistake
+            from kvdepot.transport._errors import LocalProtocolError
+
+            call.future.set_exception(
+                LocalProtocolError(f"cannot encode {type(body).__name__}: {exc}", request=type(body).__name__)
+            )
+        return call
+
+    def submit(self, calls: Sequence[Call]) -> None:
+        """Sends prepared calls, in one message when the connection is ready."""
+        live = [c for c in calls if not c.future.done()]
+        if self._closed:
+            for call in live:
+                _settle(call.future, exc=self._closed_error())
+            return
+        if live:
+            self._loop.call_soon(self._enqueue, live)
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Fails what is pending with TransportClosedError and closes the link."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._loop.in_loop():
+            self._close_io()
+        else:
+            self._loop.call_soon(self._close_io)
+            self._closed_event.wait(timeout)
+
+    def _closed_error(self) -> TransportClosedError:
+        return TransportClosedError(f"the client of {self.address} is closed", address=self.address)
+
+    # -- I/O thread: requests ------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._loop.add_timers(self)
+        self._link.open()
+
+    def _enqueue(self, calls: list[Call]) -> None:
+        if self.state == "closed":
+            for call in calls:
+                _settle(call.future, exc=self._closed_error())
+            return
+        for call in calls:
+            dq = self._deadlines.get(call.timeout)
+            if dq is None:
+                dq = self._deadlines[call.timeout] = deque()
+            dq.append(call)
+        if self.state == "failed":
+            for call in calls:
+                _settle(call.future, exc=self._failed_error())
+        elif self.state == "ready":
+            if self._queue:
+                self._flush()
+            self._send(calls)
+        else:
+            self._queue.extend(calls)
+
+    def _send(self, calls: list[Call]) -> None:
+        for start in range(0, len(calls), MAX_FRAMES_PER_SEND):
+            chunk = calls[start : start + MAX_FRAMES_PER_SEND]
+            for call in chunk:
+                self._inflight[call.id] = call
+                if isinstance(call.body, Register) and not call.internal:
+                    self._register = call.body
+            if not self._link.send([c.frame for c in chunk]):
+                # no connection under us: nothing was sent; wait for the next one
+                for call in calls[start:]:
+                    self._inflight.pop(call.id, None)
+                self._queue.extendleft(reversed([c for c in calls[start:] if not c.internal]))
+                self._set_connecting()
+                return
+        self._last_sent = time.monotonic()
+
+    def _send_internal(self, body: RequestBody) -> None:
+        call = Call(next(self._ids), body, b"", self.timeout, internal=True)
+        call.frame = encode(Request(call.id, body), max_frame_bytes=self.max_frame_bytes)
+        self._deadlines.setdefault(call.timeout, deque()).append(call)
+        self._send([call])
+
+    def _flush(self) -> None:
+        calls = [c for c in self._queue if not c.future.done()]
+        self._queue.clear()
+        if calls:
+            self._send(calls)
+
+    def _failed_error(self) -> RemoteError:
+        assert self._failure is not None
+        exc = self._failure
+        return remote_error(exc.code, exc.message, exc.fields)
+
+    # -- I/O thread: link events ---------------------------------------------------------
+
+    def on_connected(self) -> None:
+        """The link reached a server: say Hello before anything else."""
+        if self.state not in ("connecting",):
+            return
+        if self.ever_connected:
+            self.stats["reconnects"] += 1
+        self.ever_connected = True
+        self.state = "handshaking"
+        log.debug("client_connected", address=self.address)
+        self._send_internal(Hello(PROTOCOL_VERSION, self.client_id, self.client_name, self._auth))
+
+    def on_disconnected(self) -> None:
+        """The link lost its server: requests in flight fail now, queued ones wait."""
+        if self.state in ("closed", "failed", "connecting"):
+            return
+        self._set_connecting()
+        calls = list(self._inflight.values())
+        self._inflight.clear()
+        for call in calls:
+            if not call.internal:
+                _settle(
+                    call.future,
+                    exc=TransportBrokenError(
+                        f"lost the connection to the kvdepot server at {self.address} while {type(call.body).__name__}"
+                        " was in flight; it may or may not have run",
+                        address=self.address,
+                        request=type(call.body).__name__,
+                    ),
+                )
+        log.info("client_disconnected", address=self.address, failed=sum(not c.internal for c in calls))
+
+    def _set_connecting(self) -> None:
+        if self.state in ("handshaking", "ready"):
+            self.state = "connecting"
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        """Reply frames from the server."""
+        for frame in frames:
+            try:
+                reply = decode_reply(frame, max_frame_bytes=self.max_frame_bytes * HARD_LIMIT_FACTOR)
+            except TransportError as exc:
+                self.stats["bad_replies"] += 1
+                log.warning("bad_reply_received", address=self.address, error=str(exc))
+                continue
+            call = self._inflight.pop(reply.id, None)
+            if call is None:
+                self.stats["late_replies"] += 1
+                continue
+            if call.internal:
+                self._on_internal_reply(call, reply.body)
+            else:
+                self._on_reply(call, reply.body)
+
+    def _on_reply(self, call: Call, body: Any) -> None:
+        if isinstance(body, ErrorReply):
+            exc = remote_error(body.code, body.message, body.fields)
+            if isinstance(exc, HelloRequiredError) and self.state == "ready":
+                # the server restarted or forgot us; the request never ran: retry after Hello
+                self._lost_session = True
+                self.state = "connecting"
+                self._queue.appendleft(call)
+                self.on_connected()
+                return
+            _settle(call.future, exc=exc)
+        elif isinstance(body, REPLY_FOR[type(call.body)]):
+            _settle(call.future, body)
+        else:
+            _settle(
+                call.future,
+                exc=RemoteProtocolError(
+                    f"the server answered {type(call.body).__name__} with {type(body).__name__}",
+                    request=type(call.body).__name__,
+                    reply=type(body).__name__,
+                ),
+            )
+
+    def _on_internal_reply(self, call: Call, body: Any) -> None:
+        _settle(call.future, body)
+        if isinstance(call.body, Hello) and self.state == "handshaking":
+            self._on_hello_reply(body)
+        elif isinstance(call.body, Register) and self.state == "handshaking":
+            if isinstance(body, ErrorReply):
+                log.warning("reregister_failed", address=self.address, code=body.code, message=body.message)
+            self._become_ready(body if isinstance(body, RegisterReply) else None, reconnected=True)
+
+    def _on_hello_reply(self, body: Any) -> None:
+        if isinstance(body, ErrorReply):
+            if body.code == "hello_required":
+                return  # cannot happen for Hello; ignore rather than loop
+            self._failure = remote_error(body.code, body.message, body.fields)
+            self.state = "failed"
+            log.error("client_handshake_refused", address=self.address, code=body.code, message=body.message)
+            for call in self._queue:
+                _settle(call.future, exc=self._failed_error())
+            self._queue.clear()
+            return
+        if not isinstance(body, HelloReply):
+            return
+        new_server = self.server_id is not None and body.server_id != self.server_id
+        lost = new_server or self._lost_session
+        self.server_id = body.server_id
+        self.hello_reply = body
+        self._lost_session = False
+        if lost and self._register is not None:
+            self._send_internal(self._register)
+        else:
+            self._become_ready(None, reconnected=lost)
+
+    def _become_ready(self, register_reply: RegisterReply | None, *, reconnected: bool) -> None:
+        self.state = "ready"
+        self._flush()
+        if reconnected:
+            log.info("client_reconnected", address=self.address, server_id=self.server_id)
+            if self.on_reconnect is not None and self.hello_reply is not None:
+                try:
+                    self.on_reconnect(self.hello_reply, register_reply)
+                except Exception:
+                    log.exception("on_reconnect_callback_failed")
+
+    # -- I/O thread: timers --------------------------------------------------------------
+
+    def next_timer(self) -> float | None:
+        """The earliest deadline or heartbeat due."""
+        due: float | None = None
+        for dq in self._deadlines.values():
+            while dq and dq[0].future.done():
+                dq.popleft()
+            if dq and (due is None or dq[0].deadline < due):
+                due = dq[0].deadline
+        if self.state == "ready":
+            beat = self._last_sent + self.heartbeat_interval
+            if due is None or beat < due:
+                due = beat
+        return due
+
+    def on_timer(self, now: float) -> None:
+        """Fails calls past their deadline and sends a heartbeat when one is due."""
+        for dq in self._deadlines.values():
+            while dq and (dq[0].future.done() or dq[0].deadline <= now):
+                call = dq.popleft()
+                if call.future.done():
+                    continue
+                self._inflight.pop(call.id, None)
+                if call.internal:
+                    call.future.cancel()
+                    if isinstance(call.body, (Hello, Register)) and self.state == "handshaking":
+                        self.state = "connecting"  # try the handshake again
+                        self.on_connected()
+                    continue
+                _settle(call.future, exc=self._deadline_error(call))
+        if self.state == "ready" and now - self._last_sent >= self.heartbeat_interval:
+            self._send_internal(Ping())
+
+    def _deadline_error(self, call: Call) -> DeadlineExceededError:
+        name = type(call.body).__name__
+        if not self.ever_connected or self.server_id is None:
+            message = (
+                f"no kvdepot server answered at {self.address} within {call.timeout:g} s;"
+                f" start one with `kvdepot serve --address {self.address}`, or check the address"
+            )
+        else:
+            message = (
+                f"the kvdepot server at {self.address} did not answer {name} within {call.timeout:g} s;"
+                " it may be overloaded, stuck or gone"
+            )
+        return DeadlineExceededError(message, address=self.address, timeout=call.timeout, request=name)
+
+    def _close_io(self) -> None:
+        self.state = "closed"
+        calls = list(self._inflight.values()) + list(self._queue)
+        self._inflight.clear()
+        self._queue.clear()
+        self._deadlines.clear()
+        for call in calls:
+            _settle(call.future, exc=self._closed_error())
+        self._loop.remove_timers(self)
+        self._link.close()
+        self._closed_event.set()
+
+
+class ZmqLink:
+    """A DEALER socket whose identity is the client id, watched through a socket monitor."""
+
+    def __init__(self, conn: Connection, loop: IOLoop) -> None:
+        self._conn = conn
+        self._loop = loop
+        self._sock: zmq.Socket[Any] | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+
+    def open(self) -> None:
+        sock = self._loop.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue on a connection that is not up
+        sock.setsockopt(zmq.ROUTING_ID, self._conn.client_id.encode())
+        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+        sock.setsockopt(zmq.MAXMSGSIZE, self._conn.max_frame_bytes * HARD_LIMIT_FACTOR)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        sock.connect(self._conn.address)
+        self._sock = sock
+        self._loop.add_reader(sock, self._readable)
+        self._loop.add_reader(self._monitor, self._monitor_event)
+
+    def send(self, frames: list[bytes]) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[0]) < 65536)
+        except zmq.Again:
+            return False
+        return True
+
+    def _readable(self) -> None:
+        sock = self._sock
+        for _ in range(MAX_RECV_PER_WAKE):
+            if sock is None:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._conn.on_frames(frames)
+            sock = self._sock
+
+    def _monitor_event(self) -> None:
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._conn.on_connected()
+            elif event["event"] == zmq.EVENT_DISCONNECTED:
+                self._conn.on_disconnected()
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._loop.remove_reader(self._sock)
+            self._sock.disable_monitor()
+            self._sock.close(0)
+            self._sock = None
+        if self._monitor is not None:
+            self._loop.remove_reader(self._monitor)
+            self._monitor.close(0)
+            self._monitor = None

@@ -1,0 +1,260 @@
+"""The server side of the protocol without I/O: frames of one peer in, reply frames out.
+
+`Dispatcher` owns the peer table (identity, liveness), checks Hello (version, secret),
+calls the handler, and guarantees one reply frame per request frame, whatever the handler
+or the peer does. The ZMQ and in-memory endpoints only move bytes and call it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from kvdepot.core import InvalidArgumentError
+from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_request, encode_reply
+from kvdepot.transport._errors import (
+    CODE_HELLO_REQUIRED,
+    CODE_INTERNAL,
+    CODE_INVALID_ARGUMENT,
+    CODE_PROTOCOL,
+    CODE_TOO_LARGE,
+    CODE_UNAUTHORIZED,
+    CODE_VERSION_MISMATCH,
+    ERROR_CODES,
+    FrameTooLargeError,
+    RemoteProtocolError,
+)
+from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._messages import (
+    PROTOCOL_VERSION,
+    REPLY_FOR,
+    EndSession,
+    ErrorReply,
+    FieldValue,
+    Hello,
+    Ping,
+    Pong,
+    Reply,
+    ReplyBody,
+    Request,
+)
+
+log = structlog.get_logger(__name__)
+
+# A peer silent for this long is reported gone. Clients ping every second by default, so
+# this tolerates several lost heartbeats and a stalled (e.g. swapping) engine process.
+DEFAULT_PEER_TIMEOUT = 10.0
+# More request frames than this in one message is not a batch any client sends.
+MAX_FRAMES_PER_MESSAGE = 4096
+_PONG = Pong()
+
+
+def _fields(values: dict[str, Any]) -> dict[str, FieldValue]:
+    """Error fields as wire values: primitives stay, everything else becomes its str()."""
+    out: dict[str, FieldValue] = {}
+    for key, value in values.items():
+        if value is None or isinstance(value, (str, int, float, bool)):
+            out[str(key)] = value
+        else:
+            out[str(key)] = str(value)
+    return out
+
+
+def error_reply_from(exc: BaseException) -> ErrorReply:
+    """The ErrorReply a handler exception turns into (see `Handler`)."""
+    code = getattr(exc, "code", None)
+    fields = getattr(exc, "fields", None)
+    message = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    if isinstance(code, str) and code in ERROR_CODES:
+        return ErrorReply(code=code, message=message, fields=_fields(fields or {}))
+    if isinstance(exc, InvalidArgumentError):
+        return ErrorReply(code=CODE_INVALID_ARGUMENT, message=message, fields=_fields(fields or {}))
+    return ErrorReply(
+        code=CODE_INTERNAL,
+        message=f"the server failed handling this request ({type(exc).__name__}: {exc}); see its log",
+        fields={"exception": type(exc).__name__},
+    )
+
+
+def peek_id(frame: bytes) -> int:
+    """The request id at the head of a frame without decoding the rest (0 if unreadable)."""
+    if len(frame) < 2 or frame[0] != 0x92:  # fixarray of two: [id, body]
+        return 0
+    head = frame[1]
+    if head < 0x80:
+        return head
+    width = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}.get(head)
+    if width is None or len(frame) < 2 + width:
+        return 0
+    value = int.from_bytes(frame[2 : 2 + width], "big")
+    return value if value < (1 << 63) else 0
+
+
+class Dispatcher:
+    """Peer table and request dispatch shared by every server endpoint."""
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        clock: Callable[[], float],
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        auth_secret: str | None = None,
+    ) -> None:
+        self.handler = handler
+        self.clock = clock
+        self.max_frame_bytes = max_frame_bytes
+        self.peer_timeout = peer_timeout
+        self._secret = auth_secret.encode() if auth_secret else None
+        self.peers: dict[bytes, PeerInfo] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "messages",
+                "requests",
+                "errors",
+                "bad_frames",
+                "too_large",
+                "version_mismatches",
+                "unauthorized",
+                "handler_failures",
+                "peers_gone",
+            ),
+            0,
+        )
+
+    # -- one message ---------------------------------------------------------------------
+
+    def dispatch(self, identity: bytes, frames: list[bytes]) -> list[bytes]:
+        """Reply frames for one message of request frames, one per frame, in order."""
+        self.counters["messages"] += 1
+        now = self.clock()
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = now
+        if not frames or len(frames) > MAX_FRAMES_PER_MESSAGE:
+            self._count_bad(peer, identity, "frame_count", len(frames))
+            return [
+                self._encode(0, ErrorReply(CODE_PROTOCOL, f"a message must hold 1 to {MAX_FRAMES_PER_MESSAGE} frames"))
+            ]
+        return [self._one(identity, frame, now) for frame in frames]
+
+    def _one(self, identity: bytes, frame: bytes, now: float) -> bytes:
+        self.counters["requests"] += 1
+        try:
+            request = decode_request(frame, max_frame_bytes=self.max_frame_bytes)
+        except FrameTooLargeError as exc:
+            self.counters["too_large"] += 1
+            self._count_bad(self.peers.get(identity), identity, "too_large", len(frame))
+            return self._encode(peek_id(frame), ErrorReply(CODE_TOO_LARGE, exc.message, _fields(exc.fields)))
+        except RemoteProtocolError as exc:
+            request_id = exc.fields.get("request_id") or 0
+            if exc.fields.get("tag") == "hello" and exc.fields.get("protocol_version") not in (None, PROTOCOL_VERSION):
+                return self._encode(request_id, self._version_mismatch(exc.fields["protocol_version"]))
+            self._count_bad(self.peers.get(identity), identity, "malformed", len(frame))
+            return self._encode(
+                request_id, ErrorReply(CODE_PROTOCOL, f"{exc.message}; is the client the same protocol version?")
+            )
+        return self._encode(request.id, self._handle(identity, request, now))
+
+    def _handle(self, identity: bytes, request: Request, now: float) -> ReplyBody:
+        body = request.body
+        peer = self.peers.get(identity)
+        if isinstance(body, Hello):
+            refusal = self._check_hello(body)
+            if refusal is not None:
+                return refusal
+            if peer is None or peer.client_id != body.client_id:
+                peer = PeerInfo(body.client_id, body.client_name, body.protocol_version, identity, now, now)
+                self.peers[identity] = peer
+                log.info("peer_connected", peer=body.client_id, client_name=body.client_name)
+        elif peer is None:
+            self.counters["errors"] += 1
+            return ErrorReply(
+                CODE_HELLO_REQUIRED, "this server does not know the client (it may have restarted); send Hello first"
+            )
+        peer.requests += 1
+        if isinstance(body, Ping):
+            return _PONG
+        try:
+            reply = self.handler.handle(peer, body)
+        except Exception as exc:  # every failure becomes an ErrorReply, never silence
+            reply = error_reply_from(exc)
+            if reply.code == CODE_INTERNAL:
+                self.counters["handler_failures"] += 1
+                log.exception("handler_failed", peer=peer.client_id, request=type(body).__name__)
+        if not isinstance(reply, (REPLY_FOR[type(body)], ErrorReply)):
+            self.counters["handler_failures"] += 1
+            log.error("handler_reply_wrong_type", request=type(body).__name__, reply=type(reply).__name__)
+            reply = ErrorReply(
+                CODE_INTERNAL, f"the server answered {type(body).__name__} with {type(reply).__name__}; a server bug"
+            )
+        if isinstance(reply, ErrorReply):
+            self.counters["errors"] += 1
+        elif isinstance(body, EndSession):
+            self.peers.pop(identity, None)
+            log.info("peer_ended_session", peer=peer.client_id)
+        return reply
+
+    def _check_hello(self, hello: Hello) -> ErrorReply | None:
+        if hello.protocol_version != PROTOCOL_VERSION:
+            return self._version_mismatch(hello.protocol_version)
+        if self._secret is not None and not hmac.compare_digest(hello.auth.encode(), self._secret):
+            self.counters["unauthorized"] += 1
+            log.warning("peer_unauthorized", peer=hello.client_id)
+            return ErrorReply(
+                CODE_UNAUTHORIZED, "this server requires a shared secret; pass the server's auth_secret to the client"
+            )
+        return None
+
+    def _version_mismatch(self, client_version: object) -> ErrorReply:
+        self.counters["version_mismatches"] += 1
+        self.counters["errors"] += 1
+        return ErrorReply(
+            CODE_VERSION_MISMATCH,
+            f"client speaks kvdepot protocol {client_version}, this server speaks {PROTOCOL_VERSION};"
+            " install matching kvdepot-transport versions on both sides",
+            {
+                "client_version": client_version if isinstance(client_version, int) else None,
+                "server_version": PROTOCOL_VERSION,
+            },
+        )
+
+    def _count_bad(self, peer: PeerInfo | None, identity: bytes, reason: str, size: int) -> None:
+        self.counters["bad_frames"] += 1
+        self.counters["errors"] += 1
+        log.warning("bad_frame_received", peer=peer.client_id if peer else identity.hex(), reason=reason, size=size)
+
+    def _encode(self, request_id: int, body: ReplyBody) -> bytes:
+        try:
+            return encode_reply(Reply(request_id, body), max_frame_bytes=self.max_frame_bytes)
+        except FrameTooLargeError as exc:
+            log.error("reply_too_large", request_id=request_id, size=exc.fields.get("size"))
+            return encode_reply(Reply(request_id, ErrorReply(CODE_TOO_LARGE, f"the reply is too large: {exc.message}")))
+        except Exception as exc:  # a handler built an unencodable reply
+            log.exception("reply_encode_failed", request_id=request_id)
+            return encode_reply(Reply(request_id, ErrorReply(CODE_INTERNAL, f"the server built a bad reply: {exc}")))
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def expire(self) -> None:
+        """Reports every peer silent for longer than `peer_timeout` as gone, once."""
+        deadline = self.clock() - self.peer_timeout
+        for identity, peer in list(self.peers.items()):
+            if peer.last_seen < deadline:
+                del self.peers[identity]
+                self.counters["peers_gone"] += 1
+                log.info("peer_gone", peer=peer.client_id, silent_s=round(self.clock() - peer.last_seen, 3))
+                try:
+                    self.handler.peer_gone(peer)
+                except Exception:
+                    log.exception("peer_gone_handler_failed", peer=peer.client_id)
+
+    def next_expiry(self) -> float | None:
+        """When `expire` may next have something to do (monotonic), or None without peers."""
+        if not self.peers:
+            return None
+        return min(p.last_seen for p in self.peers.values()) + self.peer_timeout

@@ -1,0 +1,232 @@
+"""Server endpoints: a poll loop that feeds requests to a handler and sends the replies.
+
+`ServerEndpoint(address, handler)` binds a ZMQ ROUTER for ipc:// and tcp:// addresses and
+returns a `MemoryServerEndpoint` for memory:// addresses. Either way: `poll_once(timeout)`,
+`serve_forever()`, `stop()` (from any thread) and `close()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+import structlog
+import zmq
+
+from kvdepot.transport._address import (
+    MEMORY_SCHEME,
+    check_bind,
+    check_not_in_use,
+    default_address,
+    ipc_path,
+    prepare_ipc_dir,
+    secure_ipc_socket,
+)
+from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
+from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
+from kvdepot.transport._errors import TransportClosedError
+from kvdepot.transport._handler import Handler, PeerInfo
+
+log = structlog.get_logger(__name__)
+
+# zmq drops (and disconnects) frames above MAXMSGSIZE before handing them to us. Set it well
+# above the codec bound so that ordinary oversized frames still get a typed `too_large` reply,
+# while a hostile peer still cannot make libzmq allocate without bound.
+HARD_LIMIT_FACTOR = 4
+# Messages handled per poll before checking timers and stop requests again.
+MAX_MESSAGES_PER_POLL = 256
+# ROUTER drops replies to a peer whose queue is full; keep that far from normal bursts.
+SEND_HWM = 100_000
+# Poll at least this often so peer expiry runs even when nobody talks (seconds).
+MAX_POLL_INTERVAL = 1.0
+
+
+class _EndpointBase:
+    """Poll-loop logic shared by the ZMQ and in-memory endpoints."""
+
+    address: str
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        max_frame_bytes: int,
+        peer_timeout: float,
+        auth_secret: str | None,
+    ) -> None:
+        self.dispatcher = Dispatcher(
+            handler,
+            clock=time.monotonic,
+            max_frame_bytes=max_frame_bytes,
+            peer_timeout=peer_timeout,
+            auth_secret=auth_secret,
+        )
+        self.server_id = uuid.uuid4().hex
+        self._stopping = threading.Event()
+        self._closed = False
+        self._serving = threading.Lock()
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Requests, errors, bad frames and gone peers seen so far (a copy)."""
+        return dict(self.dispatcher.counters)
+
+    @property
+    def peers(self) -> list[PeerInfo]:
+        """The greeted peers currently considered alive."""
+        return list(self.dispatcher.peers.values())
+
+    def poll_once(self, timeout: float | None = 0.0) -> int:
+        """Waits up to `timeout` seconds (None: until a message or the next peer expiry), handles
+        what arrived, expires silent peers, and returns the number of messages handled."""
+        if self._closed:
+            raise TransportClosedError(f"the endpoint at {self.address} is closed")
+        wait = MAX_POLL_INTERVAL if timeout is None else timeout
+        expiry = self.dispatcher.next_expiry()
+        if expiry is not None:
+            wait = max(0.0, min(wait, expiry - time.monotonic()))
+        handled = self._poll(wait)
+        self.dispatcher.expire()
+        return handled
+
+    def serve_forever(self) -> None:
+        """Polls until `stop()` or `close()` is called (from any thread), then closes."""
+        with self._serving:
+            try:
+                while not self._stopping.is_set():
+                    self.poll_once(None)
+            finally:
+                self._close_now()
+
+    def stop(self) -> None:
+        """Asks `serve_forever` to return; safe from any thread and from signal handlers."""
+        self._stopping.set()
+        self._wake()
+
+    def close(self) -> None:
+        """Stops serving and releases the socket. Waits for a running `serve_forever` to end."""
+        self.stop()
+        if self._serving.acquire(timeout=5.0):
+            try:
+                self._close_now()
+            finally:
+                self._serving.release()
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # implemented by the transports
+    def _poll(self, wait: float) -> int:
+        raise NotImplementedError
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+    def _close_now(self) -> None:
+        raise NotImplementedError
+
+
+class ServerEndpoint(_EndpointBase):
+    """A ZMQ ROUTER endpoint (ipc:// or tcp://); memory:// addresses give a MemoryServerEndpoint.
+
+    ipc sockets get a 0o700 directory and a 0o600 file; tcp binds other than loopback need
+    `auth_secret`, which every client must then present in its Hello.
+    """
+
+    def __new__(cls, address: str | None = None, handler: Handler | None = None, **kwargs: Any) -> Any:
+        if cls is ServerEndpoint and address is not None and address.startswith(MEMORY_SCHEME):
+            from kvdepot.transport._memory import MemoryServerEndpoint
+
+            return super().__new__(MemoryServerEndpoint)
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        address: str | None,
+        handler: Handler,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        auth_secret: str | None = None,
+        context: zmq.Context[Any] | None = None,
+    ) -> None:
+        address = address or default_address()
+        check_bind(address, authenticated=bool(auth_secret))
+        super().__init__(handler, max_frame_bytes=max_frame_bytes, peer_timeout=peer_timeout, auth_secret=auth_secret)
+        self._own_context = context is None
+        self._context = context or zmq.Context()
+        self._ipc = ipc_path(address)
+        if self._ipc is not None:
+            prepare_ipc_dir(self._ipc)
+            check_not_in_use(self._ipc)
+        sock = self._context.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over its identity
+        sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * HARD_LIMIT_FACTOR)
+        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise TransportClosedError(f"cannot bind {address}: {exc}", address=address) from exc
+        if self._ipc is not None:
+            secure_ipc_socket(self._ipc)
+        self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
+        self._sock = sock
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        log.info("endpoint_bound", address=self.address, server_id=self.server_id)
+
+    def _poll(self, wait: float) -> int:
+        events = dict(self._poller.poll(int(wait * 1000)))
+        if self._wake_r in events:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+        handled = 0
+        sock = self._sock
+        while handled < MAX_MESSAGES_PER_POLL:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            handled += 1
+            if len(msg) < 2:
+                continue  # ROUTER always prefixes the identity; nothing to answer
+            replies = self.dispatcher.dispatch(msg[0], msg[1:])
+            try:
+                sock.send_multipart([msg[0], *replies], zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("reply_dropped", peer=msg[0].hex(), reason="peer queue full")
+        return handled
+
+    def _wake(self) -> None:
+        if self._closed:
+            return  # the pipe's descriptors may already belong to someone else
+        with contextlib.suppress(OSError):  # a full pipe means it is awake already
+            os.write(self._wake_w, b"x")
+
+    def _close_now(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(0)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        if self._own_context:
+            self._context.term()
+        if self._ipc is not None:
+            with contextlib.suppress(OSError):
+                self._ipc.unlink()
+        log.info("endpoint_closed", address=self.address)
