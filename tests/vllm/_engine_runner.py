@@ -1,0 +1,172 @@
+"""Run one real vLLM engine in this process and write what it did as JSON.
+
+Started as a subprocess by the `vllm_engine` fixture (tests/vllm/conftest.py), so engines never
+share vLLM's process-global state (plugins, connector registry, distributed groups, the KV
+transfer agent). Usage: `python _engine_runner.py SPEC.json RESULT.json`.
+
+The spec (JSON object):
+  model               path of a local model directory (required)
+  prompts             list of prompts, each a list of token ids (required)
+  max_tokens          tokens to generate per prompt (default 8)
+  kv_transfer_config  dict for vLLM's KVTransferConfig, or null
+  engine_kwargs       extra keyword arguments for vllm.LLM (e.g. enable_prefix_caching)
+  sequential          true: each prompt runs to completion before the next is added (default);
+                      false: all prompts are added at once and run as one batch
+  abort_after_steps   {prompt index (as a string): engine steps after adding it}; 0 aborts it
+                      before the engine ever schedules it
+  cache_salts         optional list (one per prompt) of cache_salt strings or null
+  collect_metrics     true: also return vLLM's metrics snapshot (counters and gauges)
+
+The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
+prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
+came), engine_start_s, run_s, metrics, error (a traceback string, or null). Greedy sampling, with
+`ignore_eos`, so every finished prompt yields exactly max_tokens tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+# Engine defaults for tests: fp32 (greedy output matches the reference), no CUDA graphs or
+# compilation, a modest context, and no prefix caching so every reuse comes from the connector.
+# An explicit KV-cache size skips the CPU worker's check that `gpu_memory_utilization` (92% of the
+# memory node by default) is free at start, which fails on a shared machine.
+DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
+    "kv_cache_memory_bytes": 256 << 20,
+    "dtype": "float32",
+    "enforce_eager": True,
+    "max_model_len": 4096,
+    "enable_prefix_caching": False,
+    "seed": 0,
+}
+# A bound on engine steps per prompt, so a stuck engine (e.g. a lookup never answered) ends the
+# run with an error instead of hanging until the harness kills it.
+MAX_STEPS_PER_PROMPT = 10_000
+
+
+def _metrics_snapshot(llm: Any) -> dict[str, float]:
+    snapshot: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        value = getattr(metric, "value", None)
+        if isinstance(value, (int, float)):
+            labels = getattr(metric, "labels", None) or {}
+            suffix = ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in ("engine", "model_name"))
+            snapshot[metric.name + (f"{{{suffix}}}" if suffix else "")] = float(value)
+    return snapshot
+
+
+def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    """Run the spec, filling `result` as it goes (so a failure still returns what happened)."""
+    from vllm.inputs import TokensPrompt
+
+    from vllm import LLM, SamplingParams
+
+    prompts: list[list[int]] = spec["prompts"]
+    max_tokens = int(spec.get("max_tokens", 8))
+    sequential = bool(spec.get("sequential", True))
+    aborts = {int(k): int(v) for k, v in (spec.get("abort_after_steps") or {}).items()}
+    salts: list[str | None] = spec.get("cache_salts") or [None] * len(prompts)
+    collect_metrics = bool(spec.get("collect_metrics", False))
+
+    kwargs = dict(DEFAULT_ENGINE_KWARGS)
+    kwargs.update(spec.get("engine_kwargs") or {})
+    if spec.get("kv_transfer_config") is not None:
+        kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
+    if collect_metrics:
+        kwargs["disable_log_stats"] = False
+
+    result.update(
+        {
+            "outputs": [[] for _ in prompts],
+            "num_cached_tokens": [None for _ in prompts],
+            "finish_reasons": [None for _ in prompts],
+            "ttft_s": [None for _ in prompts],
+            "engine_start_s": None,
+            "run_s": None,
+            "metrics": None,
+            "error": None,
+        }
+    )
+
+    started = time.perf_counter()
+    llm = LLM(model=spec["model"], **kwargs)
+    result["engine_start_s"] = time.perf_counter() - started
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    def make_prompt(index: int) -> Any:
+        prompt = TokensPrompt(prompt_token_ids=list(prompts[index]))
+        if salts[index] is not None:
+            prompt["cache_salt"] = salts[index]
+        return prompt
+
+    added_at: dict[str, float] = {}
+    steps_since_added: dict[str, int] = {}
+    index_of: dict[str, int] = {}
+
+    def add(index: int) -> None:
+        request_id = f"req-{index}"
+        index_of[request_id] = index
+        added_at[request_id] = time.perf_counter()
+        steps_since_added[request_id] = 0
+        engine.add_request(request_id, make_prompt(index), params)
+        if aborts.get(index) == 0:
+            engine.abort_request([request_id])
+
+    def drive(limit: int) -> None:
+        steps = 0
+        while engine.has_unfinished_requests():
+            steps += 1
+            if steps > limit:
+                raise RuntimeError(f"engine did not finish within {limit} steps")
+            outputs = engine.step()
+            now = time.perf_counter()
+            for output in outputs:
+                index = index_of[output.request_id]
+                tokens = list(output.outputs[0].token_ids) if output.outputs else []
+                if tokens and result["ttft_s"][index] is None:
+                    result["ttft_s"][index] = now - added_at[output.request_id]
+                result["outputs"][index] = tokens
+                result["num_cached_tokens"][index] = output.num_cached_tokens
+                if output.finished and output.outputs:
+                    result["finish_reasons"][index] = output.outputs[0].finish_reason
+            for request_id in list(steps_since_added):
+                steps_since_added[request_id] += 1
+                index = index_of[request_id]
+                if aborts.get(index) == steps_since_added[request_id]:
+                    engine.abort_request([request_id])
+                    del steps_since_added[request_id]
+
+    run_started = time.perf_counter()
+    if sequential:
+        for index in range(len(prompts)):
+            add(index)
+            drive(MAX_STEPS_PER_PROMPT)
+    else:
+        for index in range(len(prompts)):
+            add(index)
+        drive(MAX_STEPS_PER_PROMPT * max(1, len(prompts)))
+    result["run_s"] = time.perf_counter() - run_started
+    if collect_metrics:
+        result["metrics"] = _metrics_snapshot(llm)
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path = Path(argv[1]), Path(argv[2])
+    spec = json.loads(spec_path.read_text())
+    result: dict[str, Any] = {}
+    try:
+        run(spec, result)
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    result_path.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
