@@ -1,0 +1,37 @@
+"""kvdepot.gpu: KV-cache layouts of inference engines, and block copies to and from the pool."""
+
+from kvdepot.gpu._copier import CpuCopier, CudaCopier, CudaCopyHandle, gather, open_copier, scatter
+from kvdepot.gpu._copy import CopyHandle, CopyPlan
+from kvdepot.gpu._errors import (
+    BlockIdError,
+    CopierClosedError,
+    CopyArgumentError,
+    GpuError,
+    PoolBoundsError,
+    PoolDtypeError,
+    SlotSizeError,
+    UnsupportedLayoutError,
+)
+from kvdepot.gpu._layout import KVLayout
+from kvdepot.gpu._version import __version__
+
+__all__ = [
+    "BlockIdError",
+    "CopierClosedError",
+    "CopyArgumentError",
+    "CopyHandle",
+    "CopyPlan",
+    "CpuCopier",
+    "CudaCopier",
+    "CudaCopyHandle",
+    "GpuError",
+    "KVLayout",
+    "PoolBoundsError",
+    "PoolDtypeError",
+    "SlotSizeError",
+    "UnsupportedLayoutError",
+    "__version__",
+    "gather",
+    "open_copier",
+    "scatter",
+]
