@@ -1,0 +1,336 @@
+"""The `kvdepot` command: `serve`, `stats`, and subcommands other distributions add.
+
+Adding a subcommand from another distribution: expose an object (a module or any object)
+with `name: str`, `help: str`, `configure(parser: argparse.ArgumentParser) -> None` and
+`run(args: argparse.Namespace) -> int`, and name it in that distribution's pyproject::
+
+    [project.entry-points."kvdepot.commands"]
+    demo = "kvdepot.vllm_connector._demo:command"
+
+Built-in commands win over entry points of the same name; an entry point that fails to load
+is skipped (with a warning on stderr unless the command run is a built-in), so a broken
+plugin never breaks `serve` or `stats`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+import attrs
+import structlog
+
+from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._units import format_size, parse_size
+from kvdepot.server._version import __version__
+
+ENTRY_POINT_GROUP = "kvdepot.commands"
+DEFAULT_METRICS_PORT = 9477
+EXIT_USAGE = 2
+
+
+class Command(Protocol):
+    """What a `kvdepot` subcommand provides (see the module docstring)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def help(self) -> str: ...
+
+    def configure(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+@attrs.frozen
+class SimpleCommand:
+    """A subcommand made of two functions."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# -- logging ------------------------------------------------------------------------------
+
+
+def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> str:
+    """Configure structlog once for the process: JSON unless the stream is a terminal."""
+    stream = stream or sys.stdout
+    if fmt == "auto":
+        fmt = "pretty" if stream.isatty() else "json"
+    renderer: Any = (
+        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=stream.isatty())
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks if fmt == "json" else structlog.dev.set_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        logger_factory=structlog.PrintLoggerFactory(stream),
+        cache_logger_on_first_use=True,
+    )
+    return fmt
+
+
+# -- argument types (argparse turns ValueError/ArgumentTypeError into exit code 2) ------
+
+
+def _size(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ServerArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is outside 0-65535")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
+    return value
+
+
+# -- serve --------------------------------------------------------------------------------
+
+
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    from kvdepot.transport._address import default_address
+
+    parser.add_argument(
+        "--address",
+        default=None,
+        help=f"where to listen: ipc://PATH or tcp://127.0.0.1:PORT (default {default_address()})",
+    )
+    parser.add_argument(
+        "--capacity", type=_size, default=None, help="pool size, e.g. 64GiB (default: half the available memory)"
+    )
+    parser.add_argument("--page-size", type=_size, default=None, help="allocation page, e.g. 256MiB (default: auto)")
+    parser.add_argument(
+        "--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk offered to clients"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus port on 127.0.0.1 (0: any free port)",
+    )
+    parser.add_argument("--no-metrics", action="store_true", help="do not serve Prometheus metrics")
+    parser.add_argument("--pool-dir", type=Path, default=None, help="where the pool file lives (default /dev/shm)")
+    parser.add_argument("--lease-ttl", type=_seconds, default=None, help="seconds before an unreleased lease expires")
+    parser.add_argument(
+        "--reservation-ttl", type=_seconds, default=None, help="seconds before an uncommitted reservation expires"
+    )
+    parser.add_argument(
+        "--peer-timeout", type=_seconds, default=None, help="seconds of silence before a client is gone"
+    )
+    parser.add_argument(
+        "--auth-secret-file", type=Path, default=None, help="file with a shared secret clients must present (tcp)"
+    )
+    _add_log_flags(parser)
+
+
+def _add_log_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--log-format", choices=["auto", "json", "pretty"], default="auto", help="default: json unless a terminal"
+    )
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
+    from kvdepot.server._server import CacheServer, ServerConfig
+
+    fmt = configure_logging(args.log_format, args.log_level)
+    log = structlog.get_logger("kvdepot.server")
+    secret = None
+    if args.auth_secret_file is not None:
+        try:
+            secret = args.auth_secret_file.read_text().strip()
+        except OSError as exc:
+            return _usage_error(f"cannot read --auth-secret-file {args.auth_secret_file}: {exc.strerror}")
+    config = ServerConfig(
+        address=args.address,
+        capacity=args.capacity,
+        page_size=args.page_size,
+        chunk_size=args.chunk_size,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        pool_dir=args.pool_dir,
+        lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
+        reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
+        peer_timeout=args.peer_timeout,
+        auth_secret=secret,
+    )
+    try:
+        server = CacheServer(config)
+    except ServerArgumentError as exc:
+        return _usage_error(exc.message)
+    except Exception as exc:  # address in use, no shared memory, ...: say it and exit 1
+        message = getattr(exc, "message", None) or str(exc)
+        sys.stderr.write(f"kvdepot serve: cannot start: {message}\n")
+        return 1
+
+    def on_signal(signum: int, frame: object) -> None:
+        log.info("signal_received", signal=signal.Signals(signum).name)
+        server.stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    summary = server.summary()
+    if fmt == "pretty":
+        sys.stdout.write(_banner(summary))
+        sys.stdout.flush()
+    else:
+        log.info("server_started", **summary)
+    try:
+        server.serve_forever()
+    finally:
+        server.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+def _banner(summary: dict[str, Any]) -> str:
+    rows = [
+        ("address", summary["address"]),
+        (
+            "capacity",
+            f"{format_size(summary['capacity'])} ({summary['pages']} pages of {format_size(summary['page_size'])})",
+        ),
+        ("pool", summary["pool"]),
+        ("metrics", summary["metrics"] or "off"),
+        ("chunk size", f"{summary['chunk_size']} tokens"),
+    ]
+    lines = [f"kvdepot {summary['version']} serving (pid {summary['pid']}); Ctrl-C stops it"]
+    lines += [f"  {name:<10} {value}" for name, value in rows]
+    lines.append(f"  read its figures with: kvdepot stats --address {summary['address']}")
+    return "\n".join(lines) + "\n"
+
+
+# -- stats --------------------------------------------------------------------------------
+
+
+def _configure_stats(parser: argparse.ArgumentParser) -> None:
+    from kvdepot.transport._address import default_address
+
+    parser.add_argument("--address", default=None, help=f"server address (default {default_address()})")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the server")
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    from kvdepot.server._stats import fetch_stats, format_stats, stats_dict
+
+    configure_logging("pretty", "warning", sys.stderr)
+    try:
+        reply = fetch_stats(args.address, timeout=args.timeout)
+    except Exception as exc:
+        sys.stderr.write(f"kvdepot stats: {getattr(exc, 'message', None) or exc}\n")
+        return 1
+    if args.json:
+        sys.stdout.write(json.dumps(stats_dict(reply), indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(format_stats(reply))
+    return 0
+
+
+# -- the command --------------------------------------------------------------------------
+
+BUILTIN_COMMANDS: list[Command] = [
+    SimpleCommand("serve", "run a kvdepot cache server", _configure_serve, _run_serve),
+    SimpleCommand("stats", "print the figures of a running server", _configure_stats, _run_stats),
+]
+
+
+def discover_commands() -> tuple[list[Command], list[str]]:
+    """Built-in commands plus those from the `kvdepot.commands` entry points, and load errors."""
+    commands = list(BUILTIN_COMMANDS)
+    names = {c.name for c in commands}
+    problems: list[str] = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name in names:
+            continue
+        try:
+            command = ep.load()
+            if callable(command) and not hasattr(command, "run"):
+                command = command()
+            for attr in ("name", "help", "configure", "run"):
+                if not hasattr(command, attr):
+                    raise TypeError(f"has no {attr!r}")
+        except Exception as exc:
+            problems.append(f"subcommand {ep.name!r} from {ep.value} is unavailable: {exc}")
+            continue
+        commands.append(command)
+        names.add(command.name)
+    return commands, problems
+
+
+def build_parser(commands: Sequence[Command]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvdepot", description="kvdepot: a KV-cache server for vLLM.")
+    parser.add_argument("--version", action="version", version=f"kvdepot-server {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in commands:
+        child = sub.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(child)
+        child.set_defaults(_run=command.run)
+    return parser
+
+
+def _usage_error(message: str) -> int:
+    sys.stderr.write(f"kvdepot: error: {message}\n")
+    return EXIT_USAGE
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `kvdepot` console script; returns the exit code."""
+    commands, problems = discover_commands()
+    parser = build_parser(commands)
+    args = parser.parse_args(argv)
+    for problem in problems:
+        if args.command not in ("serve", "stats"):
+            sys.stderr.write(f"kvdepot: warning: {problem}\n")
+    code: int = args._run(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The protocol handler: request bodies from `kvdepot.transport` in, reply bodies out.
+
+It translates messages to `ChunkIndex` calls and back, and nothing else. The endpoint has
+already decoded and bounded the frame and checked Hello; exceptions raised here become
+`ErrorReply`s through their `code`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from kvdepot.server._index import ChunkIndex, IndexStats
+from kvdepot.server._slabs import SLOT_ALIGNMENT
+from kvdepot.server._version import __version__
+from kvdepot.transport import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortReply,
+    Clear,
+    ClearReply,
+    Commit,
+    CommitReply,
+    EndSession,
+    EndSessionReply,
+    GetQuotas,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    LookupResult,
+    PeerInfo,
+    Ping,
+    Pong,
+    PoolInfo,
+    QuotaReply,
+    Register,
+    RegisterReply,
+    Release,
+    ReleaseReply,
+    ReplyBody,
+    RequestBody,
+    Reserve,
+    ReservedSlot,
+    ReserveReply,
+    SetQuota,
+    Slot,
+    Stats,
+    StatsReply,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class CacheHandler:
+    """Answers every request of the kvdepot protocol from a `ChunkIndex` and its pool."""
+
+    def __init__(
+        self,
+        index: ChunkIndex,
+        *,
+        pool_path: str,
+        pool_size: int,
+        chunk_size: int,
+        server_id: str = "",
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.index = index
+        self.pool_info = PoolInfo(kind="shm_file", path=pool_path, size=pool_size)
+        self.chunk_size = chunk_size
+        self.server_id = server_id
+        self.clock = clock
+        # Extra figures the server adds to Stats (pool path, transport counters, ...).
+        self.extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict
+        self._table: dict[type, Callable[[str, Any, float], ReplyBody]] = {
+            Hello: self._hello,
+            Register: self._register,
+            Lookup: self._lookup,
+            Reserve: self._reserve,
+            Commit: self._commit,
+            Abort: self._abort,
+            Release: self._release,
+            EndSession: self._end_session,
+            Stats: self._stats,
+            Clear: self._clear,
+            Ping: self._ping,
+            SetQuota: self._set_quota,
+            GetQuotas: self._get_quotas,
+        }
+
+    # -- transport.Handler ----------------------------------------------------------------
+
+    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody:
+        return self._table[type(body)](peer.client_id, body, self.clock())
+
+    def peer_gone(self, peer: PeerInfo) -> None:
+        gone = self.index.close_session(peer.client_id)
+        log.info(
+            "client_reclaimed",
+            peer=peer.client_id,
+            client_name=peer.client_name,
+            leases=gone.leases,
+            reservations=gone.reservations,
+            chunks=gone.chunks,
+        )
+
+    # -- one method per request -----------------------------------------------------------
+
+    def _hello(self, client: str, body: Hello, now: float) -> ReplyBody:
+        self.index.touch(client, now, body.client_name)
+        return HelloReply(protocol_version=PROTOCOL_VERSION, server_version=__version__, server_id=self.server_id)
+
+    def _register(self, client: str, body: Register, now: float) -> ReplyBody:
+        slot_size = self.index.register(client, body.chunk_bytes, now)
+        log.info(
+            "client_registered",
+            peer=client,
+            layout=body.layout,
+            chunk_bytes=body.chunk_bytes,
+            slot_size=slot_size,
+            kv_rank=body.kv_rank,
+            kv_world_size=body.kv_world_size,
+        )
+        return RegisterReply(
+            chunk_size=body.chunk_size or self.chunk_size, pool=self.pool_info, slot_alignment=SLOT_ALIGNMENT
+        )
+
+    def _lookup(self, client: str, body: Lookup, now: float) -> ReplyBody:
+        outcomes = self.index.lookup(client, [(item.salt, item.keys) for item in body.items], now)
+        return LookupReply(
+            results=[
+                LookupResult(o.num_hits, o.lease_id, [Slot(offset, length) for offset, length in o.slots])
+                for o in outcomes
+            ]
+        )
+
+    def _reserve(self, client: str, body: Reserve, now: float) -> ReplyBody:
+        out = self.index.reserve(client, body.salt, body.keys, body.chunk_bytes, now)
+        return ReserveReply(
+            reservation_id=out.reservation_id,
+            slots=[ReservedSlot(i, offset, length) for i, offset, length in out.slots],
+            present=out.present,
+            full=out.full,
+        )
+
+    def _commit(self, client: str, body: Commit, now: float) -> ReplyBody:
+        return CommitReply(committed=self.index.commit(client, body.reservation_id, body.indices, now))
+
+    def _abort(self, client: str, body: Abort, now: float) -> ReplyBody:
+        return AbortReply(freed=self.index.abort(client, body.reservation_id))
+
+    def _release(self, client: str, body: Release, now: float) -> ReplyBody:
+        return ReleaseReply(released=self.index.release(client, body.lease_ids))
+
+    def _end_session(self, client: str, body: EndSession, now: float) -> ReplyBody:
+        gone = self.index.close_session(client)
+        log.info("client_left", peer=client, leases=gone.leases, reservations=gone.reservations)
+        return EndSessionReply()
+
+    def _stats(self, client: str, body: Stats, now: float) -> ReplyBody:
+        return stats_reply(self.index.stats(), self.extra_stats())
+
+    def _clear(self, client: str, body: Clear, now: float) -> ReplyBody:
+        removed = self.index.clear(body.salt)
+        log.info("chunks_cleared", peer=client, salt=body.salt, removed=removed)
+        return ClearReply(removed=removed)
+
+    def _ping(self, client: str, body: Ping, now: float) -> ReplyBody:
+        return Pong()
+
+    def _set_quota(self, client: str, body: SetQuota, now: float) -> ReplyBody:
+        quotas = self.index.set_quota(body.salt, body.max_bytes)
+        log.info("quota_set", peer=client, salt=body.salt, max_bytes=body.max_bytes)
+        return QuotaReply(quotas=quotas)
+
+    def _get_quotas(self, client: str, body: GetQuotas, now: float) -> ReplyBody:
+        return QuotaReply(quotas=self.index.quotas())
+
+
+def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | None]) -> StatsReply:
+    """The Stats reply for an index snapshot; figures beyond the protocol's go in `extra`."""
+    more: dict[str, str | int | float | bool | None] = {
+        "page_size": stats.page_size,
+        "pages_total": stats.pages_total,
+        "pages_free": stats.pages_free,
+        "pending_chunks": stats.pending_chunks,
+        "leased_chunks": stats.leased_chunks,
+        "expired_leases": stats.expired_leases,
+        "expired_reservations": stats.expired_reservations,
+        "full_reserves": stats.full_reserves,
+    }
+    for salt, usage in stats.per_salt.items():
+        more[f"salt_chunks:{salt}"] = usage.chunks
+    for salt, quota in stats.quotas.items():
+        more[f"quota:{salt}"] = quota
+    more.update(extra)
+    return StatsReply(
+        capacity_bytes=stats.capacity_bytes,
+        used_bytes=stats.used_bytes,
+        chunks=stats.chunks,
+        hits=stats.hits,
+        misses=stats.misses,
+        bytes_stored=stats.bytes_stored,
+        bytes_loaded=stats.bytes_loaded,
+        evictions=stats.evictions,
+        leases=stats.leases,
+        reservations=stats.reservations,
+        clients=stats.clients,
+        salt_bytes={salt: usage.bytes for salt, usage in stats.per_salt.items()},
+        extra=more,
+    )

@@ -1,0 +1,208 @@
+"""The daemon: pool + index + handler behind a transport endpoint, with one poll loop.
+
+Loop: poll the endpoint (which calls the handler) -> expire leases and reservations ->
+publish a stats snapshot for the metrics thread now and then. `stop()` is safe from signal
+handlers and other threads; `close()` removes the socket and the shared memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+import structlog
+
+from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server._handler import CacheHandler
+from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
+from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
+from kvdepot.server._pool import SharedPool, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._slabs import SlabAllocator
+from kvdepot.server._version import __version__
+from kvdepot.transport import PeerInfo
+from kvdepot.transport._server import ServerEndpoint
+
+log = structlog.get_logger(__name__)
+
+# Longest wait in one poll: how late at most a lease or reservation expires, and how often
+# the stop flag is looked at when nothing arrives.
+POLL_INTERVAL = 0.05
+# How often the loop publishes figures for the metrics thread (seconds).
+SNAPSHOT_INTERVAL = 0.5
+# The default capacity is this fraction of the memory the kernel says is available ...
+DEFAULT_CAPACITY_FRACTION = 0.5
+# ... and never more than this fraction of the free space of the pool's filesystem.
+SHM_FRACTION = 0.9
+
+
+def available_memory() -> int:
+    """MemAvailable from /proc/meminfo in bytes (0 if unreadable)."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def default_capacity(pool_dir: Path | None = None) -> int:
+    """Half the available memory, bounded by 90% of the free space under /dev/shm."""
+    shm = int(pool_dir_free_bytes(pool_dir) * SHM_FRACTION)
+    mem = int(available_memory() * DEFAULT_CAPACITY_FRACTION) or shm
+    return min(mem, shm)
+
+
+@attrs.frozen
+class ServerConfig:
+    """Everything `kvdepot serve` can set; None means the documented default."""
+
+    address: str | None = None
+    capacity: int | None = None
+    page_size: int | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    metrics_host: str = "127.0.0.1"
+    pool_dir: Path | None = None
+    lease_ttl: float = DEFAULT_LEASE_TTL
+    reservation_ttl: float = DEFAULT_RESERVATION_TTL
+    peer_timeout: float | None = None
+    auth_secret: str | None = None
+
+
+class CacheServer:
+    """One kvdepot server: `CacheServer(config)` binds and maps; `serve_forever()`; `close()`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        pool_dir = Path(config.pool_dir) if config.pool_dir else default_pool_dir()
+        for path in remove_stale_pools(pool_dir):
+            log.info("stale_pool_removed", path=str(path))
+        capacity = config.capacity if config.capacity is not None else default_capacity(pool_dir)
+        self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
+        self.index = ChunkIndex(
+            self.allocator,
+            lease_ttl=config.lease_ttl,
+            reservation_ttl=config.reservation_ttl,
+            session_ttl=float("inf"),  # liveness comes from the endpoint's peer_gone
+        )
+        self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
+        self.metrics = Metrics()
+        self.bad_frames = BadFrameCounter()
+        self.started_at = time.monotonic()
+        self._stop = threading.Event()
+        try:
+            self.handler = CacheHandler(
+                self.index, pool_path=str(self.pool.path), pool_size=self.pool.size, chunk_size=config.chunk_size
+            )
+            kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
+            if config.peer_timeout is not None:
+                kwargs["peer_timeout"] = config.peer_timeout
+            self.endpoint = ServerEndpoint(config.address, self.handler, **kwargs)
+            self.handler.server_id = self.endpoint.server_id
+            self.handler.extra_stats = self._extra_stats
+            self._count_bad_frames_per_peer()
+            if config.metrics_port is not None:
+                self.metrics.serve(config.metrics_port, config.metrics_host)
+        except BaseException:
+            self.pool.close()
+            if hasattr(self, "endpoint"):
+                self.endpoint.close()
+            raise
+        self._publish()
+        self._closed = False
+
+    @property
+    def address(self) -> str:
+        return str(self.endpoint.address)
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self.metrics.url
+
+    def summary(self) -> dict[str, Any]:
+        """What the start banner shows."""
+        return {
+            "address": self.address,
+            "capacity": self.allocator.capacity,
+            "page_size": self.allocator.page_size,
+            "pages": self.allocator.num_pages,
+            "pool": str(self.pool.path),
+            "metrics": self.metrics_url,
+            "chunk_size": self.config.chunk_size,
+            "server_id": self.endpoint.server_id,
+            "version": __version__,
+            "pid": os.getpid(),
+        }
+
+    # -- loop -----------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        """Serve until `stop()`; then close everything."""
+        try:
+            last_snapshot = 0.0
+            while not self._stop.is_set():
+                self.endpoint.poll_once(POLL_INTERVAL)
+                now = time.monotonic()
+                gone = self.index.expire(now)
+                if gone.leases or gone.reservations:
+                    log.info("expired", leases=gone.leases, reservations=gone.reservations, chunks=gone.chunks)
+                if now - last_snapshot >= SNAPSHOT_INTERVAL:
+                    self._publish()
+                    last_snapshot = now
+        finally:
+            self.close()
+
+    def stop(self) -> None:
+        """Ask `serve_forever` to return soon; safe from signal handlers and other threads."""
+        self._stop.set()
+        self.endpoint.stop()
+
+    def close(self) -> None:
+        """Stop serving, remove the socket and the pool file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self.endpoint.close()
+        self.metrics.close()
+        self.pool.close()
+        log.info("server_stopped", address=self.address, pool=str(self.pool.path))
+
+    def __enter__(self) -> CacheServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- figures --------------------------------------------------------------------------
+
+    def _extra_stats(self) -> dict[str, str | int | float | bool | None]:
+        extra: dict[str, str | int | float | bool | None] = {
+            "pool_path": str(self.pool.path),
+            "server_version": __version__,
+            "uptime_s": round(time.monotonic() - self.started_at, 3),
+        }
+        for name, value in self.endpoint.counters.items():
+            extra[f"transport_{name}"] = value
+        return extra
+
+    def _publish(self) -> None:
+        self.metrics.publish(MetricsSnapshot(self.index.stats(), self.endpoint.counters, self.bad_frames.snapshot()))
+
+    def _count_bad_frames_per_peer(self) -> None:
+        """Count bad frames per peer label, by wrapping the dispatcher's bad-frame hook."""
+        dispatcher = getattr(self.endpoint, "dispatcher", None)
+        original = getattr(dispatcher, "_count_bad", None)
+        if original is None:
+            log.warning("bad_frames_per_peer_unavailable", reason="transport has no bad-frame hook")
+            return
+
+        def count(peer: PeerInfo | None, identity: bytes, reason: str, size: int) -> None:
+            self.bad_frames.add(peer.client_id if peer is not None else identity.hex())
+            original(peer, identity, reason, size)
+
+        dispatcher._count_bad = count  # type: ignore[union-attr]

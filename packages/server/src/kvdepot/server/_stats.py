@@ -1,0 +1,115 @@
+"""`kvdepot stats`: ask a running server for its figures and print them."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvdepot.server._units import format_size
+from kvdepot.transport import (
+    PROTOCOL_VERSION,
+    EndSession,
+    ErrorReply,
+    Hello,
+    Request,
+    Stats,
+    StatsReply,
+    decode_reply,
+    encode_request,
+    remote_error,
+)
+from kvdepot.transport._address import default_address
+from kvdepot.transport._errors import DeadlineExceededError
+
+
+def fetch_stats(address: str | None = None, *, timeout: float = 3.0) -> StatsReply:
+    """One Stats round trip (Hello, Stats, EndSession in one message) over a fresh DEALER socket."""
+    address = address or default_address()
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(address)
+        hello = Hello(protocol_version=PROTOCOL_VERSION, client_id=secrets.token_hex(16), client_name="kvdepot-stats")
+        sock.send_multipart(
+            [
+                encode_request(Request(1, hello)),
+                encode_request(Request(2, Stats())),
+                encode_request(Request(3, EndSession())),
+            ]
+        )
+        if not sock.poll(int(timeout * 1000)):
+            raise DeadlineExceededError(
+                f"no kvdepot server answered at {address} within {timeout:g} s; start one with "
+                f"`kvdepot serve --address {address}` or pass the right --address",
+                address=address,
+                timeout=timeout,
+            )
+        frames = sock.recv_multipart()
+    finally:
+        sock.close(0)
+    for frame in frames:
+        reply = decode_reply(frame)
+        if isinstance(reply.body, ErrorReply):
+            raise remote_error(reply.body.code, reply.body.message, dict(reply.body.fields))
+        if isinstance(reply.body, StatsReply):
+            return reply.body
+    raise DeadlineExceededError(f"the server at {address} sent no Stats reply", address=address)
+
+
+def stats_dict(reply: StatsReply) -> dict[str, Any]:
+    """The reply as plain JSON-able data, with the hit ratio added."""
+    data: dict[str, Any] = msgspec.to_builtins(reply)
+    data.pop("type", None)
+    looked = reply.hits + reply.misses
+    data["hit_ratio"] = reply.hits / looked if looked else None
+    return data
+
+
+def format_stats(reply: StatsReply) -> str:
+    """A readable table of the figures `kvdepot stats` prints."""
+    extra = reply.extra
+    looked = reply.hits + reply.misses
+    ratio = f"{reply.hits / looked:.1%}" if looked else "-"
+    used = f"{format_size(reply.used_bytes)} of {format_size(reply.capacity_bytes)}"
+    if reply.capacity_bytes:
+        used += f" ({reply.used_bytes / reply.capacity_bytes:.1%})"
+    rows: list[tuple[str, str]] = [
+        ("server", f"kvdepot {extra.get('server_version', '?')}, up {extra.get('uptime_s', '?')} s"),
+        ("pool", str(extra.get("pool_path", "?"))),
+        ("used", used),
+        (
+            "pages free",
+            f"{extra.get('pages_free', '?')} of {extra.get('pages_total', '?')}"
+            f" ({format_size(int(extra.get('page_size') or 0))} each)",
+        ),
+        (
+            "chunks",
+            f"{reply.chunks} committed, {extra.get('pending_chunks', 0)} pending, "
+            f"{extra.get('leased_chunks', 0)} leased",
+        ),
+        ("hit ratio", f"{ratio} ({reply.hits} hits, {reply.misses} misses)"),
+        ("stored", format_size(reply.bytes_stored)),
+        ("loaded", format_size(reply.bytes_loaded)),
+        ("evictions", str(reply.evictions)),
+        ("leases", f"{reply.leases} live, {extra.get('expired_leases', 0)} expired"),
+        ("reservations", f"{reply.reservations} live, {extra.get('expired_reservations', 0)} expired"),
+        ("clients", str(reply.clients)),
+        ("bad frames", str(extra.get("transport_bad_frames", 0))),
+    ]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{name:<{width}}  {value}" for name, value in rows]
+    if reply.salt_bytes:
+        lines.append("")
+        lines.append(f"{'cache_salt':<24} {'used':>12} {'chunks':>8} {'quota':>12}")
+        for salt, used_bytes in sorted(reply.salt_bytes.items(), key=lambda kv: -kv[1]):
+            quota = extra.get(f"quota:{salt}")
+            label = salt if salt else "(none)"
+            lines.append(
+                f"{label[:24]:<24} {format_size(used_bytes):>12} {extra.get(f'salt_chunks:{salt}', 0)!s:>8} "
+                f"{format_size(int(quota)) if isinstance(quota, int) else '-':>12}"
+            )
+    return "\n".join(lines) + "\n"
