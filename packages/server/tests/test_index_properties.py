@@ -24,7 +24,7 @@ op = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=st.lists(op, min_size=20, max_size=80))
 def test_any_sequence_keeps_salts_apart_and_data_intact(ops):
     """Whatever clients do, a hit always returns bytes written for the same (salt, key), the pool

@@ -5,6 +5,7 @@ slots of that pool with two-phase stores, leases, LRU eviction and per-salt quot
 answers the `kvdepot.transport` protocol. It never imports torch, gpu or vllm.
 """
 
+from kvdepot.server._cli import ENTRY_POINT_GROUP, Command, SimpleCommand, configure_logging, main
 from kvdepot.server._errors import (
     ChunkTooLargeError,
     NotRegisteredError,
@@ -14,16 +15,23 @@ from kvdepot.server._errors import (
     TooManyError,
     UnknownReservationError,
 )
+from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex, IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._pool import PoolMapping, SharedPool
+from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
 from kvdepot.server._slabs import SLOT_ALIGNMENT, SlabAllocator, auto_page_size
+from kvdepot.server._stats import fetch_stats, format_stats
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "SLOT_ALIGNMENT",
+    "CacheHandler",
+    "CacheServer",
     "ChunkIndex",
     "ChunkTooLargeError",
+    "Command",
     "IndexStats",
     "LookupOutcome",
     "NotRegisteredError",
@@ -33,13 +41,20 @@ __all__ = [
     "ReserveOutcome",
     "SaltUsage",
     "ServerArgumentError",
+    "ServerConfig",
     "ServerError",
     "SharedPool",
+    "SimpleCommand",
     "SlabAllocator",
     "TooManyError",
     "UnknownReservationError",
     "__version__",
     "auto_page_size",
+    "configure_logging",
+    "default_capacity",
+    "fetch_stats",
     "format_size",
+    "format_stats",
+    "main",
     "parse_size",
 ]

@@ -134,7 +134,7 @@ def _seconds(text: str) -> float:
 
 
 def _configure_serve(parser: argparse.ArgumentParser) -> None:
-    from kvdepot.transport._address import default_address
+    from kvdepot.transport import default_address
 
     parser.add_argument(
         "--address",
@@ -250,7 +250,7 @@ def _banner(summary: dict[str, Any]) -> str:
 
 
 def _configure_stats(parser: argparse.ArgumentParser) -> None:
-    from kvdepot.transport._address import default_address
+    from kvdepot.transport import default_address
 
     parser.add_argument("--address", default=None, help=f"server address (default {default_address()})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -24,8 +24,7 @@ from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._slabs import SlabAllocator
 from kvdepot.server._version import __version__
-from kvdepot.transport import PeerInfo
-from kvdepot.transport._server import ServerEndpoint
+from kvdepot.transport import PeerInfo, ServerEndpoint
 
 log = structlog.get_logger(__name__)
 

@@ -11,6 +11,7 @@ import zmq
 from kvdepot.server._units import format_size
 from kvdepot.transport import (
     PROTOCOL_VERSION,
+    DeadlineExceededError,
     EndSession,
     ErrorReply,
     Hello,
@@ -18,11 +19,10 @@ from kvdepot.transport import (
     Stats,
     StatsReply,
     decode_reply,
+    default_address,
     encode_request,
     remote_error,
 )
-from kvdepot.transport._address import default_address
-from kvdepot.transport._errors import DeadlineExceededError
 
 
 def fetch_stats(address: str | None = None, *, timeout: float = 3.0) -> StatsReply:

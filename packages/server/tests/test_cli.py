@@ -1,0 +1,100 @@
+"""The `kvdepot` command line: flags, exit codes, subcommand discovery, stats formatting."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvdepot.server import SimpleCommand, format_stats, main
+from kvdepot.server import _cli as cli
+from kvdepot.transport import StatsReply
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--capacity", "lots"],
+        ["serve", "--capacity", "0"],
+        ["serve", "--metrics-port", "70000"],
+        ["serve", "--chunk-size", "-3"],
+        ["serve", "--log-format", "xml"],
+        ["serve", "--bogus"],
+        ["nosuchcommand"],
+        [],
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(argv, capsys):
+    """Unreadable flags stop before anything starts, with exit code 2 and a message on stderr."""
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_capacity_below_a_page_exits_2(tmp_path, capsys):
+    """A capacity that cannot hold one page is a usage error (exit 2) that says what to change."""
+    code = main(["serve", "--capacity", "4KiB", "--page-size", "1MiB", "--pool-dir", str(tmp_path), "--no-metrics"])
+    assert code == 2
+    assert "--capacity" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_stats_without_server_exits_1_naming_the_command(tmp_path, capsys):
+    """`kvdepot stats` against nothing fails within its timeout and names `kvdepot serve`."""
+    code = main(["stats", "--address", f"ipc://{tmp_path}/none.sock", "--timeout", "0.3"])
+    assert code == 1
+    assert "kvdepot serve" in capsys.readouterr().err
+
+
+def test_entry_point_commands_are_added_and_broken_ones_skipped(monkeypatch, capsys):
+    """Subcommands from the kvdepot.commands group run; a plugin that fails to load is skipped."""
+
+    class FakeEP:
+        def __init__(self, name, target):
+            self.name, self.value, self._target = name, f"fake:{name}", target
+
+        def load(self):
+            if isinstance(self._target, Exception):
+                raise self._target
+            return self._target
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"hello {args.who}")
+        return 7
+
+    demo = SimpleCommand("demo", "say hello", lambda p: p.add_argument("--who", default="x"), run)
+    monkeypatch.setattr(
+        cli, "entry_points", lambda group: [FakeEP("demo", demo), FakeEP("broken", ImportError("no vllm"))]
+    )
+    assert main(["demo", "--who", "kv"]) == 7
+    captured = capsys.readouterr()
+    assert "hello kv" in captured.out
+    assert "broken" in captured.err
+
+
+def test_stats_table_shows_the_figures():
+    """The stats table shows use, hit ratio and per-salt usage with quotas."""
+    reply = StatsReply(
+        capacity_bytes=1 << 30,
+        used_bytes=1 << 29,
+        chunks=10,
+        hits=3,
+        misses=1,
+        salt_bytes={"tenant": 1 << 20},
+        extra={"quota:tenant": 2 << 20, "salt_chunks:tenant": 4},
+    )
+    text = format_stats(reply)
+    assert "512.0 MiB of 1.0 GiB (50.0%)" in text
+    assert "75.0%" in text
+    assert "tenant" in text
+    assert "2.0 MiB" in text
+
+
+def test_stats_json_is_plain_data():
+    """The JSON form carries every field plus the hit ratio."""
+    from kvdepot.server._stats import stats_dict
+
+    data = stats_dict(StatsReply(hits=1, misses=1))
+    assert json.loads(json.dumps(data))["hit_ratio"] == 0.5

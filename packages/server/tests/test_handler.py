@@ -1,0 +1,114 @@
+"""The server answers the kvdepot protocol end to end (in-memory transport, real pool file)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvdepot.server import PoolMapping
+from kvdepot.transport import (
+    CacheClient,
+    NotRegisteredError,
+    RemoteInvalidArgumentError,
+    UnknownReservationError,
+)
+
+CHUNK = 1000
+T = 5.0
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+@pytest.fixture
+def server(make_server):
+    return make_server()
+
+
+@pytest.fixture
+def client(server):
+    with CacheClient(server.address, timeout=T, client_name="test") as c:
+        yield c
+
+
+def test_store_then_lookup_reads_back_the_bytes(server, client):
+    """Bytes written into reserved slots and committed come back from a lookup by another client."""
+    reg = client.register("layout", 256, CHUNK).result(T)
+    assert reg.pool.size == server.pool.size
+    assert reg.slot_alignment == 64
+    keys = [key(i) for i in range(3)]
+    res = client.reserve("salt", keys, CHUNK).result(T)
+    assert [s.index for s in res.slots] == [0, 1, 2]
+    assert not res.full
+    with PoolMapping(reg.pool.path, reg.pool.size) as pool:
+        for slot in res.slots:
+            pool.write(slot.offset, bytes([slot.index + 1]) * slot.length)
+        assert client.commit(res.reservation_id).result(T).committed == 3
+        with CacheClient(server.address, timeout=T) as other:
+            other.register("layout", 256, CHUNK).result(T)
+            (hit,) = other.lookup([("salt", [*keys, key(9)])]).result(T).results
+            assert hit.num_hits == 3
+            assert [pool.read(s.offset, s.length) for s in hit.slots] == [bytes([i + 1]) * CHUNK for i in range(3)]
+            assert other.release([hit.lease_id]).result(T).released == 1
+
+
+def test_data_requests_before_register_are_refused(client):
+    """A reserve from a client that never registered fails with not_registered."""
+    with pytest.raises(NotRegisteredError, match="Register"):
+        client.reserve("", [key(1)], CHUNK).result(T)
+
+
+def test_unknown_reservation_is_a_typed_error(client):
+    """Committing a reservation that does not exist fails with unknown_reservation."""
+    client.register("layout", 256, CHUNK).result(T)
+    with pytest.raises(UnknownReservationError):
+        client.commit(12345).result(T)
+
+
+def test_chunk_larger_than_a_page_is_an_invalid_argument(client):
+    """Registering chunks larger than a page names --page-size in the error."""
+    with pytest.raises(RemoteInvalidArgumentError, match="--page-size"):
+        client.register("layout", 256, 10_000).result(T)
+
+
+def test_stats_and_quotas_round_trip(server, client):
+    """Stats reports capacity, use and per-salt bytes; quotas are set and read back."""
+    client.register("layout", 256, CHUNK).result(T)
+    res = client.reserve("t", [key(1)], CHUNK).result(T)
+    client.commit(res.reservation_id).result(T)
+    assert client.set_quota("t", 8192).result(T).quotas == {"t": 8192}
+    assert client.get_quotas().result(T).quotas == {"t": 8192}
+    stats = client.stats().result(T)
+    assert stats.capacity_bytes == server.allocator.capacity
+    assert stats.chunks == 1
+    assert stats.salt_bytes == {"t": 1024}
+    assert stats.extra["quota:t"] == 8192
+    assert client.clear("t").result(T).removed == 1
+
+
+def test_end_session_reclaims_leases_and_reservations(server, client):
+    """EndSession returns everything the client held."""
+    client.register("layout", 256, CHUNK).result(T)
+    res = client.reserve("", [key(1), key(2)], CHUNK).result(T)
+    client.commit(res.reservation_id, [0]).result(T)
+    client.lookup([("", [key(1)])]).result(T)
+    client.end_session().result(T)
+    stats = server.index.stats()
+    assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 0, 0)
+
+
+def test_silent_client_is_reclaimed(make_server):
+    """A client that stops sending (no heartbeats) loses its leases and reservations after the peer timeout."""
+    server = make_server(peer_timeout=0.5)
+    client = CacheClient(server.address, timeout=T, heartbeat_interval=60.0)
+    client.register("layout", 256, CHUNK).result(T)
+    client.reserve("", [key(1)], CHUNK).result(T)
+    assert server.index.stats().reservations == 1
+    deadline = time.monotonic() + 5
+    while server.index.stats().reservations and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.index.stats().reservations == 0
+    assert server.index.stats().clients == 0
+    client.close(end_session=False)
