@@ -133,7 +133,10 @@ class Connection:
         self._loop = IOLoop.shared()
         self._closed = False
         self._closed_event = threading.Event()
-        # I/O thread state
+        # Everything below is guarded by _lock: the I/O thread holds it while it works, and a
+        # submitting thread takes it to send directly when the connection is ready (no hop).
+        self._lock = threading.RLock()
+        self._handed_over = 0  # submissions on their way to the I/O thread (keeps order)
         self.state = "connecting"
         self.ever_connected = False
         self.server_id: str | None = None
@@ -182,8 +185,15 @@ class Connection:
             for call in live:
                 _settle(call.future, exc=self._closed_error())
             return
-        if live:
-            self._loop.call_soon(self._enqueue, live)
+        if not live:
+            return
+        with self._lock:
+            if self.state == "ready" and not self._handed_over and not self._queue:
+                self._track(live)
+                self._send(live)  # straight onto the socket from this thread
+                return
+            self._handed_over += 1
+        self._loop.call_soon(self._enqueue, live)
 
     def close(self, timeout: float = 1.0) -> None:
         """Fails what is pending with TransportClosedError and closes the link."""
@@ -202,19 +212,28 @@ class Connection:
     # -- I/O thread: requests ------------------------------------------------------------
 
     def _open(self) -> None:
-        self._loop.add_timers(self)
-        self._link.open()
+        with self._lock:
+            self._loop.add_timers(self)
+            self._link.open()
 
-    def _enqueue(self, calls: list[Call]) -> None:
-        if self.state == "closed":
-            for call in calls:
-                _settle(call.future, exc=self._closed_error())
-            return
+    def _track(self, calls: list[Call]) -> None:
         for call in calls:
             dq = self._deadlines.get(call.timeout)
             if dq is None:
                 dq = self._deadlines[call.timeout] = deque()
             dq.append(call)
+
+    def _enqueue(self, calls: list[Call]) -> None:
+        with self._lock:
+            self._handed_over -= 1
+            self._enqueue_locked(calls)
+
+    def _enqueue_locked(self, calls: list[Call]) -> None:
+        if self.state == "closed":
+            for call in calls:
+                _settle(call.future, exc=self._closed_error())
+            return
+        self._track(calls)
         if self.state == "failed":
             for call in calls:
                 _settle(call.future, exc=self._failed_error())
@@ -262,6 +281,10 @@ class Connection:
 
     def on_connected(self) -> None:
         """The link reached a server: say Hello before anything else."""
+        with self._lock:
+            self._on_connected_locked()
+
+    def _on_connected_locked(self) -> None:
         if self.state not in ("connecting",):
             return
         if self.ever_connected:
@@ -273,6 +296,10 @@ class Connection:
 
     def on_disconnected(self) -> None:
         """The link lost its server: requests in flight fail now, queued ones wait."""
+        with self._lock:
+            self._on_disconnected_locked()
+
+    def _on_disconnected_locked(self) -> None:
         if self.state in ("closed", "failed", "connecting"):
             return
         self._set_connecting()
@@ -297,6 +324,10 @@ class Connection:
 
     def on_frames(self, frames: list[bytes]) -> None:
         """Reply frames from the server."""
+        with self._lock:
+            self._on_frames_locked(frames)
+
+    def _on_frames_locked(self, frames: list[bytes]) -> None:
         for frame in frames:
             try:
                 reply = decode_reply(frame, max_frame_bytes=self.max_frame_bytes * HARD_LIMIT_FACTOR)
@@ -383,6 +414,10 @@ class Connection:
 
     def next_timer(self) -> float | None:
         """The earliest deadline or heartbeat due."""
+        with self._lock:
+            return self._next_timer_locked()
+
+    def _next_timer_locked(self) -> float | None:
         due: float | None = None
         for dq in self._deadlines.values():
             while dq and dq[0].future.done():
@@ -397,6 +432,10 @@ class Connection:
 
     def on_timer(self, now: float) -> None:
         """Fails calls past their deadline and sends a heartbeat when one is due."""
+        with self._lock:
+            self._on_timer_locked(now)
+
+    def _on_timer_locked(self, now: float) -> None:
         for dq in self._deadlines.values():
             while dq and (dq[0].future.done() or dq[0].deadline <= now):
                 call = dq.popleft()
@@ -428,6 +467,10 @@ class Connection:
         return DeadlineExceededError(message, address=self.address, timeout=call.timeout, request=name)
 
     def _close_io(self) -> None:
+        with self._lock:
+            self._close_io_locked()
+
+    def _close_io_locked(self) -> None:
         self.state = "closed"
         calls = list(self._inflight.values()) + list(self._queue)
         self._inflight.clear()
@@ -441,12 +484,19 @@ class Connection:
 
 
 class ZmqLink:
-    """A DEALER socket whose identity is the client id, watched through a socket monitor."""
+    """A DEALER socket whose identity is the client id, watched through a socket monitor.
+
+    Any thread may send, holding the connection's lock, so the I/O thread does not poll
+    the socket itself (that would race with those sends): it polls the socket's ZMQ_FD and
+    reads under the lock. ZMQ_FD only signals edges, so whoever touches the socket checks
+    ZMQ_EVENTS afterwards and makes sure pending replies get read.
+    """
 
     def __init__(self, conn: Connection, loop: IOLoop) -> None:
         self._conn = conn
         self._loop = loop
         self._sock: zmq.Socket[Any] | None = None
+        self._fd: int | None = None
         self._monitor: zmq.Socket[Any] | None = None
 
     def open(self) -> None:
@@ -462,29 +512,38 @@ class ZmqLink:
         self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sock.connect(self._conn.address)
         self._sock = sock
-        self._loop.add_reader(sock, self._readable)
+        self._fd = sock.getsockopt(zmq.FD)
+        self._loop.add_reader(self._fd, self._readable)
         self._loop.add_reader(self._monitor, self._monitor_event)
 
     def send(self, frames: list[bytes]) -> bool:
-        if self._sock is None:
+        """Sends one message (caller holds the connection lock); False if no server is connected."""
+        sock = self._sock
+        if sock is None:
             return False
         try:
-            self._sock.send_multipart(frames, zmq.NOBLOCK, copy=len(frames[0]) < 65536)
+            if len(frames) == 1:
+                sock.send(frames[0], zmq.NOBLOCK)
+            else:
+                sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        finally:
+            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
         return True
 
     def _readable(self) -> None:
-        sock = self._sock
-        for _ in range(MAX_RECV_PER_WAKE):
-            if sock is None:
-                return
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._conn.on_frames(frames)
+        conn = self._conn
+        with conn._lock:
             sock = self._sock
+            for _ in range(MAX_RECV_PER_WAKE):
+                if sock is None or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+                conn._on_frames_locked(frames)
+                sock = self._sock
+            self._loop.call_soon(self._readable)  # more to read; let timers run first
 
     def _monitor_event(self) -> None:
         while self._monitor is not None:
@@ -498,8 +557,10 @@ class ZmqLink:
                 self._conn.on_disconnected()
 
     def close(self) -> None:
+        if self._fd is not None:
+            self._loop.remove_reader(self._fd)
+            self._fd = None
         if self._sock is not None:
-            self._loop.remove_reader(self._sock)
             self._sock.disable_monitor()
             self._sock.close(0)
             self._sock = None

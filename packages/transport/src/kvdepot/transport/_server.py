@@ -43,6 +43,8 @@ MAX_MESSAGES_PER_POLL = 256
 SEND_HWM = 100_000
 # Poll at least this often so peer expiry runs even when nobody talks (seconds).
 MAX_POLL_INTERVAL = 1.0
+# Peer expiry is checked at most this often (seconds), keeping the per-message cost flat.
+EXPIRY_CHECK_INTERVAL = 0.1
 
 
 class _EndpointBase:
@@ -69,6 +71,7 @@ class _EndpointBase:
         self._stopping = threading.Event()
         self._closed = False
         self._serving = threading.Lock()
+        self._expire_at = 0.0
 
     @property
     def counters(self) -> dict[str, int]:
@@ -85,13 +88,14 @@ class _EndpointBase:
         what arrived, expires silent peers, and returns the number of messages handled."""
         if self._closed:
             raise TransportClosedError(f"the endpoint at {self.address} is closed")
+        now = time.monotonic()
+        if now >= self._expire_at:
+            self.dispatcher.expire()
+            due = self.dispatcher.next_expiry()
+            slack = min(self.dispatcher.peer_timeout, MAX_POLL_INTERVAL)
+            self._expire_at = now + slack if due is None else max(due, now + EXPIRY_CHECK_INTERVAL)
         wait = MAX_POLL_INTERVAL if timeout is None else timeout
-        expiry = self.dispatcher.next_expiry()
-        if expiry is not None:
-            wait = max(0.0, min(wait, expiry - time.monotonic()))
-        handled = self._poll(wait)
-        self.dispatcher.expire()
-        return handled
+        return self._poll(max(0.0, min(wait, self._expire_at - now)))
 
     def serve_forever(self) -> None:
         """Polls until `stop()` or `close()` is called (from any thread), then closes."""
@@ -190,23 +194,24 @@ class ServerEndpoint(_EndpointBase):
         log.info("endpoint_bound", address=self.address, server_id=self.server_id)
 
     def _poll(self, wait: float) -> int:
-        events = dict(self._poller.poll(int(wait * 1000)))
-        if self._wake_r in events:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_r, 4096)
-        handled = 0
         sock = self._sock
-        while handled < MAX_MESSAGES_PER_POLL:
-            try:
-                msg = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # sleep only when nothing is queued
+            for fd, _ in self._poller.poll(int(wait * 1000)):
+                if fd == self._wake_r:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+        handled = 0
+        while handled < MAX_MESSAGES_PER_POLL and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = sock.recv_multipart(zmq.NOBLOCK)
             handled += 1
             if len(msg) < 2:
                 continue  # ROUTER always prefixes the identity; nothing to answer
             replies = self.dispatcher.dispatch(msg[0], msg[1:])
             try:
-                sock.send_multipart([msg[0], *replies], zmq.NOBLOCK)
+                sock.send(msg[0], zmq.SNDMORE | zmq.NOBLOCK)
+                for frame in replies[:-1]:
+                    sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(replies[-1], zmq.NOBLOCK)
             except zmq.Again:
                 log.warning("reply_dropped", peer=msg[0].hex(), reason="peer queue full")
         return handled
