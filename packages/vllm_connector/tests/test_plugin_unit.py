@@ -139,10 +139,36 @@ def test_entry_point_logs_one_line_per_outcome(monkeypatch, plugin_log):
     monkeypatch.setattr(_plugin, "_vllm_registry", lambda: fake_registry)
     monkeypatch.setattr(_plugin, "lmcache_installed", lambda: False)
     monkeypatch.delenv(_plugin.TAKE_LMCACHE_ENV, raising=False)
-    monkeypatch.setattr(_plugin, "_logged", {})
+    monkeypatch.setattr(_plugin, "_state", {})
     _plugin.register()
     _plugin.register()
     lines = [r.getMessage() for r in plugin_log]
     assert len(lines) == 1
     assert "lmcache package is not installed" in lines[0]
     assert is_kvdepot_loader(fake_registry[LMCACHE_MP_NAME])
+
+
+def test_line_waits_for_a_handler(monkeypatch):
+    """Registered before logging is configured, the line is kept and logged by announce() later."""
+    fake_registry = {LMCACHE_MP_NAME: vllm_lmcache_loader}
+    monkeypatch.setattr(_plugin, "_vllm_registry", lambda: fake_registry)
+    monkeypatch.setattr(_plugin, "lmcache_installed", lambda: True)
+    monkeypatch.delenv(_plugin.TAKE_LMCACHE_ENV, raising=False)
+    monkeypatch.setattr(_plugin, "_state", {})
+    logger = logging.getLogger("vllm.kvdepot.plugin")
+    monkeypatch.setattr(logger, "propagate", False)  # no handler anywhere: like vLLM before it configures logging
+    _plugin.register()
+    assert _plugin._state["logged"] is False
+    handler = ListHandler()
+    logger.addHandler(handler)
+    try:
+        logger.setLevel(logging.INFO)
+        _plugin.announce()
+        _plugin.announce()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert [r.getMessage() for r in handler.records] == [
+        "kvdepot: registered KVDepotConnector; leaving LMCacheMPConnector to the installed lmcache package "
+        "(set KVDEPOT_TAKE_LMCACHE=1 to serve it with kvdepot)"
+    ]

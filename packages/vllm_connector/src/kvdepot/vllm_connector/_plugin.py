@@ -133,14 +133,31 @@ _MESSAGES = {
     ),
 }
 
-# The outcome last logged in this process: vLLM loads plugins once per process, and this keeps a
-# repeated call (tests, a second loader) quiet as well.
-_logged: dict[str, LMCacheNameOutcome] = {}
+# The outcome of this process's registration, and whether its line has been logged. vLLM loads
+# plugins before it configures logging in the front-end process (EngineArgs.__post_init__ runs
+# first), so a line logged then would be lost: it waits until a handler exists.
+_state: dict[str, object] = {}
 
 
 def register() -> None:
     """The `vllm.general_plugins` entry point: register kvdepot's connector names, log one line."""
     outcome = register_connectors()
-    if _logged.get("outcome") is not outcome:
-        _log.info(_MESSAGES[outcome], CONNECTOR_NAME, LMCACHE_MP_NAME)
-        _logged["outcome"] = outcome
+    if _state.get("outcome") is not outcome:
+        _state["outcome"] = outcome
+        _state["logged"] = False
+    announce()
+
+
+def announce() -> None:
+    """Log the registration line once per process, as soon as logging can show it.
+
+    The connector calls this when it is created, so the line appears even where the plugin ran
+    before vLLM configured its logging.
+    """
+    outcome = _state.get("outcome")
+    if not isinstance(outcome, LMCacheNameOutcome) or _state.get("logged"):
+        return
+    if not _log.hasHandlers():
+        return
+    _log.info(_MESSAGES[outcome], CONNECTOR_NAME, LMCACHE_MP_NAME)
+    _state["logged"] = True
