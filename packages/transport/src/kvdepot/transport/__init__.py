@@ -16,6 +16,7 @@ from kvdepot.transport._codec import (
     encode_reply,
     encode_request,
 )
+from kvdepot.transport._dict_handler import DictHandler
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT
 from kvdepot.transport._errors import (
     ERROR_CLASSES,
@@ -108,6 +109,7 @@ __all__ = [
     "Commit",
     "CommitReply",
     "DeadlineExceededError",
+    "DictHandler",
     "EndSession",
     "EndSessionReply",
     "ErrorReply",
