@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import attrs
 import torch
@@ -19,7 +19,7 @@ import torch
 from kvdepot.gpu._errors import BlockIdError, CopyArgumentError, PoolBoundsError, PoolDtypeError, SlotSizeError
 from kvdepot.gpu._layout import KVLayout, dtype_of_width, width_of
 
-BlockIds = Sequence[int] | torch.Tensor
+BlockIds: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
 @attrs.frozen
@@ -247,4 +247,4 @@ def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
 
 
 def _width(view: torch.Tensor) -> int:
-    return view.element_size()
+    return int(view.element_size())

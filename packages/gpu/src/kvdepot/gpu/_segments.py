@@ -41,7 +41,7 @@ class SegmentTable:
         follows = (self.kv_offsets[1:] - self.kv_offsets[:-1] == self.seg_words) & (
             self.slot_offsets[1:] - self.slot_offsets[:-1] == self.seg_words
         )
-        starts = torch.cat([torch.zeros(1, dtype=torch.bool), ~follows]).nonzero().flatten()
+        starts = torch.cat([torch.ones(1, dtype=torch.bool), ~follows]).nonzero().flatten()
         ends = torch.cat([starts[1:], torch.tensor([n])])
         return self.kv_offsets[starts], self.slot_offsets[starts], (ends - starts) * self.seg_words
 

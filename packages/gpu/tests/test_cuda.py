@@ -1,0 +1,96 @@
+"""The real CUDA path: CudaCopier against the plain-torch reference. Skipped without a CUDA device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvdepot.gpu import CudaCopier, KVLayout, open_copier
+from kvdepot.gpu._triton import available as triton_available
+from kvdepot.gpu.testing import LAYOUT_NAMES, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+METHODS = ["dma", "triton"] if triton_available() else ["dma"]
+
+
+def _host_pool(nbytes: int) -> torch.Tensor:
+    return torch.full((nbytes,), 0xA5, dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("name", LAYOUT_NAMES)
+def test_cuda_gather_and_scatter_match_reference(name: str, method: str) -> None:
+    """Gathered slots equal the reference; scattered blocks equal their slots; skipped and unnamed blocks stay."""
+    case = build_case(name, torch.bfloat16, seed=31, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv, case.block_size, backend_hint=case.hint)
+    size = layout.chunk_bytes(3)
+    pool = _host_pool(3 * size)
+    with CudaCopier(layout, pool, method=method) as copier:
+        assert copier.method == method
+        chunks, offsets = [[9, 2, 4], [0, 11, 3]], [2 * size, 0]
+        copier.gather(chunks, offsets, slot_size=size).wait()
+        for blocks, offset in zip(chunks, offsets, strict=True):
+            assert torch.equal(pool[offset : offset + size], chunk_bytes(case, blocks).cpu())
+        pool[size : 2 * size] = random_bytes(size, seed=32)
+        before = snapshot(case)
+        handle = copier.scatter([size], [[5, 6, 7]], skip_blocks=1, slot_size=size)
+        handle.wait_stream()
+        handle.wait()
+        assert handle.done()
+    slot = pool[size : 2 * size].view(len(case.layers), 3, -1)
+    for index, layer in enumerate(case.layers):
+        assert torch.equal(block_bytes(case, layer, 5), before[(layer, 5)])
+        assert torch.equal(block_bytes(case, layer, 6).cpu(), slot[index, 1])
+        assert torch.equal(block_bytes(case, layer, 7).cpu(), slot[index, 2])
+        for block in (0, 1, 2, 3, 4, 8, 9, 10, 11):
+            assert torch.equal(block_bytes(case, layer, block), before[(layer, block)])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gather_is_ordered_after_the_compute_stream(method: str) -> None:
+    """A gather queued right after a kernel that writes the blocks sees the written bytes."""
+    case = build_case("shared_layer_major", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv)
+    pool = _host_pool(layout.chunk_bytes(2))
+    with CudaCopier(layout, pool, method=method) as copier:
+        torch.cuda._sleep(50_000_000)  # keep the compute stream busy so an unordered copy would read early
+        for t in case.kv.values():
+            t[3:5].fill_(1.5)
+        copier.gather([[3, 4]], [0]).wait()
+    expected = torch.full((pool.numel() // 2,), 1.5, dtype=torch.float16)
+    assert torch.equal(pool.view(torch.float16), expected)
+
+
+def test_completion_is_observable_without_blocking() -> None:
+    """done() answers at once while the copy waits behind busy compute, and turns true after wait()."""
+    case = build_case("cpu", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv)
+    pool = _host_pool(layout.chunk_bytes(1))
+    with open_copier(layout, pool) as copier:
+        torch.cuda._sleep(200_000_000)
+        handle = copier.gather([[0]], [0])
+        assert handle.done() is False
+        handle.wait()
+        assert handle.done() is True
+
+
+def test_registration_is_undone_on_close_and_optional() -> None:
+    """The pool is registered once and unregistered by close; without registration copies still work."""
+    case = build_case("flash_attn", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv, backend_hint="FLASH_ATTN")
+    pool = _host_pool(layout.chunk_bytes(2))
+    copier = CudaCopier(layout, pool)
+    assert copier.registered
+    copier.close()
+    assert not copier.registered
+    again = CudaCopier(layout, pool)  # registering twice would fail if close had not unregistered
+    assert again.registered
+    again.close()
+    with CudaCopier(layout, pool, register=False) as plain:
+        assert plain.method == "dma"
+        plain.gather([[1, 2]], [0]).wait()
+    assert torch.equal(pool, chunk_bytes(case, [1, 2]).cpu())
