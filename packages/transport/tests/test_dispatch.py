@@ -1,0 +1,126 @@
+"""Unit tests of the I/O-free server side: Dispatcher and the handler error mapping."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import kvdepot.transport as t
+from kvdepot.core import InvalidArgumentError
+from kvdepot.transport._dispatch import Dispatcher, error_reply_from
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _ask(d: Dispatcher, identity: bytes, *bodies: Any, request_id: int = 1) -> list[t.Reply]:
+    frames = [t.encode_request(t.Request(request_id + i, b)) for i, b in enumerate(bodies)]
+    return [t.decode_reply(f) for f in d.dispatch(identity, frames)]
+
+
+def _hello(client_id: str = "c1") -> t.Hello:
+    return t.Hello(t.PROTOCOL_VERSION, client_id)
+
+
+@pytest.fixture
+def clock() -> _Clock:
+    return _Clock()
+
+
+@pytest.fixture
+def handler() -> t.DictHandler:
+    return t.DictHandler()
+
+
+@pytest.fixture
+def disp(handler: t.DictHandler, clock: _Clock) -> Dispatcher:
+    return Dispatcher(handler, clock=clock, peer_timeout=5.0)
+
+
+def test_requests_before_hello_are_refused(disp: Dispatcher) -> None:
+    """A peer that never said Hello gets hello_required and reaches no handler."""
+    (reply,) = _ask(disp, b"p", t.Stats())
+    assert reply.body == t.ErrorReply("hello_required", reply.body.message)  # type: ignore[union-attr]
+
+
+def test_version_mismatch_names_both_versions(disp: Dispatcher) -> None:
+    """A Hello of another version is refused with both versions in message and fields."""
+    (reply,) = _ask(disp, b"p", t.Hello(t.PROTOCOL_VERSION + 1, "c1"))
+    body = reply.body
+    assert isinstance(body, t.ErrorReply)
+    assert body.code == "version_mismatch"
+    assert body.fields == {"client_version": t.PROTOCOL_VERSION + 1, "server_version": t.PROTOCOL_VERSION}
+    assert not disp.peers
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (t.UnknownLeaseError("x", lease_id=4), "unknown_lease"),
+        (InvalidArgumentError("bad", field="n"), "invalid_argument"),
+        (t.PoolFullError("full"), "pool_full"),
+        (RuntimeError("boom"), "internal"),
+        (KeyError("k"), "internal"),
+    ],
+)
+def test_exceptions_become_error_replies(exc: Exception, code: str) -> None:
+    """Exceptions with a known code keep it; InvalidArgumentError is invalid_argument; others internal."""
+    assert error_reply_from(exc).code == code
+
+
+def test_handler_exception_and_wrong_reply_type(disp: Dispatcher, handler: t.DictHandler) -> None:
+    """A raising handler and a handler answering with the wrong type both give one error reply."""
+    handler._stats = lambda peer, body: t.Pong()  # type: ignore[method-assign]
+    handler._clear = lambda peer, body: 1 / 0  # type: ignore[method-assign]
+    replies = _ask(disp, b"p", _hello(), t.Stats(), t.Clear(None), t.Ping())
+    assert [type(r.body).__name__ for r in replies] == ["HelloReply", "ErrorReply", "ErrorReply", "Pong"]
+    assert [r.id for r in replies] == [1, 2, 3, 4]
+    assert disp.counters["handler_failures"] == 2
+
+
+def test_silent_peers_are_gone_once(disp: Dispatcher, handler: t.DictHandler, clock: _Clock) -> None:
+    """expire() reports a peer silent past peer_timeout exactly once, and keeps talking peers."""
+    _ask(disp, b"a", _hello("a"))
+    _ask(disp, b"b", _hello("b"))
+    clock.now += 4.0
+    _ask(disp, b"b", t.Ping())
+    clock.now += 2.0
+    disp.expire()
+    disp.expire()
+    assert handler.gone == ["a"]
+    assert [p.client_id for p in disp.peers.values()] == ["b"]
+    assert disp.next_expiry() == pytest.approx(clock.now + 3.0)
+
+
+def test_end_session_forgets_without_peer_gone(disp: Dispatcher, handler: t.DictHandler, clock: _Clock) -> None:
+    """A peer that ended its session is dropped at once and never reported gone."""
+    _ask(disp, b"a", _hello("a"), t.EndSession())
+    clock.now += 60
+    disp.expire()
+    assert handler.gone == []
+    assert not disp.peers
+
+
+def test_auth_secret_is_checked(handler: t.DictHandler, clock: _Clock) -> None:
+    """With a secret, a Hello without it is unauthorized and one with it is welcome."""
+    d = Dispatcher(handler, clock=clock, auth_secret="pw")
+    (bad,) = _ask(d, b"a", t.Hello(t.PROTOCOL_VERSION, "a", "", "nope"))
+    (good,) = _ask(d, b"b", t.Hello(t.PROTOCOL_VERSION, "b", "", "pw"))
+    assert isinstance(bad.body, t.ErrorReply)
+    assert bad.body.code == "unauthorized"
+    assert isinstance(good.body, t.HelloReply)
+
+
+def test_too_many_frames_in_one_message(disp: Dispatcher) -> None:
+    """A message beyond the frame-count bound is answered with a single protocol error."""
+    frames = [b"x"] * 5000
+    (reply,) = disp.dispatch(b"p", frames)
+    body = t.decode_reply(reply).body
+    assert isinstance(body, t.ErrorReply)
+    assert body.code == "protocol"
