@@ -1,0 +1,212 @@
+"""The client against real sockets: fake servers, restarts under load, many threads, closing."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+import zmq
+
+import kvdepot.transport as t
+from kvdepot.transport._io import IOLoop
+from kvdepot.transport.testing import MemoryPair, ZmqPair, key, wait_until
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+class _FakeServer:
+    """A bare ROUTER that answers Hello properly and everything else with what `answer` returns."""
+
+    def __init__(self, address: str, answer: Any) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(address)
+        self.address = address
+        self.answer = answer
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            if not self.sock.poll(50):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            req = t.decode_request(frame)
+            if isinstance(req.body, t.Hello):
+                replies = [t.encode_reply(t.Reply(req.id, t.HelloReply(t.PROTOCOL_VERSION, "fake", "fake")))]
+            else:
+                replies = self.answer(req)
+            for reply in replies:
+                self.sock.send_multipart([ident, reply])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@pytest.fixture
+def ipc_address(tmp_path: Any) -> str:
+    return f"ipc://{tmp_path}/s.sock"
+
+
+def test_client_survives_bad_replies(ipc_address: str) -> None:
+    """Garbage, unknown ids and wrong reply types are counted or typed; the client keeps working."""
+
+    def answer(req: t.Request) -> list[bytes]:
+        if isinstance(req.body, t.Stats):  # a reply of the wrong type
+            return [t.encode_reply(t.Reply(req.id, t.Pong()))]
+        return [
+            b"\xffgarbage",
+            t.encode_reply(t.Reply(req.id + 10_000, t.Pong())),
+            t.encode_reply(t.Reply(req.id, t.Pong())),
+        ]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=5)
+    try:
+        assert isinstance(client.ping().result(5), t.Pong)
+        with pytest.raises(t.RemoteProtocolError, match="Stats with Pong"):
+            client.stats().result(5)
+        assert isinstance(client.ping().result(5), t.Pong)
+        assert client.counters["bad_replies"] >= 2
+        assert client.counters["late_replies"] >= 2
+    finally:
+        client.close(end_session=False)
+        server.close()
+
+
+def test_version_refusal_fails_fast_and_stays_failed(ipc_address: str) -> None:
+    """A server refusing our version fails pending and later requests with VersionMismatchError."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(ipc_address)
+    client = t.CacheClient(ipc_address, timeout=5)
+    try:
+        fut = client.ping()
+        assert sock.poll(5000)
+        ident, frame = sock.recv_multipart()
+        req = t.decode_request(frame)
+        refusal = t.ErrorReply("version_mismatch", "old", {"client_version": 1, "server_version": 2})
+        sock.send_multipart([ident, t.encode_reply(t.Reply(req.id, refusal))])
+        with pytest.raises(t.VersionMismatchError):
+            fut.result(5)
+        with pytest.raises(t.VersionMismatchError) as info:
+            client.stats().result(5)
+        assert info.value.server_version == 2
+    finally:
+        client.close(end_session=False)
+        sock.close(0)
+        ctx.term()
+
+
+def test_closed_client_fails_pending_and_new_requests() -> None:
+    """Closing fails what is waiting, and later calls, with TransportClosedError."""
+    client = t.CacheClient(f"memory://nobody-{os.getpid()}", timeout=30)
+    fut = client.ping()
+    client.close()
+    with pytest.raises(t.TransportClosedError):
+        fut.result(5)
+    with pytest.raises(t.TransportClosedError):
+        client.stats().result(5)
+
+
+def test_too_large_request_fails_locally() -> None:
+    """A request above max_frame_bytes fails its future with FrameTooLargeError, sending nothing."""
+    with MemoryPair() as pair:
+        pair.start_server(t.DictHandler())
+        client = pair.client(max_frame_bytes=1024)
+        with pytest.raises(t.FrameTooLargeError):
+            client.reserve("s", [key(i) for i in range(100)], 1).result(5)
+        assert isinstance(client.ping().result(5), t.Pong)
+
+
+def test_all_clients_share_one_io_thread() -> None:
+    """Creating clients does not create threads: one I/O thread serves them all."""
+    with MemoryPair() as pair:
+        pair.start_server(t.DictHandler())
+        first = pair.client()
+        first.ping().result(5)
+        before = threading.active_count()
+        clients = [pair.client() for _ in range(10)]
+        for c in clients:
+            c.ping().result(5)
+        assert threading.active_count() == before
+        assert sum(th.name == "kvdepot-transport-io" for th in threading.enumerate()) == 1
+        assert IOLoop.shared().thread.is_alive()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_pair", [MemoryPair, ZmqPair], ids=["memory", "ipc"])
+def test_restart_under_load(make_pair: Any) -> None:
+    """Several threads keep looking up through three server restarts; all recover and re-register."""
+    with make_pair() as pair:
+        pair.start_server(t.DictHandler())
+        clients = [pair.client(timeout=1.0) for _ in range(3)]
+        for i, c in enumerate(clients):
+            c.register(f"layout-{i}", 256, 4096).result(5)
+        stop = threading.Event()
+        unexpected: list[BaseException] = []
+        ok = [0] * 6
+
+        def load(n: int) -> None:
+            client = clients[n % 3]
+            while not stop.is_set():
+                try:
+                    client.lookup([("s", [key(n)])]).result(5)
+                    ok[n] += 1
+                except (t.TransportBrokenError, t.DeadlineExceededError):
+                    pass  # the server is down right now: a miss
+                except BaseException as exc:
+                    unexpected.append(exc)
+                    return
+
+        threads = [threading.Thread(target=load, args=(n,)) for n in range(6)]
+        for th in threads:
+            th.start()
+        try:
+            for _ in range(3):
+                assert wait_until(lambda: min(ok) > 0)
+                pair.stop_server()
+                handler = t.DictHandler()
+                pair.start_server(handler)
+                ok[:] = [0] * 6
+                assert wait_until(lambda: min(ok) > 0, timeout=10), ok
+                for i, c in enumerate(clients):
+                    assert handler.registered[c.client_id].layout == f"layout-{i}"
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(10)
+        assert not unexpected, unexpected[:3]
+
+
+@pytest.mark.parametrize("make_pair", [MemoryPair, ZmqPair], ids=["memory", "ipc"])
+def test_many_threads_one_client(make_pair: Any) -> None:
+    """Sixteen threads submitting through one client all get their own replies."""
+    with make_pair() as pair:
+        pair.start_server(t.DictHandler())
+        client = pair.client()
+        errors: list[BaseException] = []
+
+        def work(n: int) -> None:
+            try:
+                futs = [client.set_quota(f"{n}-{j}", j) for j in range(100)]
+                for j, f in enumerate(futs):
+                    assert f.result(10).quotas[f"{n}-{j}"] == j
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(16)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+        assert not errors, errors[:3]
+        assert len(client.get_quotas().result(5).quotas) == 1600
