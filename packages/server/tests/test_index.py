@@ -17,6 +17,7 @@ CHUNK = 1024  # four slots per page
 
 
 def make_index(pages: int = 2, **kwargs) -> ChunkIndex:
+    kwargs.setdefault("max_client_pending_bytes", pages * PAGE)
     index = ChunkIndex(SlabAllocator(pages * PAGE, PAGE), **kwargs)
     for client in ("a", "b"):
         index.register(client, CHUNK, now=0.0)
@@ -253,12 +254,13 @@ def test_closing_a_session_reclaims_everything():
     index.check()
 
 
-def test_data_requests_need_registration():
-    """Lookup and reserve from a client that never registered fail with not_registered."""
+def test_stores_need_registration_and_lookups_a_session():
+    """Reserve needs Register; a lookup needs only a session (a scheduler never registers a layout)."""
     index = make_index()
     index.touch("x", 0.0)
+    assert index.lookup("x", [("", [k(1)])], 0.0)[0].num_hits == 0
     with pytest.raises(NotRegisteredError):
-        index.lookup("x", [("", [k(1)])], 0.0)
+        index.lookup("nobody", [("", [k(1)])], 0.0)
     with pytest.raises(NotRegisteredError) as info:
         index.reserve("x", "", [k(1)], CHUNK, 0.0)
     assert info.value.code == "not_registered"
@@ -286,3 +288,17 @@ def test_per_client_lease_limit(monkeypatch):
     index.lookup("a", [("", [k(1)])], 0.0)
     with pytest.raises(TooManyError):
         index.lookup("a", [("", [k(1)])], 0.0)
+
+
+def test_one_client_cannot_fill_the_pool_with_pending_slots():
+    """A client's uncommitted reservations stop at its share of the pool; others can still store."""
+    index = ChunkIndex(SlabAllocator(2 * PAGE, PAGE), max_client_pending_bytes=3 * CHUNK)
+    index.register("a", CHUNK, 0.0)
+    index.register("b", CHUNK, 0.0)
+    out = index.reserve("a", "", [k(i) for i in range(8)], CHUNK, 0.0)
+    assert len(out.slots) == 3
+    assert out.full
+    assert len(index.reserve("b", "", [k(20), k(21)], CHUNK, 0.0).slots) == 2
+    index.commit("a", out.reservation_id, None, 0.0)
+    assert len(index.reserve("a", "", [k(30)], CHUNK, 0.0).slots) == 1
+    index.check()

@@ -47,6 +47,10 @@ DEFAULT_SESSION_TTL = 30.0
 # Live leases and reservations one client may hold: a bound on what one peer can pin.
 MAX_LEASES_PER_CLIENT = 1 << 16
 MAX_RESERVATIONS_PER_CLIENT = 1 << 16
+# Share of the pool one client may hold in uncommitted reservations: a store in progress is
+# at most a few engine steps of chunks, and a client that reserves without committing must
+# not be able to fill the pool with pending slots that nobody can evict.
+DEFAULT_MAX_CLIENT_PENDING_FRACTION = 0.5
 # Keys in one request, summed over its items, and the longest key and salt accepted.
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_BYTES = 64
@@ -89,6 +93,7 @@ class _Session:
     name: str
     last_seen: float
     chunk_bytes: int | None = None
+    pending_bytes: int = 0
     reservations: set[int] = attrs.field(factory=set)
     leases: set[int] = attrs.field(factory=set)
 
@@ -164,8 +169,12 @@ class ChunkIndex:
         lease_ttl: float = DEFAULT_LEASE_TTL,
         reservation_ttl: float = DEFAULT_RESERVATION_TTL,
         session_ttl: float = DEFAULT_SESSION_TTL,
+        max_client_pending_bytes: int | None = None,
     ) -> None:
         self.allocator = allocator
+        if max_client_pending_bytes is None:
+            max_client_pending_bytes = int(allocator.capacity * DEFAULT_MAX_CLIENT_PENDING_FRACTION)
+        self.max_client_pending_bytes = max_client_pending_bytes
         self.lease_ttl = lease_ttl
         self.reservation_ttl = reservation_ttl
         self.session_ttl = session_ttl
@@ -230,8 +239,9 @@ class ChunkIndex:
         """Give slots to keys neither committed nor pending, in order, until the pool is full.
 
         Keys already present are listed in `present` (and count as used). Placement stops at
-        the first key that cannot be placed without evicting leased or pending chunks or
-        breaking the salt's quota; `full` then says so. Never blocks.
+        the first key that cannot be placed without evicting leased or pending chunks,
+        breaking the salt's quota, or passing the client's bound on pending bytes; `full`
+        then says so. Never blocks.
         """
         session = self._data_session(client, now)
         _check_salt(salt)
@@ -257,6 +267,9 @@ class ChunkIndex:
                 continue
             if full:
                 continue
+            if session.pending_bytes + slot_size > self.max_client_pending_bytes:
+                full = True
+                continue
             offset = self._place(salt, slot_size)
             if offset is None:
                 full = True
@@ -266,6 +279,7 @@ class ChunkIndex:
             self._by_offset[offset] = entry
             self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
             self._pending += 1
+            session.pending_bytes += slot_size
             reservation.pending[index] = entry
             slots.append((index, offset, chunk_bytes))
         if full:
@@ -298,6 +312,7 @@ class ChunkIndex:
                 continue
             entry.committed = True
             self._pending -= 1
+            session.pending_bytes -= entry.slot_size
             self._chunks += 1
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
             self._lru[(entry.salt, entry.key)] = entry
@@ -319,8 +334,12 @@ class ChunkIndex:
     # -- retrieve -------------------------------------------------------------------------
 
     def lookup(self, client: str, items: Sequence[tuple[str, Sequence[bytes]]], now: float) -> list[LookupOutcome]:
-        """Per item, the longest prefix of committed keys, leased until release or expiry."""
-        session = self._data_session(client, now)
+        """Per item, the longest prefix of committed keys, leased until release or expiry.
+
+        A lookup needs a session (Hello) but no layout: a scheduler that only looks up never
+        registers one.
+        """
+        session = self._data_session(client, now, need_layout=False)
         _check_keys(sum(len(keys) for _, keys in items), ())
         if len(session.leases) + len(items) > MAX_LEASES_PER_CLIENT:
             raise TooManyError(
@@ -451,9 +470,9 @@ class ChunkIndex:
         self._next_id += 1
         return ident
 
-    def _data_session(self, client: str, now: float) -> _Session:
+    def _data_session(self, client: str, now: float, *, need_layout: bool = True) -> _Session:
         session = self._sessions.get(client)
-        if session is None or session.chunk_bytes is None:
+        if session is None or (need_layout and session.chunk_bytes is None):
             raise NotRegisteredError(
                 "this client has not registered; send Register (layout, chunk_size, chunk_bytes) first",
                 client=client,
@@ -529,6 +548,8 @@ class ChunkIndex:
             session.reservations.discard(reservation.id)
         for entry in reservation.pending.values():
             self._pending -= 1
+            if session is not None:
+                session.pending_bytes -= entry.slot_size
             self._free_slot(entry)
         return len(reservation.pending)
 
@@ -570,6 +591,9 @@ class ChunkIndex:
         assert self._leased_chunks == sum(1 for e in self._entries.values() if e.leases)
         for lease in self._leases.values():
             assert lease.id in self._sessions[lease.client].leases
+        for session in self._sessions.values():
+            pending = [r for r in self._reservations.values() if r.client == session.client]
+            assert session.pending_bytes == sum(e.slot_size for r in pending for e in r.pending.values())
         for reservation in self._reservations.values():
             assert reservation.pending
             assert reservation.id in self._sessions[reservation.client].reservations

@@ -1,0 +1,198 @@
+"""The server under real processes, real ipc sockets and a real shared-memory pool."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvdepot.server import PoolMapping
+from kvdepot.transport import CacheClient, DeadlineExceededError, TransportBrokenError
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+CHUNK = 64 * 1024
+SMALL_POOL = ["--capacity", "4MiB", "--page-size", "1MiB"]  # 64 chunks of 64 KiB
+T = 5.0
+
+
+def key(salt: str, i: int) -> bytes:
+    import hashlib
+
+    return hashlib.sha256(f"{salt}/{i}".encode()).digest()
+
+
+def store(client: CacheClient, pool: PoolMapping, salt: str, keys: list[bytes], fill: int) -> int:
+    res = client.reserve(salt, keys, CHUNK).result(T)
+    for slot in res.slots:
+        pool.write(slot.offset, bytes([fill]) * slot.length)
+    return client.commit(res.reservation_id).result(T).committed if res.reservation_id else 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_cleanly_and_removes_socket_and_pool(serve, workdir, sig):
+    """SIGINT or SIGTERM ends `kvdepot serve` with exit 0 and removes its socket and pool file."""
+    server = serve(*SMALL_POOL)
+    assert server.pool_files()
+    assert (workdir / "kvdepot.sock").exists()
+    assert server.stop(sig) == 0
+    assert not server.pool_files()
+    assert not (workdir / "kvdepot.sock").exists()
+
+
+def test_stats_command_prints_table_and_json(serve):
+    """`kvdepot stats` prints a table with capacity and use, and JSON with --json."""
+    server = serve(*SMALL_POOL)
+    cmd = [sys.executable, "-m", "kvdepot.server._cli", "stats", "--address", server.address]
+    table = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=True).stdout
+    assert "4.0 MiB" in table
+    assert "hit ratio" in table
+    data = json.loads(subprocess.run([*cmd, "--json"], capture_output=True, text=True, timeout=30, check=True).stdout)
+    assert data["capacity_bytes"] == 4 << 20
+
+
+def test_bad_flag_exits_2_before_starting(workdir):
+    """A bad flag gives exit code 2 and a message, and leaves nothing behind."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server._cli", "serve", "--capacity", "64 parsecs", "--pool-dir", str(workdir)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "64GiB" in proc.stderr
+    assert not list(workdir.iterdir())
+
+
+def test_concurrent_stores_and_lookups_never_show_wrong_or_half_written_bytes(serve, workers):
+    """Several processes storing, evicting and reading the same keys only ever read complete, correct chunks."""
+    server = serve(*SMALL_POOL)
+    procs = [
+        workers.spawn("churn", server.address, "--seconds", "6", "--seed", str(i), "--keys", "64", "--slow-writes")
+        for i in range(3)
+    ]
+    # A fourth process with another chunk size makes pages change size class under pressure.
+    procs.append(
+        workers.spawn(
+            "churn", server.address, "--seconds", "6", "--seed", "9", "--chunk-bytes", "100000", "--salts", "1"
+        )
+    )
+    results = [workers.result(p, timeout=60) for p in procs]
+    assert sum(r["mismatches"] for r in results) == 0
+    assert sum(r["errors"] for r in results) == 0
+    assert sum(r["verified"] for r in results) > 0
+    stats = server.stats()
+    assert stats.evictions > 0, "the test must run under eviction pressure"
+    assert stats.used_bytes <= stats.capacity_bytes
+    assert (stats.leases, stats.reservations) == (0, 0)
+
+
+def test_client_killed_mid_store_and_mid_retrieve_is_reclaimed(serve, workers, wait_until):
+    """SIGKILL of a client holding reservations and leases gives all of it back, and the pool is whole again."""
+    server = serve(*SMALL_POOL, "--peer-timeout", "1")
+    with CacheClient(server.address, timeout=T) as client:
+        reg = client.register("test-layout", 256, CHUNK).result(T)
+        with PoolMapping(reg.pool.path, reg.pool.size) as pool:
+            assert store(client, pool, "tenant-0", [key("tenant-0", i) for i in range(8)], 7) == 8
+            holder = workers.spawn("hold", server.address, "--keys", "8", "--salt", "tenant-0")
+            line = holder.stdout.readline()
+            assert json.loads(line) == {"reserved": 8, "leased": 8}
+            stats = server.stats()
+            assert (stats.leases, stats.reservations) == (1, 1)
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+            stats = wait_until(lambda: (s := server.stats()).leases == 0 and s.reservations == 0 and s, timeout=15)
+            assert stats, "the killed client's leases and reservations were not reclaimed"
+            assert stats.used_bytes == 8 * CHUNK
+            # The whole pool can be filled again: nothing leaked.
+            free_chunks = (stats.capacity_bytes - stats.used_bytes) // CHUNK
+            res = client.reserve("fill", [key("fill", i) for i in range(free_chunks)], CHUNK).result(T)
+            assert len(res.slots) == free_chunks
+            assert not res.full
+            client.abort(res.reservation_id).result(T)
+
+
+def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir):
+    """With the server killed, requests fail within their deadline; after a restart the same client works again."""
+    server = serve(*SMALL_POOL)
+    reconnects = []
+    with CacheClient(server.address, timeout=2.0, on_reconnect=lambda h, r: reconnects.append(r)) as client:
+        first = client.register("test-layout", 256, CHUNK).result(T)
+        server.stop(signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises((DeadlineExceededError, TransportBrokenError)):
+            client.lookup([("s", [key("s", 1)])]).result(10)
+        assert time.monotonic() - started < 2.0 + 3.0, "the error came later than the deadline allows"
+        restarted = serve(*SMALL_POOL)
+        assert len(restarted.pool_files()) == 1, "the dead server's pool file was not cleaned up"
+
+        def works() -> bool:
+            try:
+                client.reserve("s", [key("s", 1)], CHUNK).result(2.0)
+            except Exception:
+                return False
+            return True
+
+        deadline = time.monotonic() + 20
+        while not works():
+            assert time.monotonic() < deadline, "the client never reconnected"
+            time.sleep(0.2)
+        assert reconnects, "the client did not report a reconnect"
+        assert reconnects[-1] is not None
+        assert reconnects[-1].pool.path != first.pool.path
+
+
+def test_fuzz_hostile_frames_while_a_good_client_gets_correct_answers(serve, workers):
+    """100,000+ malformed or hostile frames from several peers leave the server up and a good client served."""
+    server = serve("--capacity", "32MiB", "--page-size", "1MiB")
+    peers = [workers.spawn("fuzz", server.address, "--frames", "35000", "--seed", str(i)) for i in range(3)]
+    good_rounds = 0
+    with CacheClient(server.address, timeout=10.0) as client:
+        reg = client.register("test-layout", 256, CHUNK).result(T)
+        with PoolMapping(reg.pool.path, reg.pool.size) as pool:
+            while any(p.poll() is None for p in peers) or good_rounds < 5:
+                keys = [key("good", good_rounds * 2), key("good", good_rounds * 2 + 1)]
+                assert store(client, pool, "good", keys, good_rounds % 251) == 2
+                (hit,) = client.lookup([("good", keys)]).result(10.0).results
+                assert hit.num_hits == 2
+                assert all(pool.read(s.offset, s.length) == bytes([good_rounds % 251]) * CHUNK for s in hit.slots)
+                client.release([hit.lease_id]).result(10.0)
+                good_rounds += 1
+    results = [workers.result(p, timeout=120) for p in peers]
+    assert sum(r["sent"] for r in results) >= 100_000
+    assert server.alive()
+    stats = server.stats()
+    assert stats.extra["transport_bad_frames"] >= 90_000
+    assert good_rounds >= 5
+
+
+@pytest.mark.slow
+def test_load_keeps_capacity_returns_leases_and_rss_flat(serve, workers):
+    """Clients at full rate: the capacity bound holds, leases and reservations return to zero, RSS stays flat."""
+    server = serve(*SMALL_POOL)
+    warmup = [workers.spawn("churn", server.address, "--seconds", "2", "--seed", str(100 + i)) for i in range(2)]
+    for proc in warmup:
+        workers.result(proc, timeout=60)
+    rss_before = server.rss()
+    procs = [
+        workers.spawn("churn", server.address, "--seconds", "8", "--seed", str(i), "--keys", "200") for i in range(4)
+    ]
+    peak_used = 0
+    while any(p.poll() is None for p in procs):
+        stats = server.stats()
+        assert stats.used_bytes <= stats.capacity_bytes
+        peak_used = max(peak_used, stats.used_bytes)
+        time.sleep(0.2)
+    results = [workers.result(p, timeout=60) for p in procs]
+    assert sum(r["mismatches"] + r["errors"] for r in results) == 0
+    stats = server.stats()
+    assert (stats.leases, stats.reservations) == (0, 0)
+    assert stats.extra["pending_chunks"] == 0
+    assert peak_used > stats.capacity_bytes // 2
+    growth = server.rss() - rss_before
+    assert growth < 16 << 20, f"server RSS grew by {growth} bytes under load"
