@@ -1,0 +1,269 @@
+"""`KVDepotConnector`: vLLM's KV connector API on top of a kvdepot server.
+
+A thin adapter. The scheduler half (`_scheduler.py`) feeds `kvdepot.core.Planner`; the
+worker half (`_worker.py`) moves blocks with `kvdepot.gpu`; both talk to the server
+through `kvdepot.transport.CacheClient`.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+    SupportsHMA,
+)
+
+from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
+from kvdepot.transport import CacheClient, default_address
+from kvdepot.vllm_connector._config import ConnectorConfig
+from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats
+from kvdepot.vllm_connector._scheduler import SchedulerSide
+from kvdepot.vllm_connector._server import ensure_server
+from kvdepot.vllm_connector._worker import WorkerSide
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvdepot")
+
+
+class ConnectorConfigError(KVDepotError, ValueError):
+    """The engine's configuration cannot work with kvdepot; the message says what to change."""
+
+
+def layout_name(vllm_config: VllmConfig) -> str:
+    """The KV layout as both halves can derive it from the config alone (part of every key)."""
+    from vllm.platforms import current_platform
+
+    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    return "|".join(
+        str(part)
+        for part in (
+            current_platform.device_type,
+            model.dtype,
+            cache.cache_dtype,
+            f"L{model.get_num_layers(parallel)}",
+            f"H{model.get_num_kv_heads(parallel)}",
+            f"D{model.get_head_size()}",
+            f"B{cache.block_size}",
+            f"mla{int(model.use_mla)}",
+            f"tp{parallel.tensor_parallel_size}",
+            f"pp{parallel.pipeline_parallel_size}",
+        )
+    )
+
+
+class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
+    """Stores computed KV chunks in a kvdepot server and loads hits instead of recomputing."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        cache = vllm_config.cache_config
+        parallel = vllm_config.parallel_config
+        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
+        if groups > 1:
+            raise ConnectorConfigError(
+                f"kvdepot stores models with one KV-cache group; this model has {groups} (sliding-window or hybrid "
+                "attention). Start vLLM with --disable-hybrid-kv-cache-manager so every layer shares one group, or "
+                "run without the kvdepot connector.",
+                groups=groups,
+            )
+        self.config = ConnectorConfig.from_extra_config(
+            ktc.kv_connector_extra_config,
+            lmcache_backend=getattr(cache, "kv_offloading_backend", None) == "lmcache",
+            offloading_gib=getattr(cache, "kv_offloading_size", None),
+        )
+        block_size = cache.block_size
+        if self.config.chunk_size % block_size:
+            raise ConnectorConfigError(
+                f"kvdepot.chunk_size {self.config.chunk_size} is not a multiple of the engine's block size "
+                f"{block_size}; set kvdepot.chunk_size to a multiple of {block_size}",
+                chunk_size=self.config.chunk_size,
+                block_size=block_size,
+            )
+        use_mla = bool(vllm_config.model_config.use_mla)
+        if role == KVConnectorRole.WORKER:
+            strategy = _worker_strategy(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, use_mla)
+        else:
+            strategy = ParallelStrategy.from_config(
+                parallel.world_size, 0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, use_mla
+            )
+        address = self.config.address or default_address()
+        if self.config.start_server:
+            ensure_server(address, capacity=self.config.capacity, timeout=self.config.timeout)
+        self.client = CacheClient(
+            address,
+            timeout=self.config.timeout,
+            heartbeat_interval=self.config.heartbeat_interval,
+            client_name=f"vllm-{role.name.lower()}-{strategy.rank}-{uuid.uuid4().hex[:8]}",
+            auth_secret=self.config.auth or None,
+        )
+        _check_server(self.client, self.config.timeout)
+        name = layout_name(vllm_config)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.kv_load_failure_policy != "recompute":
+                # A failed load must be recomputed, never turned into a failed request.
+                ktc.kv_load_failure_policy = "recompute"
+            namespace = Namespace(
+                model=str(vllm_config.model_config.model), layout=name, kv_world_size=strategy.kv_world_size
+            )
+            self._scheduler = SchedulerSide(
+                namespace,
+                block_size=block_size,
+                chunk_size=self.config.chunk_size,
+                client=self.client,
+                lookup_timeout=self.config.lookup_timeout,
+            )
+        else:
+            self._worker = WorkerSide(
+                client=self.client,
+                strategy=strategy,
+                chunk_size=self.config.chunk_size,
+                block_size=block_size,
+                layout_name=name,
+                model=str(vllm_config.model_config.model),
+                backend_hint=_backend_name(vllm_config),
+                fail_loads=self.config.fail_loads,
+            )
+        log.info(
+            "kvdepot connector (%s) using server %s, chunk size %d tokens",
+            role.name.lower(),
+            address,
+            self.config.chunk_size,
+        )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: requests never wait for a store to be delivered
+
+    # -- scheduler side ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    # -- worker side ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVDepotMetadata)
+        self._worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-model copies done in start_load_kv
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # stores are whole-model copies done in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVDepotMetadata)
+        self._worker.wait_for_save(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, None  # loads and stores complete inside their step
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_failed_blocks() if self._worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self._worker.take_worker_meta() if self._worker is not None else None
+
+    # -- both ----------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            return self._worker.take_stats()
+        if self._scheduler is not None and not self._scheduler.stats.is_empty():
+            stats, self._scheduler.stats = self._scheduler.stats, KVDepotStats()
+            return stats
+        return None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVDepotStats.from_data(data) if data is not None else KVDepotStats()
+
+    def shutdown(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.client.close()
+
+
+def _worker_strategy(tp_size: int, pp_size: int, use_mla: bool) -> ParallelStrategy:
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp_rank = get_tp_group().rank_in_group
+    pp_rank = get_pp_group().rank_in_group
+    return ParallelStrategy.from_config(tp_size * pp_size, pp_rank * tp_size + tp_rank, tp_size, pp_size, use_mla)
+
+
+def _backend_name(vllm_config: VllmConfig) -> str | None:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
+
+        return str(get_current_attn_backend(vllm_config).get_name())
+    except Exception:
+        return None
+
+
+def _check_server(client: CacheClient, timeout: float) -> None:
+    """Fail at start, within the timeout, when nothing answers at the address."""
+    try:
+        client.ping().result(timeout=timeout + 1)
+    except Exception as exc:
+        client.close(end_session=False)
+        raise ConnectorConfigError(
+            f"no kvdepot server answers at {client.address}: {exc}. Start one with "
+            f"`kvdepot serve --address {client.address}`, or set kvdepot.start_server=true.",
+            address=client.address,
+        ) from exc

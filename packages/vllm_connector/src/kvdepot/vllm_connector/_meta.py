@@ -1,0 +1,104 @@
+"""What travels between the connector's halves inside vLLM: plain dataclasses of bytes and ints.
+
+vLLM carries the scheduler's metadata to every worker and the workers' metadata back,
+through its own executor; nothing here goes over kvdepot's wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+
+@dataclass
+class LoadOp:
+    """Scatter leased chunks into a request's blocks (the first ``skip_blocks`` stay untouched)."""
+
+    req_id: str
+    server_id: str
+    slots: list[list[int]]  # per KV rank: pool offsets of the chunks, in order
+    block_ids: list[int]  # blocks_per_chunk blocks per chunk, in order
+    skip_blocks: int
+    num_tokens: int
+
+
+@dataclass
+class StoreOp:
+    """Gather a request's full chunks into the pool under their keys."""
+
+    req_id: str
+    salt: str
+    keys: list[list[bytes]]  # per KV rank
+    block_ids: list[int]
+
+
+@dataclass
+class KVDepotMetadata(KVConnectorMetadata):
+    """One engine step's loads and stores, built by the scheduler for every worker."""
+
+    loads: list[LoadOp] = field(default_factory=list)
+    stores: list[StoreOp] = field(default_factory=list)
+
+
+@dataclass
+class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
+    """Which loads of the step finished and which failed, on any worker."""
+
+    loaded: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVDepotWorkerMetadata)
+        return KVDepotWorkerMetadata(self.loaded | other.loaded, self.failed | other.failed)
+
+
+#: Counters reported through vLLM's connector stats (summed over workers and steps).
+STAT_COUNTERS = (
+    "lookups",
+    "lookup_hit_tokens",
+    "lookup_misses_timeout",
+    "loaded_tokens",
+    "loaded_bytes",
+    "load_failures",
+    "stored_chunks",
+    "stored_bytes",
+    "store_skipped",
+)
+
+
+@dataclass
+class KVDepotStats(KVConnectorStats):
+    """Connector counters, plus lookup latency as a sum and a count."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = dict.fromkeys(STAT_COUNTERS, 0)
+        self.data["lookup_seconds_sum"] = 0.0
+
+    def add(self, name: str, value: float = 1) -> None:
+        self.data[name] = self.data.get(name, 0) + value
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for name, value in other.data.items():
+            if isinstance(value, int | float):
+                self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if k != "lookup_seconds_sum"}
+        lookups = self.data.get("lookups", 0)
+        out["lookup_ms_avg"] = round(1000 * self.data.get("lookup_seconds_sum", 0.0) / lookups, 3) if lookups else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any] | None) -> KVDepotStats:
+        return cls(data=dict(data or {}))

@@ -1,0 +1,278 @@
+"""The scheduler half of the connector: lookups, planning, and lease bookkeeping.
+
+All accounting is `kvdepot.core.Planner`'s; this half turns vLLM's scheduler calls into
+planner events, batches a step's lookups into one message, and never waits on the server.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from kvdepot.core import Namespace, Planner, RequestState
+from kvdepot.transport import LookupItem
+from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from kvdepot.transport import CacheClient
+
+log = logging.getLogger("vllm.kvdepot.scheduler")
+
+_RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
+
+
+def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
+    """Digests of what the KV depends on besides token ids; None if the request cannot be cached.
+
+    Multimodal inputs are identified by vLLM's content hashes and their positions. Prompt
+    embeddings have no token ids at all (vLLM reports zeros), so such requests are not cached.
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    digests = []
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = getattr(feature, "mm_position", None)
+        text = f"{feature.identifier}|{getattr(pos, 'offset', '')}|{getattr(pos, 'length', '')}"
+        digests.append(hashlib.sha256(text.encode()).digest())
+    return tuple(digests)
+
+
+class SchedulerSide:
+    """Drives the planner from vLLM's scheduler hooks."""
+
+    def __init__(
+        self, namespace: Namespace, *, block_size: int, chunk_size: int, client: CacheClient, lookup_timeout: float
+    ) -> None:
+        self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
+        self.client = client
+        self.kv_world_size = namespace.kv_world_size
+        self.lookup_timeout = lookup_timeout
+        self.stats = KVDepotStats()
+        self._requests: dict[str, Request] = {}
+        self._uncacheable: set[str] = set()
+        # Lookups of this step, sent together by build_connector_meta.
+        self._batch: list[tuple[str, str, list[list[bytes]]]] = []
+        # req_id -> (future of the step's lookup reply, index of its first item, time sent)
+        self._lookups: dict[str, tuple[Future[Any] | None, int, float]] = {}
+        self._slots: dict[str, list[list[int]]] = {}
+        self._loads: list[LoadOp] = []
+        self._server_id = ""
+
+    # -- vLLM scheduler hooks --------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        if req_id in self._uncacheable:
+            return 0, False
+        if req_id not in self.planner:
+            digests = request_extra_digests(request)
+            if digests is None:
+                self._uncacheable.add(req_id)
+                return 0, False
+            lora = getattr(request, "lora_request", None)
+            self.planner.add_request(
+                req_id, cache_salt=request.cache_salt, lora=lora.lora_name if lora else None, extra=digests
+            )
+            self._requests[req_id] = request
+        tracker = self.planner.get(req_id)
+        if tracker.state in _RUNNING:  # back in the waiting queue: it was preempted
+            self.planner.on_preempted(req_id)
+            self._flush_releases()
+        if tracker.state in (RequestState.NEW, RequestState.PREEMPTED):
+            keys = self.planner.start_lookup(req_id, request.all_token_ids)
+            if keys is not None:
+                self._batch.append((req_id, tracker.cache_salt, keys))
+                self._lookups[req_id] = (None, 0, time.monotonic())
+                return None, False
+        if tracker.state is RequestState.PREFETCHING and not self._poll_lookup(req_id):
+            return None, False
+        return self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens), False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        req_id = request.request_id
+        if req_id in self._uncacheable or req_id not in self.planner:
+            return
+        tracker = self.planner.get(req_id)
+        if tracker.state not in (RequestState.LOOKED_UP, RequestState.NEW, RequestState.PREEMPTED):
+            return  # a second call for the same allocation
+        plan = self.planner.on_allocated(req_id, block_ids, num_external_tokens)
+        slots = self._slots.pop(req_id, None)
+        if plan is not None:
+            assert slots is not None
+            end = plan.first_chunk + plan.num_chunks
+            self._loads.append(
+                LoadOp(
+                    req_id=req_id,
+                    server_id=self._server_id,
+                    slots=[rank_slots[plan.first_chunk : end] for rank_slots in slots],
+                    block_ids=list(plan.block_ids),
+                    skip_blocks=plan.skip_blocks,
+                    num_tokens=plan.num_tokens,
+                )
+            )
+        self._flush_releases()
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
+        self._send_lookups()
+        meta = KVDepotMetadata(loads=self._loads)
+        self._loads = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), new.block_ids[0], replace=True)
+        cached = scheduler_output.scheduled_cached_reqs
+        for index, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[index]
+            resumed = req_id in cached.resumed_req_ids
+            self._plan_store(
+                meta, req_id, scheduled.get(req_id, 0), new_blocks[0] if new_blocks else [], replace=resumed
+            )
+        for req_id in scheduler_output.preempted_req_ids or ():
+            if req_id in self.planner and self.planner.get(req_id).state in _RUNNING:
+                self.planner.on_preempted(req_id)
+        self._flush_releases()
+        return meta
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        worker_meta = output.kv_connector_worker_meta
+        if isinstance(worker_meta, KVDepotWorkerMetadata):
+            for req_id in worker_meta.failed:
+                request = self._requests.get(req_id)
+                if request is not None and self._waiting_for_load(req_id):
+                    self.planner.on_load_failed(req_id, request.num_computed_tokens)
+                    self.stats.add("load_failures")
+            for req_id in worker_meta.loaded - worker_meta.failed:
+                if self._waiting_for_load(req_id):
+                    self.planner.on_load_done(req_id)
+        self._flush_releases()
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        req_id = request.request_id
+        self._uncacheable.discard(req_id)
+        self._requests.pop(req_id, None)
+        self._slots.pop(req_id, None)
+        self._batch = [item for item in self._batch if item[0] != req_id]
+        pending = self._lookups.pop(req_id, None)
+        ended = self.planner.abort(req_id) if _was_aborted(request) else self.planner.finish(req_id)
+        if ended and pending is not None:
+            # The lookup is still out: whatever leases its reply brings are released on arrival.
+            self.planner.on_lookup_done(req_id, [0], ())
+            self._release_on_arrival(req_id, pending)
+        self._flush_releases()
+        # Stores finish inside the step that planned them (wait_for_save), so blocks can go at once.
+        return False, None
+
+    def shutdown(self) -> None:
+        for req_id in list(self._requests):
+            self.planner.abort(req_id)
+        self._flush_releases()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _waiting_for_load(self, req_id: str) -> bool:
+        return req_id in self.planner and self.planner.get(req_id).state is RequestState.WAITING_FOR_LOAD
+
+    def _plan_store(
+        self, meta: KVDepotMetadata, req_id: str, num_tokens: int, block_ids: list[int], *, replace: bool
+    ) -> None:
+        if req_id not in self.planner or self.planner.get(req_id).state not in _RUNNING:
+            return
+        request = self._requests[req_id]
+        plan = self.planner.on_scheduled(req_id, num_tokens, request.all_token_ids, block_ids, replace_blocks=replace)
+        if plan is not None:
+            meta.stores.append(
+                StoreOp(
+                    req_id=req_id,
+                    salt=plan.cache_salt,
+                    keys=[list(k) for k in plan.keys],
+                    block_ids=list(plan.block_ids),
+                )
+            )
+
+    def _send_lookups(self) -> None:
+        if not self._batch:
+            return
+        batch, self._batch = self._batch, []
+        items = [LookupItem(salt=salt, keys=rank_keys) for _req, salt, keys in batch for rank_keys in keys]
+        try:
+            future: Future[Any] = self.client.lookup(items)
+        except Exception as exc:  # the server is unreachable: every lookup is a miss
+            log.warning("kvdepot lookup could not be sent, counting %d requests as misses: %s", len(batch), exc)
+            future = Future()
+            future.set_exception(exc)
+        for index, (req_id, _salt, _keys) in enumerate(batch):
+            sent_at = self._lookups.get(req_id, (None, 0, time.monotonic()))[2]
+            self._lookups[req_id] = (future, index * self.kv_world_size, sent_at)
+
+    def _poll_lookup(self, req_id: str) -> bool:
+        """Apply the lookup reply if it is in; True once the request is looked up."""
+        future, first, sent_at = self._lookups[req_id]
+        if future is None or not future.done():
+            if time.monotonic() - sent_at < self.lookup_timeout:
+                return False
+            log.warning("kvdepot lookup for %s took over %.1fs; counting it as a miss", req_id, self.lookup_timeout)
+            self.stats.add("lookup_misses_timeout")
+            del self._lookups[req_id]
+            if future is not None:
+                self._release_on_arrival(req_id, (future, first, sent_at))
+            self.planner.on_lookup_done(req_id, [0], ())
+            return True
+        del self._lookups[req_id]
+        hits, leases, slots = [0], [], []
+        try:
+            results = future.result().results[first : first + self.kv_world_size]
+            if len(results) == self.kv_world_size:
+                hits = [r.num_hits for r in results]
+                leases = [r.lease_id for r in results]
+                slots = [[s.offset for s in r.slots] for r in results]
+        except Exception as exc:
+            log.warning("kvdepot lookup for %s failed, counting it as a miss: %s", req_id, exc)
+        self._server_id = getattr(self.client, "server_id", "") or ""
+        self.planner.on_lookup_done(req_id, hits, leases)
+        tracker = self.planner.get(req_id)
+        self.stats.add("lookups")
+        self.stats.add("lookup_seconds_sum", time.monotonic() - sent_at)
+        self.stats.add("lookup_hit_tokens", tracker.hit_chunks * self.planner.chunk_size)
+        if tracker.hit_chunks:
+            self._slots[req_id] = [rank_slots[: tracker.hit_chunks] for rank_slots in slots]
+        return True
+
+    def _release_on_arrival(self, req_id: str, pending: tuple[Future[Any] | None, int, float]) -> None:
+        """Release whatever leases a reply we no longer wait for brings when it arrives."""
+        future, first, _ = pending
+        if future is None:
+            return
+        world = self.kv_world_size
+
+        def release(done: Future[Any]) -> None:
+            try:
+                leases = [r.lease_id for r in done.result().results[first : first + world] if r.lease_id]
+            except Exception:
+                return
+            if leases:
+                self._send_release(leases)
+
+        future.add_done_callback(release)
+
+    def _flush_releases(self) -> None:
+        leases = self.planner.take_releases()
+        if leases:
+            self._send_release(leases)
+
+    def _send_release(self, leases: list[int]) -> None:
+        try:
+            self.client.release(leases)
+        except Exception as exc:  # the server expires them by itself
+            log.warning("kvdepot could not release %d leases (they will expire): %s", len(leases), exc)
+
+
+def _was_aborted(request: Request) -> bool:
+    from vllm.v1.request import RequestStatus
+
+    return request.status == RequestStatus.FINISHED_ABORTED

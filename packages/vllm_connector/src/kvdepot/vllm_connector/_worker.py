@@ -1,0 +1,232 @@
+"""The worker half of the connector: maps the pool, and moves blocks in and out of it.
+
+Loads run in `start_load_kv` (before the forward pass when the step has one), stores in
+`wait_for_save` (after it). Both finish inside the step, so vLLM never frees or reads a
+block a copy still uses. A failed load is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+from typing import TYPE_CHECKING, Any
+
+from kvdepot.core import ParallelStrategy
+from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvdepot.gpu import KVLayout
+    from kvdepot.transport import CacheClient, HelloReply, RegisterReply
+
+log = logging.getLogger("vllm.kvdepot.worker")
+
+
+class _PoolMapping:
+    """The server's shared-memory pool, mapped read-write once per server instance."""
+
+    def __init__(self, path: str, size: int, server_id: str, layout: KVLayout) -> None:
+        import torch
+
+        from kvdepot.gpu import open_copier
+
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        self.server_id = server_id
+        self.size = size
+        # One copier per mapping: on CUDA it registers the pool for DMA once.
+        self.copier = open_copier(layout, self.tensor)
+
+    def close(self) -> None:
+        self.copier.close()
+        del self.tensor
+        try:
+            self.mmap.close()
+        except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
+            pass
+
+
+class WorkerSide:
+    """Moves one rank's chunks between its paged KV cache and the server's pool."""
+
+    def __init__(
+        self,
+        *,
+        client: CacheClient,
+        strategy: ParallelStrategy,
+        chunk_size: int,
+        block_size: int,
+        layout_name: str,
+        model: str,
+        backend_hint: str | None,
+        fail_loads: bool = False,
+    ) -> None:
+        self.client = client
+        self.strategy = strategy
+        self.chunk_size = chunk_size
+        self.blocks_per_chunk = chunk_size // block_size
+        self.layout_name = layout_name
+        self.model = model
+        self.backend_hint = backend_hint
+        self.fail_loads = fail_loads
+        self.layout: KVLayout | None = None
+        self.chunk_bytes = 0
+        self.stats = KVDepotStats()
+        self._pool: _PoolMapping | None = None
+        self._lock = threading.Lock()
+        self._failed_blocks: set[int] = set()
+        self._step_meta = KVDepotWorkerMetadata()
+
+    # -- set-up ---------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from kvdepot.gpu import KVLayout
+
+        self.layout = KVLayout.from_kv_caches(kv_caches, backend_hint=self.backend_hint)
+        self.chunk_bytes = self.layout.chunk_bytes(self.blocks_per_chunk)
+        self.client.on_reconnect = self._on_reconnect  # type: ignore[attr-defined]
+        try:
+            reply = self.client.register(
+                self.layout_name,
+                self.chunk_size,
+                self.chunk_bytes,
+                self.strategy.kv_world_size,
+                self.strategy.kv_rank,
+                self.model,
+            ).result()
+        except Exception as exc:
+            log.warning(
+                "kvdepot worker could not register with %s; running without the cache until it answers: %s",
+                self.client.address,
+                exc,
+            )
+            return
+        self._map(reply, self.client.server_id or "")
+        log.info(
+            "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s",
+            self.strategy.rank,
+            self.layout.fingerprint(),
+            self.chunk_bytes,
+            reply.pool.path,
+        )
+
+    def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
+        if register is not None:
+            self._map(register, hello.server_id)
+
+    def _map(self, reply: RegisterReply, server_id: str) -> None:
+        with self._lock:
+            if self._pool is not None and self._pool.server_id == server_id:
+                return
+            assert self.layout is not None
+            try:
+                pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout)
+            except OSError as exc:
+                log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
+                return
+            old, self._pool = self._pool, pool
+        if old is not None:
+            old.close()
+
+    # -- loads ------------------------------------------------------------------------
+
+    def start_load_kv(self, meta: KVDepotMetadata) -> None:
+        for op in meta.loads:
+            try:
+                self._load(op)
+            except Exception as exc:
+                log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", op.req_id, exc)
+                self._step_meta.failed.add(op.req_id)
+                self._failed_blocks.update(op.block_ids[op.skip_blocks :])
+                self.stats.add("load_failures")
+            else:
+                self._step_meta.loaded.add(op.req_id)
+
+    def _load(self, op: LoadOp) -> None:
+        if self.fail_loads:
+            raise RuntimeError("kvdepot.test.fail_loads is set")
+        pool = self._pool
+        if self.layout is None or pool is None:
+            raise RuntimeError("the pool is not mapped")
+        if op.server_id and op.server_id != pool.server_id:
+            raise RuntimeError(f"the lease is from server {op.server_id}, the mapped pool from {pool.server_id}")
+        slots = op.slots[self.strategy.kv_rank]
+        bpc = self.blocks_per_chunk
+        blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(len(slots))]
+        pool.copier.scatter(slots, blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
+        self.stats.add("loaded_tokens", op.num_tokens)
+        self.stats.add("loaded_bytes", len(slots) * self.chunk_bytes)
+
+    # -- stores -------------------------------------------------------------------------
+
+    def wait_for_save(self, meta: KVDepotMetadata) -> None:
+        if not meta.stores or not self.strategy.stores:
+            return
+        pool = self._pool
+        if self.layout is None or pool is None or self.client.server_id != pool.server_id:
+            self.stats.add("store_skipped", len(meta.stores))
+            return
+        ops = [op for op in meta.stores if op.req_id not in self._step_meta.failed]
+        self.stats.add("store_skipped", len(meta.stores) - len(ops))
+        rank = self.strategy.kv_rank
+        try:
+            with self.client.batch() as batch:
+                futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes) for op in ops]
+            replies = [f.result() for f in futures]
+        except Exception as exc:
+            log.warning("kvdepot stores skipped this step, the server did not answer: %s", exc)
+            self.stats.add("store_skipped", len(ops))
+            return
+        commits = []
+        for op, reply in zip(ops, replies, strict=True):
+            commits.append(self._store(op, reply, pool))
+        for future in commits:
+            try:
+                if future is not None:
+                    future.result()
+            except Exception as exc:
+                log.warning("kvdepot commit failed; the chunks stay invisible and expire: %s", exc)
+
+    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> Any:
+        if not reply.slots:
+            return None
+        assert self.layout is not None
+        bpc = self.blocks_per_chunk
+        blocks = [op.block_ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
+        try:
+            pool.copier.gather(blocks, [s.offset for s in reply.slots], slot_size=self.chunk_bytes).wait()
+        except Exception as exc:
+            log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
+            return self.client.abort(reply.reservation_id)
+        self.stats.add("stored_chunks", len(reply.slots))
+        self.stats.add("stored_bytes", len(reply.slots) * self.chunk_bytes)
+        return self.client.commit(reply.reservation_id)
+
+    # -- step results -------------------------------------------------------------------
+
+    def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
+        meta, self._step_meta = self._step_meta, KVDepotWorkerMetadata()
+        return meta if (meta.loaded or meta.failed) else None
+
+    def take_failed_blocks(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_stats(self) -> KVDepotStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, KVDepotStats()
+        return out
+
+    def shutdown(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
