@@ -529,7 +529,7 @@ class ZmqLink:
         except zmq.Again:
             return False
         finally:
-            if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                 self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
         return True
 
@@ -538,7 +538,7 @@ class ZmqLink:
         with conn._lock:
             sock = self._sock
             for _ in range(MAX_RECV_PER_WAKE):
-                if sock is None or not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if sock is None or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
                     return
                 frames = sock.recv_multipart(zmq.NOBLOCK)
                 conn._on_frames_locked(frames)

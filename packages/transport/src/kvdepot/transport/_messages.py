@@ -65,7 +65,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     auth: Name = ""
 
 
-class Register(_Body, tag="register"):
+class Register(_Body, frozen=True, tag="register"):
     """Declares the KV layout this client stores and loads; answered with the pool to map."""
 
     layout: Name
@@ -76,20 +76,20 @@ class Register(_Body, tag="register"):
     model: Name = ""
 
 
-class LookupItem(_Inner):
+class LookupItem(_Inner, frozen=True):
     """The chunk keys of one request, under its cache salt."""
 
     salt: Name
     keys: Keys
 
 
-class Lookup(_Body, tag="lookup"):
+class Lookup(_Body, frozen=True, tag="lookup"):
     """All lookups of one engine step; each item is answered with its longest committed prefix."""
 
     items: Annotated[list[LookupItem], msgspec.Meta(max_length=MAX_ITEMS_PER_LOOKUP)]
 
 
-class Reserve(_Body, tag="reserve"):
+class Reserve(_Body, frozen=True, tag="reserve"):
     """Asks for slots to store `keys`; keys already present or pending are skipped."""
 
     salt: Name
@@ -97,51 +97,51 @@ class Reserve(_Body, tag="reserve"):
     chunk_bytes: Count
 
 
-class Commit(_Body, tag="commit"):
+class Commit(_Body, frozen=True, tag="commit"):
     """Makes reserved chunks visible to lookups; `indices=None` commits all of them."""
 
     reservation_id: Id
     indices: Indices | None = None
 
 
-class Abort(_Body, tag="abort"):
+class Abort(_Body, frozen=True, tag="abort"):
     """Gives back every uncommitted slot of a reservation."""
 
     reservation_id: Id
 
 
-class Release(_Body, tag="release"):
+class Release(_Body, frozen=True, tag="release"):
     """Ends leases taken by lookups, so their chunks may be evicted again."""
 
     lease_ids: Ids
 
 
-class EndSession(_Body, tag="end_session"):
+class EndSession(_Body, frozen=True, tag="end_session"):
     """The client is leaving: the server reclaims its leases and reservations now."""
 
 
-class Stats(_Body, tag="stats"):
+class Stats(_Body, frozen=True, tag="stats"):
     """Asks for the server's counters."""
 
 
-class Clear(_Body, tag="clear"):
+class Clear(_Body, frozen=True, tag="clear"):
     """Removes the stored chunks of one salt, or of every salt when `salt` is None."""
 
     salt: Name | None = None
 
 
-class Ping(_Body, tag="ping"):
+class Ping(_Body, frozen=True, tag="ping"):
     """Liveness probe and heartbeat; answered with Pong."""
 
 
-class SetQuota(_Body, tag="set_quota"):
+class SetQuota(_Body, frozen=True, tag="set_quota"):
     """Limits the bytes one salt may hold; `max_bytes=None` removes the limit."""
 
     salt: Name
     max_bytes: Count | None
 
 
-class GetQuotas(_Body, tag="get_quotas"):
+class GetQuotas(_Body, frozen=True, tag="get_quotas"):
     """Asks for every quota in force."""
 
 
@@ -160,7 +160,7 @@ RequestBody = (
     | SetQuota
     | GetQuotas
 )
-REQUEST_TYPES: tuple[type, ...] = RequestBody.__args__  # type: ignore[attr-defined]
+REQUEST_TYPES: tuple[type, ...] = RequestBody.__args__
 
 
 # --- replies ----------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class PoolInfo(msgspec.Struct, frozen=True):
     size: Count
 
 
-class RegisterReply(_Body, tag="register_reply"):
+class RegisterReply(_Body, frozen=True, tag="register_reply"):
     """The chunk size the server uses, the pool to map, and the alignment of every slot."""
 
     chunk_size: Count
@@ -193,14 +193,14 @@ class RegisterReply(_Body, tag="register_reply"):
     slot_alignment: Count = 1
 
 
-class Slot(_Inner):
+class Slot(_Inner, frozen=True):
     """Where one chunk's bytes lie in the pool."""
 
     offset: Count
     length: Count
 
 
-class LookupResult(_Inner):
+class LookupResult(_Inner, frozen=True):
     """Longest committed prefix of one lookup item, its lease and where its chunks are.
 
     `lease_id` is 0 when there were no hits and so no lease was taken.
@@ -211,13 +211,13 @@ class LookupResult(_Inner):
     slots: list[Slot]
 
 
-class LookupReply(_Body, tag="lookup_reply"):
+class LookupReply(_Body, frozen=True, tag="lookup_reply"):
     """One result per lookup item, in the same order."""
 
     results: list[LookupResult]
 
 
-class ReservedSlot(_Inner):
+class ReservedSlot(_Inner, frozen=True):
     """A slot to fill for `keys[index]` of the reservation."""
 
     index: Count
@@ -225,7 +225,7 @@ class ReservedSlot(_Inner):
     length: Count
 
 
-class ReserveReply(_Body, tag="reserve_reply"):
+class ReserveReply(_Body, frozen=True, tag="reserve_reply"):
     """Slots for the keys that were neither committed nor pending; `full` if some did not fit."""
 
     reservation_id: Id
@@ -234,29 +234,29 @@ class ReserveReply(_Body, tag="reserve_reply"):
     full: bool = False
 
 
-class CommitReply(_Body, tag="commit_reply"):
+class CommitReply(_Body, frozen=True, tag="commit_reply"):
     """How many chunks became visible."""
 
     committed: Count
 
 
-class AbortReply(_Body, tag="abort_reply"):
+class AbortReply(_Body, frozen=True, tag="abort_reply"):
     """How many reserved slots were freed."""
 
     freed: Count
 
 
-class ReleaseReply(_Body, tag="release_reply"):
+class ReleaseReply(_Body, frozen=True, tag="release_reply"):
     """How many leases ended."""
 
     released: Count
 
 
-class EndSessionReply(_Body, tag="end_session_reply"):
+class EndSessionReply(_Body, frozen=True, tag="end_session_reply"):
     """The session's resources are reclaimed."""
 
 
-class StatsReply(_Body, tag="stats_reply"):
+class StatsReply(_Body, frozen=True, tag="stats_reply"):
     """The server's counters. `extra` holds counters newer than this protocol version."""
 
     capacity_bytes: Count = 0
@@ -274,17 +274,17 @@ class StatsReply(_Body, tag="stats_reply"):
     extra: dict[str, FieldValue] = {}
 
 
-class ClearReply(_Body, tag="clear_reply"):
+class ClearReply(_Body, frozen=True, tag="clear_reply"):
     """How many chunks were removed."""
 
     removed: Count
 
 
-class Pong(_Body, tag="pong"):
+class Pong(_Body, frozen=True, tag="pong"):
     """Answer to Ping."""
 
 
-class QuotaReply(_Body, tag="quota_reply"):
+class QuotaReply(_Body, frozen=True, tag="quota_reply"):
     """Every quota in force, in bytes per salt."""
 
     quotas: dict[str, int]
@@ -313,7 +313,7 @@ ReplyBody = (
     | QuotaReply
     | ErrorReply
 )
-REPLY_TYPES: tuple[type, ...] = ReplyBody.__args__  # type: ignore[attr-defined]
+REPLY_TYPES: tuple[type, ...] = ReplyBody.__args__
 
 #: The reply type that answers each request type (besides ErrorReply, which answers any).
 REPLY_FOR: dict[type, type] = {

@@ -195,13 +195,13 @@ class ServerEndpoint(_EndpointBase):
 
     def _poll(self, wait: float) -> int:
         sock = self._sock
-        if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # sleep only when nothing is queued
+        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # sleep only when nothing is queued
             for fd, _ in self._poller.poll(int(wait * 1000)):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
         handled = 0
-        while handled < MAX_MESSAGES_PER_POLL and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             msg = sock.recv_multipart(zmq.NOBLOCK)
             handled += 1
             if len(msg) < 2:
