@@ -111,10 +111,14 @@ def test_client_killed_mid_store_and_mid_retrieve_is_reclaimed(serve, workers, w
             assert stats.used_bytes == 8 * CHUNK
             # The whole pool can be filled again: nothing leaked.
             free_chunks = (stats.capacity_bytes - stats.used_bytes) // CHUNK
-            res = client.reserve("fill", [key("fill", i) for i in range(free_chunks)], CHUNK).result(T)
-            assert len(res.slots) == free_chunks
-            assert not res.full
-            client.abort(res.reservation_id).result(T)
+            filled = sum(
+                store(client, pool, "fill", [key("fill", i) for i in range(start, start + 8)], 1)
+                for start in range(0, free_chunks, 8)
+            )
+            assert filled == free_chunks
+            stats = server.stats()
+            assert stats.evictions == 0
+            assert stats.used_bytes == stats.capacity_bytes
 
 
 def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir):
