@@ -9,7 +9,8 @@ session of an environment holding kvdepot-vllm:
   question), so config tests for `--kv-offloading-backend lmcache` pass without lmcache and
   start nothing.
 - `tiny_llama`: the path of a small random fp32 Llama model with its tokenizer, built once and
-  cached under pytest's cache directory (or `$KVDEPOT_MODEL_CACHE`).
+  cached under pytest's cache directory (or `$KVDEPOT_MODEL_CACHE`); `bench_llama` the same for
+  the larger benchmark model.
 
 Importing this module imports neither vLLM nor torch; the fixtures import them when used.
 `testing.StubConnector` (the no-op connector class) is resolved on access, and imports vLLM.
@@ -40,6 +41,7 @@ __all__ = [
     "STUB_MODULE",
     "TINY_LLAMA",
     "ConnectorRegistryPatch",
+    "bench_llama",
     "build_tiny_llama",
     "is_complete",
     "model_cache_dir",
@@ -153,3 +155,11 @@ def tiny_llama(request: pytest.FixtureRequest) -> Path:
     pytest.importorskip("transformers", reason="building the test model needs transformers")
     pytest.importorskip("tokenizers", reason="building the test model needs tokenizers")
     return build_tiny_llama(model_cache_dir(request.config) / "tiny-llama", **TINY_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def bench_llama(request: pytest.FixtureRequest) -> Path:
+    """Path of the larger benchmark model (`BENCH_LLAMA` parameters), built once and cached."""
+    pytest.importorskip("transformers", reason="building the test model needs transformers")
+    pytest.importorskip("tokenizers", reason="building the test model needs tokenizers")
+    return build_tiny_llama(model_cache_dir(request.config) / "bench-llama", **BENCH_LLAMA)
