@@ -63,3 +63,13 @@ def test_stale_pool_of_dead_server_is_removed(tmp_path):
     live.write_bytes(b"x")
     assert remove_stale_pools(tmp_path) == [dead]
     assert live.exists()
+
+
+def test_mapping_address_supports_native_copies(tmp_path):
+    """`address` points at the mapping, so a native memmove lands in the pool."""
+    import ctypes
+
+    with SharedPool.create(1 << 16, tmp_path) as pool, PoolMapping(pool.path, pool.size) as client:
+        data = ctypes.create_string_buffer(b"native", 6)
+        ctypes.memmove(client.address + 128, data, 6)
+        assert client.read(128, 6) == b"native"

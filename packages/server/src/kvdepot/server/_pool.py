@@ -10,6 +10,7 @@ someone writes them (tmpfs allocates on first touch).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
@@ -169,6 +170,19 @@ class PoolMapping:
         self.path = str(path)
         self.size = size
         self._view = memoryview(self._mmap)
+        self._anchor: ctypes.Array[ctypes.c_char] | None = None
+
+    @property
+    def address(self) -> int:
+        """The virtual address of the mapping's first byte in this process.
+
+        For native copies (`ctypes.memmove`, which releases the GIL) and for registering the
+        pool with a device (e.g. cudaHostRegister). Valid until `close()`.
+        """
+        if self._anchor is None:
+            assert self._mmap is not None, "pool mapping is closed"
+            self._anchor = (ctypes.c_char * self.size).from_buffer(self._mmap)
+        return ctypes.addressof(self._anchor)
 
     def view(self, offset: int, length: int) -> memoryview:
         """The bytes of one slot, without copying."""
@@ -186,6 +200,7 @@ class PoolMapping:
         if self._mmap is None:
             return
         self._view.release()
+        self._anchor = None
         with contextlib.suppress(BufferError):
             self._mmap.close()
         self._mmap = None
