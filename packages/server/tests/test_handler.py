@@ -112,3 +112,16 @@ def test_silent_client_is_reclaimed(make_server):
     assert server.index.stats().reservations == 0
     assert server.index.stats().clients == 0
     client.close(end_session=False)
+
+
+def test_gone_connection_of_a_client_still_connected_keeps_its_session(server):
+    """A stale connection reported gone does not reclaim a client that is connected under another identity."""
+    from kvdepot.transport import PeerInfo
+
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        client.reserve("", [key(1)], CHUNK).result(T)
+        server.handler.peer_gone(PeerInfo(client.client_id, identity=b"old-connection"))
+        assert server.index.stats().reservations == 1
+        server.handler.peer_gone(PeerInfo("someone-else"))
+        assert server.index.stats().reservations == 1

@@ -80,7 +80,7 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
             structlog.processors.dict_tracebacks if fmt == "json" else structlog.dev.set_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
         logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=True,
     )

@@ -75,6 +75,8 @@ class CacheHandler:
         self.clock = clock
         # Extra figures the server adds to Stats (pool path, transport counters, ...).
         self.extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict
+        # Whether another live connection still speaks for a client id (set by the server).
+        self.client_connected: Callable[[str], bool] = lambda client: False
         self._table: dict[type, Callable[[str, Any, float], ReplyBody]] = {
             Hello: self._hello,
             Register: self._register,
@@ -97,6 +99,10 @@ class CacheHandler:
         return self._table[type(body)](peer.client_id, body, self.clock())
 
     def peer_gone(self, peer: PeerInfo) -> None:
+        if self.client_connected(peer.client_id):
+            # An old connection of a client that is still here under another identity.
+            log.info("stale_connection_dropped", peer=peer.client_id)
+            return
         gone = self.index.close_session(peer.client_id)
         log.info(
             "client_reclaimed",

@@ -103,6 +103,7 @@ class CacheServer:
             self.endpoint = ServerEndpoint(config.address, self.handler, **kwargs)
             self.handler.server_id = self.endpoint.server_id
             self.handler.extra_stats = self._extra_stats
+            self.handler.client_connected = self._client_connected
             self._count_bad_frames_per_peer()
             if config.metrics_port is not None:
                 self.metrics.serve(config.metrics_port, config.metrics_host)
@@ -188,6 +189,9 @@ class CacheServer:
         for name, value in self.endpoint.counters.items():
             extra[f"transport_{name}"] = value
         return extra
+
+    def _client_connected(self, client: str) -> bool:
+        return any(peer.client_id == client for peer in self.endpoint.peers)
 
     def _publish(self) -> None:
         self.metrics.publish(MetricsSnapshot(self.index.stats(), self.endpoint.counters, self.bad_frames.snapshot()))
