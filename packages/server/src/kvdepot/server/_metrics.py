@@ -15,7 +15,6 @@ from typing import Any
 import attrs
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._index import IndexStats
@@ -47,7 +46,9 @@ class BadFrameCounter:
         return dict(self._counts)
 
 
-class _Collector(Collector):
+class _Collector:
+    """A prometheus-client collector (duck-typed: `collect()`), reading the latest snapshot."""
+
     def __init__(self) -> None:
         self.snapshot: MetricsSnapshot | None = None
 

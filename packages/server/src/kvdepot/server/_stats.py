@@ -28,8 +28,7 @@ from kvdepot.transport import (
 def fetch_stats(address: str | None = None, *, timeout: float = 3.0) -> StatsReply:
     """One Stats round trip (Hello, Stats, EndSession in one message) over a fresh DEALER socket."""
     address = address or default_address()
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock: Any = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         sock.connect(address)
