@@ -53,6 +53,11 @@ from kvdepot.transport._server import HARD_LIMIT_FACTOR
 
 log = structlog.get_logger(__name__)
 
+# Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+
 # A client gives up on a reply after this long unless told otherwise: long enough for a
 # loaded server, short enough that "nothing is listening" surfaces within seconds.
 DEFAULT_TIMEOUT = 5.0
@@ -523,13 +528,13 @@ class ZmqLink:
             return False
         try:
             if len(frames) == 1:
-                sock.send(frames[0], zmq.NOBLOCK)
+                sock.send(frames[0], _NOBLOCK)
             else:
                 sock.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
         finally:
-            if int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            if int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
         return True
 
@@ -538,9 +543,9 @@ class ZmqLink:
         with conn._lock:
             sock = self._sock
             for _ in range(MAX_RECV_PER_WAKE):
-                if sock is None or not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                if sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                     return
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frames = sock.recv_multipart(_NOBLOCK)
                 conn._on_frames_locked(frames)
                 sock = self._sock
             self._loop.call_soon(self._readable)  # more to read; let timers run first

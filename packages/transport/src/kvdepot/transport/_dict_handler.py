@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import uuid
 
 from kvdepot.transport._errors import NotRegisteredError, UnknownLeaseError, UnknownReservationError
 from kvdepot.transport._handler import PeerInfo
@@ -56,7 +57,7 @@ class DictHandler:
 
     def __init__(self, *, server_version: str = "test", chunk_size: int = 256, pool_size: int = 1 << 30) -> None:
         self.server_version = server_version
-        self.server_id = f"dict-{id(self):x}"
+        self.server_id = f"dict-{uuid.uuid4().hex}"  # unique per instance, like a server process
         self.chunk_size = chunk_size
         self.pool_size = pool_size
         self.chunks: dict[tuple[str, bytes], Slot] = {}

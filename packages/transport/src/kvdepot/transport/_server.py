@@ -33,6 +33,12 @@ from kvdepot.transport._handler import Handler, PeerInfo
 
 log = structlog.get_logger(__name__)
 
+# Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
+_NOBLOCK = int(zmq.NOBLOCK)
+_SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
+
 # zmq drops (and disconnects) frames above MAXMSGSIZE before handing them to us. Set it well
 # above the codec bound so that ordinary oversized frames still get a typed `too_large` reply,
 # while a hostile peer still cannot make libzmq allocate without bound.
@@ -195,23 +201,23 @@ class ServerEndpoint(_EndpointBase):
 
     def _poll(self, wait: float) -> int:
         sock = self._sock
-        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:  # sleep only when nothing is queued
+        if not int(sock.getsockopt(_EVENTS)) & _POLLIN:  # sleep only when nothing is queued
             for fd, _ in self._poller.poll(int(wait * 1000)):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
         handled = 0
-        while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            msg = sock.recv_multipart(zmq.NOBLOCK)
+        while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            msg = sock.recv_multipart(_NOBLOCK)
             handled += 1
             if len(msg) < 2:
                 continue  # ROUTER always prefixes the identity; nothing to answer
             replies = self.dispatcher.dispatch(msg[0], msg[1:])
             try:
-                sock.send(msg[0], zmq.SNDMORE | zmq.NOBLOCK)
+                sock.send(msg[0], _SNDMORE_NOBLOCK)
                 for frame in replies[:-1]:
-                    sock.send(frame, zmq.SNDMORE | zmq.NOBLOCK)
-                sock.send(replies[-1], zmq.NOBLOCK)
+                    sock.send(frame, _SNDMORE_NOBLOCK)
+                sock.send(replies[-1], _NOBLOCK)
             except zmq.Again:
                 log.warning("reply_dropped", peer=msg[0].hex(), reason="peer queue full")
         return handled
