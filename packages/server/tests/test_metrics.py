@@ -50,3 +50,35 @@ def test_metrics_served_over_http_on_loopback():
             assert b"kvdepot_used_bytes" in resp.read()
     finally:
         metrics.close()
+
+
+def test_real_server_counts_bad_frames_per_peer_in_metrics(make_server, tmp_path):
+    """Garbage sent over a real ipc socket shows up per peer in the scraped metrics."""
+    import re
+    import time
+
+    import zmq
+
+    server = make_server(address=f"ipc://{tmp_path}/m.sock", metrics_port=0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTING_ID, b"garbage-peer")
+    sock.connect(server.address)
+    try:
+        sock.send_multipart([b"\xc1not msgpack"] * 3)
+        assert sock.poll(5000)
+        assert len(sock.recv_multipart()) == 3
+    finally:
+        sock.close(0)
+        ctx.term()
+    pattern = re.compile(r'kvdepot_bad_frames_total\{peer="([0-9a-f]+)"\} 3\.0')
+    deadline = time.monotonic() + 5
+    while True:
+        with urllib.request.urlopen(server.metrics_url, timeout=5) as resp:
+            match = pattern.search(resp.read().decode())
+        if match or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert match, "bad frames of the peer never showed up in the metrics"
+    assert bytes.fromhex(match.group(1)) == b"garbage-peer"
