@@ -193,7 +193,7 @@ def _write_tokenizer(directory: Path, vocab: int, seed: int) -> int:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tokenizer,
         pad_token=SPECIAL_TOKENS[PAD_ID],
         bos_token=SPECIAL_TOKENS[BOS_ID],
@@ -227,7 +227,7 @@ def _write_model(directory: Path, params: dict[str, Any]) -> None:
     state = torch.random.get_rng_state()
     torch.manual_seed(params["seed"])
     try:
-        model = LlamaForCausalLM(config).to(torch.float32)
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[no-untyped-call]
     finally:
         torch.random.set_rng_state(state)
     model.save_pretrained(directory, safe_serialization=True)

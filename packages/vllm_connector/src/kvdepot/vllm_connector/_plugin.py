@@ -77,7 +77,8 @@ def is_kvdepot_loader(loader: object) -> bool:
 def _vllm_registry() -> MutableMapping[str, Loader]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    return KVConnectorFactory._registry
+    registry: MutableMapping[str, Loader] = KVConnectorFactory._registry
+    return registry
 
 
 def register_connectors(

@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class StubConnectorMetadata(KVConnectorMetadata):
+class StubConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy
     """Empty per-step metadata."""
 
 
-class StubConnector(KVConnectorBase_V1, SupportsHMA):
+class StubConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped for mypy
     """A no-op KV connector; `instances` records each one created, for assertions."""
 
     instances: ClassVar[list[StubConnector]] = []

@@ -77,7 +77,8 @@ def __getattr__(name: str) -> Any:
 def _vllm_registry() -> MutableMapping[str, Loader]:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    return KVConnectorFactory._registry
+    registry: MutableMapping[str, Loader] = KVConnectorFactory._registry
+    return registry
 
 
 class ConnectorRegistryPatch:
