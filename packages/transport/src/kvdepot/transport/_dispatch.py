@@ -49,6 +49,8 @@ log = structlog.get_logger(__name__)
 DEFAULT_PEER_TIMEOUT = 10.0
 # More request frames than this in one message is not a batch any client sends.
 MAX_FRAMES_PER_MESSAGE = 4096
+# Bad frames logged one by one before logging thins out (the counter keeps counting).
+LOGGED_BAD_FRAMES = 100
 _PONG = Pong()
 
 
@@ -226,7 +228,15 @@ class Dispatcher:
     def _count_bad(self, peer: PeerInfo | None, identity: bytes, reason: str, size: int) -> None:
         self.counters["bad_frames"] += 1
         self.counters["errors"] += 1
-        log.warning("bad_frame_received", peer=peer.client_id if peer else identity.hex(), reason=reason, size=size)
+        count = self.counters["bad_frames"]
+        if count <= LOGGED_BAD_FRAMES or count & (count - 1) == 0:  # a flood logs at powers of two
+            log.warning(
+                "bad_frame_received",
+                peer=peer.client_id if peer else identity.hex(),
+                reason=reason,
+                size=size,
+                bad_frames=count,
+            )
 
     def _encode(self, request_id: int, body: ReplyBody) -> bytes:
         try:
