@@ -161,3 +161,22 @@ def test_engine_matches_transformers_reference(tiny_llama, vllm_engine):
                 torch.tensor([prompt]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
             )
         assert got == generated[0, len(prompt) :].tolist()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_harness_aborts_and_salts(tiny_llama, vllm_engine):
+    """The harness aborts a prompt before scheduling and another mid-run, and passes cache salts through."""
+    prompts = random_prompts(tiny_llama, count=3, length=300, seed=3)
+    result = vllm_engine(
+        tiny_llama,
+        prompts,
+        max_tokens=12,
+        sequential=False,
+        abort_after_steps={0: 0, 1: 2},
+        cache_salts=["salt-a", "salt-b", None],
+    ).check()
+    assert result.outputs[0] == []
+    assert len(result.outputs[1]) < 12
+    assert len(result.outputs[2]) == 12
+    assert result.finish_reasons[2] == "length"
