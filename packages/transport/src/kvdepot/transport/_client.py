@@ -69,6 +69,10 @@ RECONNECT_IVL_MAX_MS = 1000
 # Replies read per wake-up before timers are checked again.
 MAX_RECV_PER_WAKE = 1024
 SEND_HWM = 100_000
+# After a send finds no connection while the link reports one, say Hello again this soon (s).
+HANDSHAKE_RETRY_S = 0.05
+# Deadline queues are kept per distinct timeout value; past this many, empty ones are dropped.
+MAX_DEADLINE_QUEUES = 8
 # A batch of more frames than the server accepts in one message is split.
 MAX_FRAMES_PER_SEND = 4096
 
@@ -153,6 +157,8 @@ class Connection:
         self._inflight: dict[int, Call] = {}
         self._deadlines: dict[float, deque[Call]] = {}
         self._last_sent = 0.0
+        self._link_up = False  # the link says a server is connected
+        self._retry_at = 0.0  # when to say Hello again after a send found no connection
         self.stats = {"late_replies": 0, "bad_replies": 0, "reconnects": 0}
         self._link: Link = self._make_link()
         self._loop.call_soon(self._open)
@@ -262,6 +268,7 @@ class Connection:
                     self._inflight.pop(call.id, None)
                 self._queue.extendleft(reversed([c for c in calls[start:] if not c.internal]))
                 self._set_connecting()
+                self._retry_at = time.monotonic() + HANDSHAKE_RETRY_S
                 return
         self._last_sent = time.monotonic()
 
@@ -290,6 +297,7 @@ class Connection:
             self._on_connected_locked()
 
     def _on_connected_locked(self) -> None:
+        self._link_up = True
         if self.state not in ("connecting",):
             return
         if self.ever_connected:
@@ -305,6 +313,7 @@ class Connection:
             self._on_disconnected_locked()
 
     def _on_disconnected_locked(self) -> None:
+        self._link_up = False
         if self.state in ("closed", "failed", "connecting"):
             return
         self._set_connecting()
@@ -424,6 +433,11 @@ class Connection:
 
     def _next_timer_locked(self) -> float | None:
         due: float | None = None
+        if len(self._deadlines) > MAX_DEADLINE_QUEUES:  # callers used many distinct timeouts
+            for timeout in [k for k, dq in self._deadlines.items() if not dq]:
+                del self._deadlines[timeout]
+        if self.state == "connecting" and self._link_up:
+            due = self._retry_at
         for dq in self._deadlines.values():
             while dq and dq[0].future.done():
                 dq.popleft()
@@ -441,7 +455,9 @@ class Connection:
             self._on_timer_locked(now)
 
     def _on_timer_locked(self, now: float) -> None:
-        for dq in self._deadlines.values():
+        if self.state == "connecting" and self._link_up and now >= self._retry_at:
+            self._on_connected_locked()  # a send found no connection although the link is up
+        for dq in list(self._deadlines.values()):  # a retried Hello below may add a queue
             while dq and (dq[0].future.done() or dq[0].deadline <= now):
                 call = dq.popleft()
                 if call.future.done():
