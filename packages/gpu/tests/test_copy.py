@@ -18,6 +18,7 @@ from kvdepot.gpu import (
     PoolBoundsError,
     PoolDtypeError,
     SlotSizeError,
+    _copy,
     gather,
     open_copier,
     scatter,
@@ -25,6 +26,17 @@ from kvdepot.gpu import (
 from kvdepot.gpu.testing import DTYPES, Case, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
 FILL = 0xA5  # pool bytes outside every slot must keep this value
+
+
+@pytest.fixture(autouse=True, params=["runs", "index", "auto"])
+def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run every copy test through both CPU strategies: a copy_ per run of blocks, and index ops."""
+    if request.param == "runs":
+        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 10**9)
+    elif request.param == "index":
+        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 0)
+        monkeypatch.setattr(_copy, "RUN_COPY_MIN_BYTES", 10**18)
+    return str(request.param)
 
 
 def layout_of(case: Case) -> KVLayout:
@@ -39,9 +51,9 @@ def test_gather_matches_reference(case: Case) -> None:
     """Gathered slot bytes equal the reference, and pool bytes outside the slots are untouched."""
     layout = layout_of(case)
     size = layout.chunk_bytes(4)
-    pool = filled_pool(4 * size + 64)
-    chunks = [[7, 0, 3, 11], [2, 2, 9, 5]]  # out of order, and a repeated block (reading twice is fine)
-    offsets = [3 * size + 64, 16]  # slots out of order, gaps between them
+    pool = filled_pool(6 * size + 64)
+    chunks = [[7, 0, 3, 11], [2, 2, 9, 5], [4, 5, 1, 2]]  # out of order, a repeated block, runs of two
+    offsets = [3 * size + 64, 16, 5 * size]  # slots out of order, gaps between them
     before = snapshot(case)
     gather(layout, chunks, pool, offsets, slot_size=size)
     for blocks, offset in zip(chunks, offsets, strict=True):
@@ -58,7 +70,7 @@ def test_scatter_writes_named_blocks_and_nothing_else(case: Case) -> None:
     layout = layout_of(case)
     size = layout.chunk_bytes(3)
     pool = random_bytes(3 * size, seed=99)
-    chunks = [[4, 9, 1], [6, 0, 10]]
+    chunks = [[4, 5, 1], [6, 7, 10]]
     offsets = [2 * size, 0]
     before = snapshot(case)
     pool_before = pool.clone()

@@ -1,7 +1,7 @@
 """kvdepot.gpu: KV-cache layouts of inference engines, and block copies to and from the pool."""
 
 from kvdepot.gpu._copier import CpuCopier, CudaCopier, CudaCopyHandle, gather, open_copier, scatter
-from kvdepot.gpu._copy import CopyHandle, CopyPlan
+from kvdepot.gpu._copy import CopyHandle
 from kvdepot.gpu._errors import (
     BlockIdError,
     CopierClosedError,
@@ -20,7 +20,6 @@ __all__ = [
     "CopierClosedError",
     "CopyArgumentError",
     "CopyHandle",
-    "CopyPlan",
     "CpuCopier",
     "CudaCopier",
     "CudaCopyHandle",

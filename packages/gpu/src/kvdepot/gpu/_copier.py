@@ -48,25 +48,28 @@ _HOST_REGISTER_FLAGS = 0x1 | 0x2
 def triton_copy(layout: KVLayout, plan: CopyPlan, pool: torch.Tensor, pool_arg: Any, *, to_pool: bool) -> list[Any]:
     """Run `plan` through the Triton kernel, one launch per plane group.
 
-    `pool_arg` is what the kernel gets for the pool: a word view of the pool tensor
-    (CPU, under TRITON_INTERPRET=1) or a factory of `DevicePointer`s (CUDA). Returns the
+    `pool_arg(width)` is what the kernel gets for the pool: a word view of the pool
+    tensor (CPU, under TRITON_INTERPRET=1) or a `DevicePointer` (CUDA). Returns the
     tensors that must stay alive until the copy completes.
     """
     keep: list[Any] = []
     max_width = width_of(8, pool.data_ptr(), pool.storage_offset())
-    device = layout.device
     for table in segment_tables(layout, plan, pool.data_ptr(), max_width=max_width):
-        if table.num_segments == 0:
-            continue
-        kv_words = table.group.base(table.width)
-        pool_words = pool_arg(table.width)
-        kv_offsets, slot_offsets = _to_device(table, device)
-        if to_pool:
-            _triton.copy_segments(kv_words, pool_words, kv_offsets, slot_offsets, table.seg_words)
-        else:
-            _triton.copy_segments(pool_words, kv_words, slot_offsets, kv_offsets, table.seg_words)
-        keep += [kv_offsets, slot_offsets]
+        keep += launch_table(table, pool_arg(table.width), layout.device, to_pool=to_pool)
     return keep
+
+
+def launch_table(table: SegmentTable, pool_words: Any, device: torch.device, *, to_pool: bool) -> list[Any]:
+    """One kernel launch for every segment of one plane group."""
+    if table.num_segments == 0:
+        return []
+    kv_words = table.group.base(table.width)
+    kv_offsets, slot_offsets = _to_device(table, device)
+    if to_pool:
+        _triton.copy_segments(kv_words, pool_words, kv_offsets, slot_offsets, table.seg_words)
+    else:
+        _triton.copy_segments(pool_words, kv_words, slot_offsets, kv_offsets, table.seg_words)
+    return [kv_offsets, slot_offsets]
 
 
 def _to_device(table: SegmentTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +113,7 @@ class CpuCopier:
         """Copy every layer's bytes of each chunk's blocks into its slot."""
         self._check_open()
         plan = plan_copy(
-            self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False
+            self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )
         gather_cpu(self.layout, self.pool, plan)
         return CompletedCopy()
@@ -128,6 +131,7 @@ class CpuCopier:
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, skip_blocks=skip_blocks, slot_size=slot_size,
             writes_kv=True,
+            check=False,
         )  # fmt: skip
         scatter_cpu(self.layout, self.pool, plan)
         return CompletedCopy()
@@ -209,7 +213,7 @@ class CudaCopier:
     ) -> CudaCopyHandle:
         """Queue copies of each chunk's blocks into its slot; returns at once."""
         plan = plan_copy(
-            self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False
+            self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )
         return self._run(plan, to_pool=True, after=after)
 
@@ -226,6 +230,7 @@ class CudaCopier:
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, skip_blocks=skip_blocks, slot_size=slot_size,
             writes_kv=True,
+            check=False,
         )  # fmt: skip
         return self._run(plan, to_pool=False, after=after)
 
@@ -259,14 +264,8 @@ class CudaCopier:
         return bool(lengths.numel()) and float(lengths.double().mean()) * table.width >= DMA_MIN_RUN_BYTES
 
     def _launch(self, table: SegmentTable, *, to_pool: bool) -> list[Any]:
-        kv_words = table.group.base(table.width)
         pool_ptr = _triton.DevicePointer(self.pool.data_ptr(), dtype_of_width(table.width))
-        kv_offsets, slot_offsets = _to_device(table, self.device)
-        if to_pool:
-            _triton.copy_segments(kv_words, pool_ptr, kv_offsets, slot_offsets, table.seg_words)
-        else:
-            _triton.copy_segments(pool_ptr, kv_words, slot_offsets, kv_offsets, table.seg_words)
-        return [kv_offsets, slot_offsets]
+        return launch_table(table, pool_ptr, self.device, to_pool=to_pool)
 
     def close(self) -> None:
         """Wait for queued copies, then unregister the pool. Idempotent."""

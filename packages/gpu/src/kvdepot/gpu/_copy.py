@@ -29,12 +29,30 @@ class CopyPlan:
     offsets: tuple[int, ...]
     block_ids: tuple[torch.Tensor, ...]  # int64 CPU, every block of the chunk in slot order
     skips: tuple[int, ...]  # leading blocks of each chunk that are not copied
+    block_lists: tuple[list[int], ...] = ()  # the same ids as Python ints
+
+    def runs(self, chunk: int) -> list[tuple[int, int, int]]:
+        """(slot position, first block id, length) of each run of consecutive ids copied in `chunk`."""
+        ids, skip = self.block_lists[chunk], self.skips[chunk]
+        runs: list[tuple[int, int, int]] = []
+        position, first, length = skip, -2, 0
+        for block in ids[skip:]:
+            if block == first + length:
+                length += 1
+                continue
+            if length:
+                runs.append((position, first, length))
+                position += length
+            first, length = block, 1
+        if length:
+            runs.append((position, first, length))
+        return runs
 
     def chunks(self) -> Any:
-        """(offset, ids, skip, blocks in chunk) for each chunk with something to copy."""
-        for offset, ids, skip in zip(self.offsets, self.block_ids, self.skips, strict=True):
+        """(chunk index, offset, ids, skip, blocks in chunk) for each chunk with something to copy."""
+        for chunk, (offset, ids, skip) in enumerate(zip(self.offsets, self.block_ids, self.skips, strict=True)):
             if skip < ids.numel():
-                yield offset, ids, skip, ids.numel()
+                yield chunk, offset, ids, skip, ids.numel()
 
 
 class CopyHandle(Protocol):
@@ -79,7 +97,8 @@ def check_pool(pool: Any) -> torch.Tensor:
     return pool
 
 
-def _as_ids(chunk: int, ids: Any) -> torch.Tensor:
+def _as_ids(chunk: int, ids: Any) -> tuple[list[int], torch.Tensor]:
+    """Block ids as Python ints and as an int64 tensor; the type check runs in C, not per id in Python."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
             raise BlockIdError(
@@ -89,14 +108,20 @@ def _as_ids(chunk: int, ids: Any) -> torch.Tensor:
                 block_id=None,
                 num_blocks=None,
             )
-        return ids.to(device="cpu", dtype=torch.int64)
+        tensor = ids.to(device="cpu", dtype=torch.int64)
+        return tensor.tolist(), tensor
+    values = ids if isinstance(ids, list) else list(ids)
     try:
-        values = [operator.index(b) for b in ids]
-    except TypeError as exc:
+        tensor = torch.tensor(values, dtype=None) if values else torch.empty(0, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise BlockIdError(
             f"chunk {chunk}: block ids must be ints, got {ids!r}.", chunk=chunk, block_id=None, num_blocks=None
         ) from exc
-    return torch.tensor(values, dtype=torch.int64)
+    if tensor.dtype != torch.int64 or tensor.dim() != 1:
+        raise BlockIdError(
+            f"chunk {chunk}: block ids must be ints, got {ids!r}.", chunk=chunk, block_id=None, num_blocks=None
+        )
+    return values, tensor
 
 
 def plan_copy(
@@ -108,33 +133,37 @@ def plan_copy(
     skip_blocks: int | Sequence[int] = 0,
     slot_size: int | None = None,
     writes_kv: bool,
+    check: bool = True,
 ) -> CopyPlan:
     """Check every argument of a gather (`writes_kv=False`) or scatter and normalise it.
 
     `skip_blocks` is either one count of leading blocks over the chunks taken in order
     (one request's consecutive chunks) or one count per chunk. Skipped blocks are never
-    read or written, and their ids are not checked.
+    read or written, and their ids are not checked. `check=False` skips the pool checks
+    (for copiers, which check their pool once).
     """
-    check_pool(pool)
+    if check:
+        check_pool(pool)
     if len(slot_offsets) != len(block_ids_per_chunk):
         raise CopyArgumentError(
             f"{len(slot_offsets)} slot offsets for {len(block_ids_per_chunk)} chunks; pass one slot per chunk.",
             expected=len(block_ids_per_chunk),
             got=len(slot_offsets),
         )
-    ids = [_as_ids(i, chunk) for i, chunk in enumerate(block_ids_per_chunk)]
-    skips = _skips(skip_blocks, [t.numel() for t in ids])
+    converted = [_as_ids(i, chunk) for i, chunk in enumerate(block_ids_per_chunk)]
+    ids = [c[0] for c in converted]
+    skips = _skips(skip_blocks, [len(t) for t in ids])
     pool_bytes = pool.numel()
     spans = []
     for chunk, (offset, chunk_ids, skip) in enumerate(zip(slot_offsets, ids, skips, strict=True)):
-        if chunk_ids.numel() == 0:
+        if not chunk_ids:
             raise SlotSizeError(
                 f"chunk {chunk} has no blocks; drop it from the call.", chunk=chunk, expected=None, got=0
             )
-        size = chunk_ids.numel() * layout.bytes_per_block
+        size = len(chunk_ids) * layout.bytes_per_block
         if slot_size is not None and size != slot_size:
             raise SlotSizeError(
-                f"chunk {chunk} holds {chunk_ids.numel()} blocks = {size} bytes but slots are {slot_size} bytes; "
+                f"chunk {chunk} holds {len(chunk_ids)} blocks = {size} bytes but slots are {slot_size} bytes; "
                 f"a slot holds exactly {slot_size // max(layout.bytes_per_block, 1)} blocks of this layout "
                 "(check the chunk size the server was registered with).",
                 chunk=chunk,
@@ -161,9 +190,9 @@ def plan_copy(
                 pool_bytes=pool_bytes,
             )
         spans.append((start, size, chunk))
-        used = chunk_ids[skip:]
-        if used.numel():
-            low, high = int(used.min()), int(used.max())
+        used = chunk_ids[skip:] if skip else chunk_ids
+        if used:
+            low, high = min(used), max(used)
             if low < 0 or high >= layout.num_blocks:
                 bad = low if low < 0 else high
                 raise BlockIdError(
@@ -183,18 +212,22 @@ def plan_copy(
                 pool_bytes=pool_bytes,
             )
     if writes_kv:
-        written = torch.cat([t[s:] for t, s in zip(ids, skips, strict=True)])
-        unique = torch.unique(written)
-        if unique.numel() != written.numel():
-            values, counts = torch.unique(written, return_counts=True)
-            bad = int(values[counts > 1][0])
+        written = [b for t, s in zip(ids, skips, strict=True) for b in t[s:]] if len(ids) > 1 else ids[0][skips[0] :]
+        if len(set(written)) != len(written):
+            seen: set[int] = set()
+            bad = next(b for b in written if b in seen or seen.add(b))  # type: ignore[func-returns-value]
             raise BlockIdError(
                 f"block id {bad} would be written twice in one scatter; each engine block takes one chunk's bytes.",
                 chunk=None,
                 block_id=bad,
                 num_blocks=layout.num_blocks,
             )
-    return CopyPlan(offsets=tuple(operator.index(o) for o in slot_offsets), block_ids=tuple(ids), skips=tuple(skips))
+    return CopyPlan(
+        offsets=tuple(operator.index(o) for o in slot_offsets),
+        block_ids=tuple(c[1] for c in converted),
+        skips=tuple(skips),
+        block_lists=tuple(ids),
+    )
 
 
 def _skips(skip_blocks: int | Sequence[int], lengths: list[int]) -> list[int]:
@@ -220,30 +253,65 @@ def _skips(skip_blocks: int | Sequence[int], lengths: list[int]) -> list[int]:
     return skips
 
 
-def slot_view(layout: KVLayout, pool: torch.Tensor, group_index: int, offset: int, blocks: int) -> torch.Tensor:
-    """The part of a slot that holds one plane group, as [planes, blocks, segments, words]."""
+def slot_view(
+    layout: KVLayout, pool: torch.Tensor, group_index: int, offset: int, blocks: int, *, width: int | None = None
+) -> torch.Tensor:
+    """The part of a slot that holds one plane group, as [planes, blocks, segments, words].
+
+    Words are `width` bytes, or the widest that the group and the slot's address allow.
+    """
     group = layout.groups[group_index]
     start = offset + layout.plane_offset_in_slot(group.first_plane, blocks)
     size = group.num_planes * blocks * group.plane_block_bytes
-    width = width_of(group.max_width, pool.data_ptr() + start, pool.storage_offset() + start)
+    if width is None:
+        width = width_of(group.max_width, pool.data_ptr() + start, pool.storage_offset() + start)
     words = pool[start : start + size].view(dtype_of_width(width))
     return words.view(group.num_planes, blocks, group.num_segments, group.seg_bytes // width)
 
 
+# A chunk whose blocks form at most this many runs of consecutive ids is copied with one
+# strided `copy_` per run (memcpy speed, ~5 us of dispatch each); more fragmented chunks
+# use one index op per plane group, whose per-index or per-word cost is higher but
+# paid in C. Runs of at least RUN_COPY_MIN_BYTES are always worth a `copy_` of their own.
+RUN_COPY_MAX_RUNS = 4
+RUN_COPY_MIN_BYTES = 1 << 20
+
+
+def _use_runs(runs: list[tuple[int, int, int]], group_bytes_per_block: int) -> bool:
+    if len(runs) <= RUN_COPY_MAX_RUNS:
+        return True
+    copied = sum(run[2] for run in runs)
+    return copied * group_bytes_per_block >= RUN_COPY_MIN_BYTES * len(runs)
+
+
 def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy the planned blocks of every layer into their slots (CPU tensors)."""
-    for offset, ids, _, blocks in plan.chunks():
+    for chunk, offset, ids, _, blocks in plan.chunks():
+        runs = plan.runs(chunk)
         for index, group in enumerate(layout.groups):
-            dst = slot_view(layout, pool, index, offset, blocks)
-            torch.index_select(group.view(_width(dst)), 1, ids, out=dst)
+            if _use_runs(runs, group.num_planes * group.plane_block_bytes):
+                dst = slot_view(layout, pool, index, offset, blocks, width=1)
+                src = group.view(1)
+                for position, first, length in runs:
+                    dst[:, position : position + length].copy_(src[:, first : first + length])
+            else:
+                dst = slot_view(layout, pool, index, offset, blocks)
+                torch.index_select(group.view(_width(dst)), 1, ids, out=dst)
 
 
 def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy slots back into the planned blocks, leaving skipped leading blocks alone (CPU tensors)."""
-    for offset, ids, skip, blocks in plan.chunks():
+    for chunk, offset, ids, skip, blocks in plan.chunks():
+        runs = plan.runs(chunk)
         for index, group in enumerate(layout.groups):
-            src = slot_view(layout, pool, index, offset, blocks)
-            group.view(_width(src)).index_copy_(1, ids[skip:], src[:, skip:])
+            if _use_runs(runs, group.num_planes * group.plane_block_bytes):
+                src = slot_view(layout, pool, index, offset, blocks, width=1)
+                dst = group.view(1)
+                for position, first, length in runs:
+                    dst[:, first : first + length].copy_(src[:, position : position + length])
+            else:
+                src = slot_view(layout, pool, index, offset, blocks)
+                group.view(_width(src)).index_copy_(1, ids[skip:], src[:, skip:])
 
 
 def _width(view: torch.Tensor) -> int:

@@ -55,7 +55,7 @@ def segment_tables(layout: KVLayout, plan: CopyPlan, pool_address: int, *, max_w
     tables = []
     for group in layout.groups:
         width = width_of(group.max_width, max_width, pool_address)
-        for offset, _, _, blocks in plan.chunks():
+        for _, offset, _, _, blocks in plan.chunks():
             width = width_of(width, offset + layout.plane_offset_in_slot(group.first_plane, blocks))
         tables.append(_group_table(layout, group, plan, width))
     return tables
@@ -65,7 +65,7 @@ def _group_table(layout: KVLayout, group: PlaneGroup, plan: CopyPlan, width: int
     planes = torch.arange(group.num_planes, dtype=torch.int64).view(-1, 1, 1)
     segments = torch.arange(group.num_segments, dtype=torch.int64).view(1, 1, -1)
     kv_parts, slot_parts = [], []
-    for offset, ids, skip, blocks in plan.chunks():
+    for _, offset, ids, skip, blocks in plan.chunks():
         used = ids[skip:].view(1, -1, 1)
         position = torch.arange(skip, blocks, dtype=torch.int64).view(1, -1, 1)
         kv = group.offset + planes * group.plane_stride + used * group.block_stride + segments * group.seg_stride
