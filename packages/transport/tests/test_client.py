@@ -210,3 +210,26 @@ def test_many_threads_one_client(make_pair: Any) -> None:
             th.join(30)
         assert not errors, errors[:3]
         assert len(client.get_quotas().result(5).quotas) == 1600
+
+
+def test_curve_encryption(tmp_path: Any) -> None:
+    """With a CURVE key the server talks only to clients holding its public key; others get a clear error."""
+    public, secret = zmq.curve_keypair()
+    address = "tcp://127.0.0.1:0"
+    endpoint = t.ServerEndpoint(address, t.DictHandler(), curve_secret_key=secret)
+    thread = threading.Thread(target=endpoint.serve_forever, daemon=True)
+    thread.start()
+    good = t.CacheClient(endpoint.address, curve_server_key=public, timeout=5)
+    wrong = t.CacheClient(endpoint.address, curve_server_key=zmq.curve_keypair()[0], timeout=1)
+    plain = t.CacheClient(endpoint.address, timeout=1)
+    try:
+        assert isinstance(good.ping().result(5), t.Pong)
+        with pytest.raises(t.DeadlineExceededError, match="security handshake"):
+            wrong.ping().result(5)
+        with pytest.raises(t.DeadlineExceededError):
+            plain.ping().result(5)
+    finally:
+        for c in (good, wrong, plain):
+            c.close(end_session=False)
+        endpoint.close()
+        thread.join(5)

@@ -156,6 +156,7 @@ class CacheClient(_Operations):
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         client_name: str = "",
         auth_secret: str | None = None,
+        curve_server_key: bytes | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_reconnect: ReconnectCallback | None = None,
     ) -> None:
@@ -165,6 +166,7 @@ class CacheClient(_Operations):
             heartbeat_interval=heartbeat_interval,
             client_name=client_name,
             auth_secret=auth_secret,
+            curve_server_key=curve_server_key,
             max_frame_bytes=max_frame_bytes,
             on_reconnect=on_reconnect,
         )

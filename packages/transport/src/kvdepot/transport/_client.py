@@ -57,6 +57,11 @@ log = structlog.get_logger(__name__)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
+_HANDSHAKE_FAILED = (
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
+    | int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+)
 
 # A client gives up on a reply after this long unless told otherwise: long enough for a
 # loaded server, short enough that "nothing is listening" surfaces within seconds.
@@ -127,10 +132,13 @@ class Connection:
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         client_name: str = "",
         auth_secret: str | None = None,
+        curve_server_key: bytes | None = None,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         on_reconnect: ReconnectCallback | None = None,
     ) -> None:
         self.address = address or default_address()
+        self.curve_server_key = curve_server_key
+        self.security_failure: str | None = None  # why the last ZMQ security handshake failed
         self.timeout = timeout
         self.heartbeat_interval = heartbeat_interval
         self.client_name = client_name
@@ -307,6 +315,14 @@ class Connection:
         log.debug("client_connected", address=self.address)
         self._send_internal(Hello(PROTOCOL_VERSION, self.client_id, self.client_name, self._auth))
 
+    def on_security_failure(self, event: int) -> None:
+        """The ZMQ security (CURVE) handshake failed: remember it for the deadline errors."""
+        self.security_failure = (
+            "the ZMQ security handshake with the server failed; check that the client's curve_server_key"
+            " is the server's public key and that both sides use CURVE"
+        )
+        log.warning("client_security_handshake_failed", address=self.address, zmq_event=event)
+
     def on_disconnected(self) -> None:
         """The link lost its server: requests in flight fail now, queued ones wait."""
         with self._lock:
@@ -475,7 +491,9 @@ class Connection:
 
     def _deadline_error(self, call: Call) -> DeadlineExceededError:
         name = type(call.body).__name__
-        if not self.ever_connected or self.server_id is None:
+        if self.security_failure is not None and not self.ever_connected:
+            message = f"no reply from {self.address} within {call.timeout:g} s: {self.security_failure}"
+        elif not self.ever_connected or self.server_id is None:
             message = (
                 f"no kvdepot server answered at {self.address} within {call.timeout:g} s;"
                 f" start one with `kvdepot serve --address {self.address}`, or check the address"
@@ -530,7 +548,14 @@ class ZmqLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self._conn.max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        self._monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        if self._conn.curve_server_key is not None:
+            public, secret = zmq.curve_keypair()  # an ephemeral key pair per client
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self._conn.curve_server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self._monitor = sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
+        )
         sock.connect(self._conn.address)
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
@@ -576,6 +601,8 @@ class ZmqLink:
                 self._conn.on_connected()
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._conn.on_disconnected()
+            elif event["event"] & _HANDSHAKE_FAILED:
+                self._conn.on_security_failure(int(event["event"]))
 
     def close(self) -> None:
         if self._fd is not None:

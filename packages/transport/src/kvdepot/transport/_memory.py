@@ -73,6 +73,7 @@ class MemoryServerEndpoint(ServerEndpoint):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         auth_secret: str | None = None,
+        curve_secret_key: bytes | None = None,  # nothing travels on a wire: ignored
         context: Any = None,
     ) -> None:
         if not address or not address.startswith(MEMORY_SCHEME):

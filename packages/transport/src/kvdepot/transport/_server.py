@@ -147,7 +147,9 @@ class ServerEndpoint(_EndpointBase):
     """A ZMQ ROUTER endpoint (ipc:// or tcp://); memory:// addresses give a MemoryServerEndpoint.
 
     ipc sockets get a 0o700 directory and a 0o600 file; tcp binds other than loopback need
-    `auth_secret`, which every client must then present in its Hello.
+    `auth_secret`, which every client must then present in its Hello. `curve_secret_key`
+    (a Z85 key from `zmq.curve_keypair()`) additionally encrypts every connection, so the
+    secret and the traffic cannot be read off the network.
     """
 
     def __new__(cls, address: str | None = None, handler: Handler | None = None, **kwargs: Any) -> Any:
@@ -165,6 +167,7 @@ class ServerEndpoint(_EndpointBase):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         auth_secret: str | None = None,
+        curve_secret_key: bytes | None = None,
         context: zmq.Context[Any] | None = None,
     ) -> None:
         address = address or default_address()
@@ -182,6 +185,11 @@ class ServerEndpoint(_EndpointBase):
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        if curve_secret_key is not None:
+            # CURVE encrypts the connection; clients need the matching public key
+            # (zmq.curve_public(secret)). Who may talk is still decided by auth_secret.
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, curve_secret_key)
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
