@@ -37,3 +37,13 @@ def make_server(tmp_path) -> Iterator:
         server.stop()
         thread.join(timeout=5)
         assert not thread.is_alive(), "the server loop did not stop"
+
+
+@pytest.fixture(autouse=True)
+def _restore_structlog():
+    """Tests that run `main()` configure structlog; give the next test the previous configuration."""
+    import structlog
+
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)

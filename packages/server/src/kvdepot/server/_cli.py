@@ -64,14 +64,21 @@ class SimpleCommand:
 # -- logging ------------------------------------------------------------------------------
 
 
-def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | None = None) -> str:
-    """Configure structlog once for the process: JSON unless the stream is a terminal."""
-    stream = stream or sys.stdout
+def configure_logging(fmt: str = "auto", level: str = "info", stream: str = "stdout") -> str:
+    """Configure structlog once for the process: JSON unless the stream is a terminal.
+
+    `stream` names the `sys` attribute to write to ("stdout" or "stderr"); it is looked up
+    for every message, so a replaced `sys.stdout` (a test's capture) is followed.
+    """
+
+    def current() -> TextIO:
+        out: TextIO = getattr(sys, stream)
+        return out
+
+    tty = current().isatty()
     if fmt == "auto":
-        fmt = "pretty" if stream.isatty() else "json"
-    renderer: Any = (
-        structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=stream.isatty())
-    )
+        fmt = "pretty" if tty else "json"
+    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=tty)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -81,8 +88,8 @@ def configure_logging(fmt: str = "auto", level: str = "info", stream: TextIO | N
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(stream),
-        cache_logger_on_first_use=True,
+        logger_factory=lambda *args: structlog.PrintLogger(current()),
+        cache_logger_on_first_use=False,
     )
     return fmt
 
@@ -260,7 +267,7 @@ def _configure_stats(parser: argparse.ArgumentParser) -> None:
 def _run_stats(args: argparse.Namespace) -> int:
     from kvdepot.server._stats import fetch_stats, format_stats, stats_dict
 
-    configure_logging("pretty", "warning", sys.stderr)
+    configure_logging("pretty", "warning", "stderr")
     try:
         reply = fetch_stats(args.address, timeout=args.timeout)
     except Exception as exc:

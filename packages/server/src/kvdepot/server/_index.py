@@ -188,6 +188,8 @@ class ChunkIndex:
         self._reservations: dict[int, _Reservation] = {}
         self._leases: dict[int, _Lease] = {}
         self._sessions: dict[str, _Session] = {}
+        # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
+        self._page_pinned: list[int] = [0] * allocator.num_pages
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, kind, id); kind 0 lease, 1 reservation
         self._next_id = 1
         self._chunks = 0
@@ -279,6 +281,7 @@ class ChunkIndex:
             self._by_offset[offset] = entry
             self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
             self._pending += 1
+            self._page_pinned[offset // self.allocator.page_size] += 1
             session.pending_bytes += slot_size
             reservation.pending[index] = entry
             slots.append((index, offset, chunk_bytes))
@@ -312,6 +315,7 @@ class ChunkIndex:
                 continue
             entry.committed = True
             self._pending -= 1
+            self._page_pinned[entry.offset // self.allocator.page_size] -= 1
             session.pending_bytes -= entry.slot_size
             self._chunks += 1
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
@@ -364,6 +368,7 @@ class ChunkIndex:
                     del self._lru[(salt, entry.key)]
                     del self._salt_lru[salt][entry.key]
                     self._leased_chunks += 1
+                    self._page_pinned[entry.offset // self.allocator.page_size] += 1
                 entry.leases += 1
                 self.bytes_loaded += entry.length
             lid = self._new_id()
@@ -428,7 +433,8 @@ class ChunkIndex:
                     chunks += self._abort(reservation)
                     self.expired_reservations += 1
                     reservations += 1
-        for client in [c for c, s in self._sessions.items() if now - s.last_seen > self.session_ttl]:
+        silent = [] if self.session_ttl == float("inf") else self._sessions.items()
+        for client in [c for c, s in silent if now - s.last_seen > self.session_ttl]:
             gone = self.close_session(client)
             leases += gone.leases
             reservations += gone.reservations
@@ -505,9 +511,9 @@ class ChunkIndex:
                 self._evict(entry)
                 return True
             page = self.allocator.page_of(entry.offset)
-            residents = [self._by_offset.get(off) for off in self.allocator.page_slots(page)]
-            if all(r is None or (r.committed and not r.leases) for r in residents):
-                for resident in residents:
+            if not self._page_pinned[page]:
+                for off in self.allocator.page_slots(page):
+                    resident = self._by_offset.get(off)
                     if resident is not None:
                         self._evict(resident)
                 return True
@@ -548,6 +554,7 @@ class ChunkIndex:
             session.reservations.discard(reservation.id)
         for entry in reservation.pending.values():
             self._pending -= 1
+            self._page_pinned[entry.offset // self.allocator.page_size] -= 1
             if session is not None:
                 session.pending_bytes -= entry.slot_size
             self._free_slot(entry)
@@ -563,6 +570,7 @@ class ChunkIndex:
             if not entry.leases:
                 assert self._entries.get((entry.salt, entry.key)) is entry, "a leased chunk left the index"
                 self._leased_chunks -= 1
+                self._page_pinned[entry.offset // self.allocator.page_size] -= 1
                 self._lru[(entry.salt, entry.key)] = entry
                 self._salt_lru.setdefault(entry.salt, OrderedDict())[entry.key] = entry
 
@@ -589,6 +597,11 @@ class ChunkIndex:
         assert self._pending == sum(len(r.pending) for r in self._reservations.values())
         assert self._chunks == sum(1 for e in self._entries.values() if e.committed)
         assert self._leased_chunks == sum(1 for e in self._entries.values() if e.leases)
+        pinned = [0] * self.allocator.num_pages
+        for entry in self._entries.values():
+            if not entry.committed or entry.leases:
+                pinned[entry.offset // self.allocator.page_size] += 1
+        assert pinned == self._page_pinned
         for lease in self._leases.values():
             assert lease.id in self._sessions[lease.client].leases
         for session in self._sessions.values():
