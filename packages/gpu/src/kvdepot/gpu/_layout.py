@@ -55,12 +55,15 @@ _DTYPE_OF_WIDTH = {16: torch.complex128, 8: torch.int64, 4: torch.int32, 2: torc
 FINGERPRINT_VERSION = 1
 
 
+def _hint_key(hint: str) -> str:
+    key = hint.strip().lower()
+    return key[: -len("_vllm_v1")] if key.endswith("_vllm_v1") else key
+
+
 def _normalise_hint(hint: str | None) -> tuple[str, ...] | None:
     if hint is None:
         return None
-    key = hint.strip().lower()
-    if key.endswith("_vllm_v1"):
-        key = key[: -len("_vllm_v1")]
+    key = _hint_key(hint)
     if key in _KINDS_BY_HINT:
         return _KINDS_BY_HINT[key]
     if "mla" in key:  # FLASHMLA, TRITON_MLA, CUTLASS_MLA, FLASHINFER_MLA, ...
@@ -178,6 +181,7 @@ class KVLayout:
     """
 
     kind: str
+    backend: str  # the normalised backend hint, "" when none was given
     num_blocks: int
     block_size: int
     dtype: torch.dtype
@@ -224,10 +228,13 @@ class KVLayout:
 
         Two workers whose fingerprints are equal store identical bytes for identical
         tokens, so the string belongs in the chunk-key namespace (`Namespace.layout`).
+        It includes the backend hint: backends may arrange K and V differently inside
+        identically shaped blocks, so caches of different backends are never mixed.
         """
         geometry = self._describe[0] if len(set(self._describe)) == 1 else ",".join(self._describe)
         text = (
-            f"kvdepot-layout-v{FINGERPRINT_VERSION};kind={self.kind};dtype={str(self.dtype).removeprefix('torch.')};"
+            f"kvdepot-layout-v{FINGERPRINT_VERSION};kind={self.kind};backend={self.backend or 'none'};"
+            f"dtype={str(self.dtype).removeprefix('torch.')};"
             f"layers={self.num_layers};block_tokens={self.block_size};block={geometry};"
             f"bytes_per_block={self.bytes_per_block}"
         )
@@ -385,6 +392,7 @@ def _build(kv_caches: Mapping[str, torch.Tensor], block_size: int | None, hint: 
     _check_groups_disjoint(groups, kv_caches, hint)
     return KVLayout(
         kind=kind,
+        backend=_hint_key(hint) if hint is not None else "",
         num_blocks=geometries[0].num_blocks,
         block_size=geometries[0].tokens,
         dtype=tensors[0].dtype,
