@@ -109,6 +109,10 @@ class Call:
         self.internal = internal
 
 
+def _nothing() -> None:
+    """A no-op to wake the I/O thread."""
+
+
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
     if future.done():
         return
@@ -277,6 +281,8 @@ class Connection:
                 self._queue.extendleft(reversed([c for c in calls[start:] if not c.internal]))
                 self._set_connecting()
                 self._retry_at = time.monotonic() + HANDSHAKE_RETRY_S
+                if not self._loop.in_loop():
+                    self._loop.call_soon(_nothing)  # the I/O thread re-reads its timers
                 return
         self._last_sent = time.monotonic()
 
