@@ -16,8 +16,9 @@ from kvdepot.server._errors import (
     UnknownReservationError,
 )
 from kvdepot.server._handler import CacheHandler
-from kvdepot.server._index import ChunkIndex, IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
+from kvdepot.server._index import ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool
+from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
 from kvdepot.server._slabs import SLOT_ALIGNMENT, SlabAllocator, auto_page_size
 from kvdepot.server._stats import fetch_stats, format_stats

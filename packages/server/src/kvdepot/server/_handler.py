@@ -13,7 +13,8 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._index import ChunkIndex, IndexStats
+from kvdepot.server._index import ChunkIndex
+from kvdepot.server._results import IndexStats
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 from kvdepot.transport import (

@@ -35,6 +35,7 @@ from kvdepot.server._errors import (
     TooManyError,
     UnknownReservationError,
 )
+from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._slabs import SlabAllocator
 
 # Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
@@ -96,67 +97,6 @@ class _Session:
     pending_bytes: int = 0
     reservations: set[int] = attrs.field(factory=set)
     leases: set[int] = attrs.field(factory=set)
-
-
-@attrs.frozen
-class LookupOutcome:
-    """One lookup item's answer: the committed prefix, its lease (0 = none) and its slots."""
-
-    num_hits: int
-    lease_id: int
-    slots: list[tuple[int, int]]  # (offset, length) per hit, in key order
-
-
-@attrs.frozen
-class ReserveOutcome:
-    """A reserve's answer; `slots` are (index in keys, offset, length) to write then commit."""
-
-    reservation_id: int  # 0 when nothing was reserved
-    slots: list[tuple[int, int, int]]
-    present: list[int]
-    full: bool
-
-
-@attrs.frozen
-class Reclaimed:
-    """What closing a client's session (or expiry) gave back."""
-
-    reservations: int = 0
-    leases: int = 0
-    chunks: int = 0
-
-
-@attrs.frozen
-class SaltUsage:
-    bytes: int
-    chunks: int
-
-
-@attrs.frozen
-class IndexStats:
-    """Figures for `kvdepot stats` and the metrics; counters only grow."""
-
-    capacity_bytes: int
-    used_bytes: int
-    page_size: int
-    pages_total: int
-    pages_free: int
-    chunks: int
-    pending_chunks: int
-    leased_chunks: int
-    hits: int
-    misses: int
-    bytes_stored: int
-    bytes_loaded: int
-    evictions: int
-    leases: int
-    reservations: int
-    expired_leases: int
-    expired_reservations: int
-    clients: int
-    full_reserves: int
-    per_salt: dict[str, SaltUsage]
-    quotas: dict[str, int]
 
 
 class ChunkIndex:

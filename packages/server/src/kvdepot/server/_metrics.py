@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvdepot.server._errors import ServerArgumentError
-from kvdepot.server._index import IndexStats
+from kvdepot.server._results import IndexStats
 
 # Peers named one by one in the bad-frames metric; the rest add up under "other", so that a
 # peer inventing new identities cannot grow the metric without bound.

@@ -1,0 +1,66 @@
+"""What the chunk index answers: plain frozen values, free of any index internals."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen
+class LookupOutcome:
+    """One lookup item's answer: the committed prefix, its lease (0 = none) and its slots."""
+
+    num_hits: int
+    lease_id: int
+    slots: list[tuple[int, int]]  # (offset, length) per hit, in key order
+
+
+@attrs.frozen
+class ReserveOutcome:
+    """A reserve's answer; `slots` are (index in keys, offset, length) to write then commit."""
+
+    reservation_id: int  # 0 when nothing was reserved
+    slots: list[tuple[int, int, int]]
+    present: list[int]
+    full: bool
+
+
+@attrs.frozen
+class Reclaimed:
+    """What closing a client's session (or expiry) gave back."""
+
+    reservations: int = 0
+    leases: int = 0
+    chunks: int = 0
+
+
+@attrs.frozen
+class SaltUsage:
+    bytes: int
+    chunks: int
+
+
+@attrs.frozen
+class IndexStats:
+    """Figures for `kvdepot stats` and the metrics; counters only grow."""
+
+    capacity_bytes: int
+    used_bytes: int
+    page_size: int
+    pages_total: int
+    pages_free: int
+    chunks: int
+    pending_chunks: int
+    leased_chunks: int
+    hits: int
+    misses: int
+    bytes_stored: int
+    bytes_loaded: int
+    evictions: int
+    leases: int
+    reservations: int
+    expired_leases: int
+    expired_reservations: int
+    clients: int
+    full_reserves: int
+    per_salt: dict[str, SaltUsage]
+    quotas: dict[str, int]
