@@ -21,8 +21,6 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol
 
 import structlog
-import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.transport._address import MEMORY_SCHEME, default_address
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_reply, encode
@@ -53,27 +51,12 @@ from kvdepot.transport._server import HARD_LIMIT_FACTOR
 
 log = structlog.get_logger(__name__)
 
-# Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
-_NOBLOCK = int(zmq.NOBLOCK)
-_HANDSHAKE_FAILED = (
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-    | int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-    | int(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-)
 
 # A client gives up on a reply after this long unless told otherwise: long enough for a
 # loaded server, short enough that "nothing is listening" surfaces within seconds.
 DEFAULT_TIMEOUT = 5.0
 # Pings keep the server's view of us alive; the server's peer timeout is 10 s.
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
-# Reconnect quickly after a server restart, backing off to once a second.
-RECONNECT_IVL_MS = 50
-RECONNECT_IVL_MAX_MS = 1000
-# Replies read per wake-up before timers are checked again.
-MAX_RECV_PER_WAKE = 1024
-SEND_HWM = 100_000
 # After a send finds no connection while the link reports one, say Hello again this soon (s).
 HANDSHAKE_RETRY_S = 0.05
 # Deadline queues are kept per distinct timeout value; past this many, empty ones are dropped.
@@ -85,7 +68,10 @@ ReconnectCallback = Callable[[HelloReply, "RegisterReply | None"], None]
 
 
 class Link(Protocol):
-    """Moves frames between a Connection and one server; all methods on the I/O thread."""
+    """Moves frames between a Connection and one server.
+
+    `open` and `close` run on the I/O thread; `send` on any thread holding the connection lock.
+    """
 
     def open(self) -> None: ...
 
@@ -180,6 +166,8 @@ class Connection:
             from kvdepot.transport._memory import MemoryLink
 
             return MemoryLink(self, self._loop)
+        from kvdepot.transport._zmq_link import ZmqLink
+
         return ZmqLink(self, self._loop)
 
     # -- any thread ----------------------------------------------------------------------
@@ -526,99 +514,3 @@ class Connection:
         self._loop.remove_timers(self)
         self._link.close()
         self._closed_event.set()
-
-
-class ZmqLink:
-    """A DEALER socket whose identity is the client id, watched through a socket monitor.
-
-    Any thread may send, holding the connection's lock, so the I/O thread does not poll
-    the socket itself (that would race with those sends): it polls the socket's ZMQ_FD and
-    reads under the lock. ZMQ_FD only signals edges, so whoever touches the socket checks
-    ZMQ_EVENTS afterwards and makes sure pending replies get read.
-    """
-
-    def __init__(self, conn: Connection, loop: IOLoop) -> None:
-        self._conn = conn
-        self._loop = loop
-        self._sock: zmq.Socket[Any] | None = None
-        self._fd: int | None = None
-        self._monitor: zmq.Socket[Any] | None = None
-
-    def open(self) -> None:
-        sock = self._loop.context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # never queue on a connection that is not up
-        sock.setsockopt(zmq.ROUTING_ID, self._conn.client_id.encode())
-        sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-        sock.setsockopt(zmq.MAXMSGSIZE, self._conn.max_frame_bytes * HARD_LIMIT_FACTOR)
-        sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
-        if self._conn.curve_server_key is not None:
-            public, secret = zmq.curve_keypair()  # an ephemeral key pair per client
-            sock.setsockopt(zmq.CURVE_SERVERKEY, self._conn.curve_server_key)
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-        self._monitor = sock.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
-        )
-        sock.connect(self._conn.address)
-        self._sock = sock
-        self._fd = sock.getsockopt(zmq.FD)
-        self._loop.add_reader(self._fd, self._readable)
-        self._loop.add_reader(self._monitor, self._monitor_event)
-
-    def send(self, frames: list[bytes]) -> bool:
-        """Sends one message (caller holds the connection lock); False if no server is connected."""
-        sock = self._sock
-        if sock is None:
-            return False
-        try:
-            if len(frames) == 1:
-                sock.send(frames[0], _NOBLOCK)
-            else:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.Again:
-            return False
-        finally:
-            if int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
-        return True
-
-    def _readable(self) -> None:
-        conn = self._conn
-        with conn._lock:
-            sock = self._sock
-            for _ in range(MAX_RECV_PER_WAKE):
-                if sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                    return
-                frames = sock.recv_multipart(_NOBLOCK)
-                conn._on_frames_locked(frames)
-                sock = self._sock
-            self._loop.call_soon(self._readable)  # more to read; let timers run first
-
-    def _monitor_event(self) -> None:
-        while self._monitor is not None:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._conn.on_connected()
-            elif event["event"] == zmq.EVENT_DISCONNECTED:
-                self._conn.on_disconnected()
-            elif event["event"] & _HANDSHAKE_FAILED:
-                self._conn.on_security_failure(int(event["event"]))
-
-    def close(self) -> None:
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._fd = None
-        if self._sock is not None:
-            self._sock.disable_monitor()
-            self._sock.close(0)
-            self._sock = None
-        if self._monitor is not None:
-            self._loop.remove_reader(self._monitor)
-            self._monitor.close(0)
-            self._monitor = None
