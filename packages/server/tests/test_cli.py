@@ -98,3 +98,29 @@ def test_stats_json_is_plain_data():
 
     data = stats_dict(StatsReply(hits=1, misses=1))
     assert json.loads(json.dumps(data))["hit_ratio"] == 0.5
+
+
+def test_busy_explicit_metrics_port_exits_2(tmp_path, capsys):
+    """An explicitly requested metrics port that is taken is a usage error naming --no-metrics."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(
+            [
+                "serve",
+                "--address",
+                f"ipc://{tmp_path}/s.sock",
+                "--capacity",
+                "1MiB",
+                "--pool-dir",
+                str(tmp_path),
+                "--metrics-port",
+                str(port),
+            ]
+        )
+    assert code == 2
+    assert "--no-metrics" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.pool"))

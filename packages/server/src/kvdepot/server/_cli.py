@@ -158,8 +158,8 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
         type=_port,
-        default=DEFAULT_METRICS_PORT,
-        help="Prometheus port on 127.0.0.1 (0: any free port)",
+        default=None,
+        help=f"Prometheus port on 127.0.0.1 (0: any free port; default {DEFAULT_METRICS_PORT}, skipped if busy)",
     )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve Prometheus metrics")
     parser.add_argument("--pool-dir", type=Path, default=None, help="where the pool file lives (default /dev/shm)")
@@ -195,12 +195,16 @@ def _run_serve(args: argparse.Namespace) -> int:
             secret = args.auth_secret_file.read_text().strip()
         except OSError as exc:
             return _usage_error(f"cannot read --auth-secret-file {args.auth_secret_file}: {exc.strerror}")
+    metrics_port = args.metrics_port if args.metrics_port is not None else DEFAULT_METRICS_PORT
     config = ServerConfig(
         address=args.address,
         capacity=args.capacity,
         page_size=args.page_size,
         chunk_size=args.chunk_size,
-        metrics_port=None if args.no_metrics else args.metrics_port,
+        metrics_port=None
+        if args.no_metrics
+        else (DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port),
+        metrics_required=args.metrics_port is not None,
         pool_dir=args.pool_dir,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
         reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,

@@ -18,6 +18,7 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
 from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
@@ -64,6 +65,7 @@ class ServerConfig:
     page_size: int | None = None
     chunk_size: int = DEFAULT_CHUNK_SIZE
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
+    metrics_required: bool = True  # False: a busy port only logs a warning (the CLI's default port)
     metrics_host: str = "127.0.0.1"
     pool_dir: Path | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
@@ -106,7 +108,12 @@ class CacheServer:
             self.handler.client_connected = self._client_connected
             self._count_bad_frames_per_peer()
             if config.metrics_port is not None:
-                self.metrics.serve(config.metrics_port, config.metrics_host)
+                try:
+                    self.metrics.serve(config.metrics_port, config.metrics_host)
+                except ServerArgumentError as exc:
+                    if config.metrics_required:
+                        raise
+                    log.warning("metrics_unavailable", reason=exc.message)
         except BaseException:
             self.pool.close()
             if hasattr(self, "endpoint"):
