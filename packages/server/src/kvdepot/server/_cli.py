@@ -201,9 +201,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         capacity=args.capacity,
         page_size=args.page_size,
         chunk_size=args.chunk_size,
-        metrics_port=None
-        if args.no_metrics
-        else (DEFAULT_METRICS_PORT if args.metrics_port is None else args.metrics_port),
+        metrics_port=None if args.no_metrics else metrics_port,
         metrics_required=args.metrics_port is not None,
         pool_dir=args.pool_dir,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
