@@ -23,19 +23,22 @@ from kvdepot.gpu import (
     open_copier,
     scatter,
 )
+from kvdepot.gpu._layout import PlaneGroup
 from kvdepot.gpu.testing import DTYPES, Case, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
 FILL = 0xA5  # pool bytes outside every slot must keep this value
 
 
-@pytest.fixture(autouse=True, params=["runs", "index", "auto"])
+@pytest.fixture(autouse=True, params=["runs", "rows", "strided", "auto"])
 def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run every copy test through both CPU strategies: a copy_ per run of blocks, and index ops."""
+    """Run every copy test through each CPU strategy: copy_ per run, index ops over rows or over strided views."""
     if request.param == "runs":
         monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 10**9)
-    elif request.param == "index":
+    elif request.param in ("rows", "strided"):
         monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 0)
         monkeypatch.setattr(_copy, "RUN_COPY_MIN_BYTES", 10**18)
+    if request.param == "strided":
+        monkeypatch.setattr(PlaneGroup, "rows_addressable", property(lambda self: False))
     return str(request.param)
 
 

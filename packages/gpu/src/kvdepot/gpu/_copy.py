@@ -254,27 +254,39 @@ def _skips(skip_blocks: int | Sequence[int], lengths: list[int]) -> list[int]:
 
 
 def slot_view(
-    layout: KVLayout, pool: torch.Tensor, group_index: int, offset: int, blocks: int, *, width: int | None = None
+    layout: KVLayout,
+    pool: torch.Tensor,
+    group_index: int,
+    offset: int,
+    blocks: int,
+    *,
+    width: int | None = None,
+    max_width: int = 16,
 ) -> torch.Tensor:
     """The part of a slot that holds one plane group, as [planes, blocks, segments, words].
 
-    Words are `width` bytes, or the widest that the group and the slot's address allow.
+    Words are `width` bytes, or the widest up to `max_width` that the group and the slot's
+    address allow.
     """
     group = layout.groups[group_index]
     start = offset + layout.plane_offset_in_slot(group.first_plane, blocks)
     size = group.num_planes * blocks * group.plane_block_bytes
     if width is None:
-        width = width_of(group.max_width, pool.data_ptr() + start, pool.storage_offset() + start)
+        width = width_of(group.max_width, max_width, pool.data_ptr() + start, pool.storage_offset() + start)
     words = pool[start : start + size].view(dtype_of_width(width))
     return words.view(group.num_planes, blocks, group.num_segments, group.seg_bytes // width)
 
 
 # A chunk whose blocks form at most this many runs of consecutive ids is copied with one
 # strided `copy_` per run (memcpy speed, ~5 us of dispatch each); more fragmented chunks
-# use one index op per plane group, whose per-index or per-word cost is higher but
-# paid in C. Runs of at least RUN_COPY_MIN_BYTES are always worth a `copy_` of their own.
+# use one index op per plane group, paid in C. Runs of at least RUN_COPY_MIN_BYTES are
+# always worth a `copy_` of their own.
 RUN_COPY_MAX_RUNS = 4
 RUN_COPY_MIN_BYTES = 1 << 20
+
+# Word size for gathers over contiguous rows: torch's `index_select` copies whole rows of
+# a contiguous source with memcpy for these widths (measured: complex128 words miss it).
+GATHER_ROW_MAX_WIDTH = 8
 
 
 def _use_runs(runs: list[tuple[int, int, int]], group_bytes_per_block: int) -> bool:
@@ -294,6 +306,11 @@ def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
                 src = group.view(1)
                 for position, first, length in runs:
                     dst[:, position : position + length].copy_(src[:, first : first + length])
+            elif group.rows_addressable:  # one index_select over a contiguous [rows, segment] matrix
+                dst = slot_view(layout, pool, index, offset, blocks, max_width=GATHER_ROW_MAX_WIDTH)
+                width = _width(dst)
+                rows = dst.view(-1, group.seg_bytes // width)
+                torch.index_select(group.rows(width), 0, group.row_index(ids), out=rows)
             else:
                 dst = slot_view(layout, pool, index, offset, blocks)
                 torch.index_select(group.view(_width(dst)), 1, ids, out=dst)
@@ -309,6 +326,11 @@ def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
                 dst = group.view(1)
                 for position, first, length in runs:
                     dst[:, first : first + length].copy_(src[:, position : position + length])
+            elif group.rows_addressable:  # one index_copy_ into a contiguous [rows, segment] matrix
+                src = slot_view(layout, pool, index, offset, blocks)[:, skip:]
+                width = _width(src)
+                rows = src.reshape(-1, group.seg_bytes // width) if skip else src.view(-1, group.seg_bytes // width)
+                group.rows(width).index_copy_(0, group.row_index(ids[skip:]), rows)
             else:
                 src = slot_view(layout, pool, index, offset, blocks)
                 group.view(_width(src)).index_copy_(1, ids[skip:], src[:, skip:])
