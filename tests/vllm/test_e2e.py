@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -123,3 +125,118 @@ def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdep
     stats = kvdepot_server.stats()
     assert stats.leases == 0
     assert stats.reservations == 0
+
+
+def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepot_server):
+    """A long prompt prefilled in 128-token steps stores all its full chunks; a third engine hits them all."""
+    p = prompt(1100, seed=1)
+    chunked = {"max_num_batched_tokens": 128, "enable_chunked_prefill": True}
+    config = kvdepot_server.connector_config()
+    baseline = vllm_engine(tiny_llama, [p]).check()
+    vllm_engine(tiny_llama, [p], kv_transfer_config=config, engine_kwargs=chunked).check()
+    assert kvdepot_server.stats().chunks == 1100 // CHUNK
+    vllm_engine(tiny_llama, [prompt(300, seed=9)], kv_transfer_config=config).check()  # an unrelated engine
+    third = vllm_engine(tiny_llama, [p], kv_transfer_config=config, engine_kwargs=chunked).check()
+    assert third.num_cached_tokens == [(1100 // CHUNK) * CHUNK]
+    assert third.outputs == baseline.outputs
+
+
+def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_server):
+    """Killing the server mid-run loses no request and changes no output; after a restart hits come back."""
+    prompts = [prompt(600, seed=100 + i) for i in range(24)]
+    baseline = vllm_engine(tiny_llama, prompts, max_tokens=4).check()
+    config = kvdepot_server.connector_config(**{"kvdepot.timeout": 1.0, "kvdepot.lookup_timeout": 0.5})
+    box: dict[str, object] = {}
+    engine = threading.Thread(
+        target=lambda: box.setdefault(
+            "result", vllm_engine(tiny_llama, prompts, max_tokens=4, kv_transfer_config=config)
+        )
+    )
+    engine.start()
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and engine.is_alive():
+        with contextlib.suppress(Exception):
+            if kvdepot_server.stats(timeout=0.5).chunks >= 4:
+                break
+        time.sleep(0.05)
+    assert engine.is_alive(), "the engine finished before the server could be killed mid-run"
+    kvdepot_server.kill()
+    time.sleep(2.0)
+    kvdepot_server.start()  # same address, a new pool
+    engine.join(timeout=300)
+    result = box["result"].check()
+    assert result.outputs == baseline.outputs
+    # The running engine reconnected by itself and stored into the new server.
+    assert kvdepot_server.stats().chunks > 0
+    again = vllm_engine(tiny_llama, prompts[-4:], max_tokens=4, kv_transfer_config=config).check()
+    assert again.num_cached_tokens == [512] * 4
+    assert again.outputs == baseline.outputs[-4:]
+
+
+def test_injected_load_failure_is_recomputed(tiny_llama, vllm_engine, kvdepot_server):
+    """A load that fails is reported to vLLM, recomputed, and the output is unchanged."""
+    p = prompt(800, seed=2)
+    baseline = vllm_engine(tiny_llama, [p]).check()
+    vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
+    failing = vllm_engine(
+        tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True})
+    ).check()
+    assert "vLLM recomputes it" in failing.log_tail
+    assert failing.outputs == baseline.outputs
+    stats = kvdepot_server.stats()
+    assert stats.leases == 0
+
+
+def test_cache_salts_are_isolated(tiny_llama, vllm_engine, kvdepot_server):
+    """A prompt stored under one cache_salt is no hit under another, and a hit under its own."""
+    p = prompt(600, seed=3)
+    config = kvdepot_server.connector_config()
+    vllm_engine(tiny_llama, [p], kv_transfer_config=config, cache_salts=["tenant-a"]).check()
+    other = vllm_engine(tiny_llama, [p, p], kv_transfer_config=config, cache_salts=["tenant-b", "tenant-a"]).check()
+    assert other.num_cached_tokens == [0, 512]
+    assert other.outputs[0] == other.outputs[1]
+
+
+def test_aborts_and_preemption_leave_no_lease(tiny_llama, vllm_engine, kvdepot_server):
+    """Aborts before scheduling and mid-prefill, and preemption under a small KV cache, crash nothing and leak no lease."""
+    config = kvdepot_server.connector_config()
+    prompts = [prompt(900, seed=10 + i) for i in range(4)]
+    vllm_engine(tiny_llama, prompts[:2], kv_transfer_config=config).check()  # some hits for the next run
+    small = {"kv_cache_memory_bytes": 12 * 2**20, "max_model_len": 2048, "max_num_batched_tokens": 256}
+    baseline = vllm_engine(tiny_llama, prompts, max_tokens=200, sequential=False, engine_kwargs=small).check()
+    run = vllm_engine(
+        tiny_llama,
+        prompts,
+        max_tokens=200,
+        sequential=False,
+        engine_kwargs=small,
+        kv_transfer_config=config,
+        collect_metrics=True,
+    ).check()
+    assert run.outputs == baseline.outputs
+    assert (run.metrics or {}).get("vllm:num_preemptions", 1) > 0
+    aborted = vllm_engine(
+        tiny_llama,
+        [*prompts[:2], prompt(700, seed=20)],
+        kv_transfer_config=config,
+        sequential=False,
+        abort_after_steps={0: 0, 2: 2},
+        engine_kwargs={"max_num_batched_tokens": 128},
+    ).check()
+    assert aborted.finish_reasons[0] == "abort" and aborted.finish_reasons[2] == "abort"
+    time.sleep(0.5)
+    stats = kvdepot_server.stats()
+    assert stats.leases == 0
+    assert stats.reservations == 0
+
+
+def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvdepot_server):
+    """With vLLM's separate engine-core and worker processes, a second engine still hits and matches recompute."""
+    p = prompt(600, seed=4)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    config = kvdepot_server.connector_config()
+    baseline = vllm_engine(tiny_llama, [p]).check()
+    vllm_engine(tiny_llama, [p], kv_transfer_config=config, env=env).check()
+    second = vllm_engine(tiny_llama, [p], kv_transfer_config=config, env=env).check()
+    assert second.num_cached_tokens == [512]
+    assert second.outputs == baseline.outputs

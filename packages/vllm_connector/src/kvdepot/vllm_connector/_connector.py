@@ -23,6 +23,7 @@ from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._config import ConnectorConfig
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats
+from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
 from kvdepot.vllm_connector._server import ensure_server
 from kvdepot.vllm_connector._worker import WorkerSide
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+    from kvdepot.transport import HelloReply, RegisterReply
 
 log = logging.getLogger("vllm.kvdepot")
 
@@ -73,6 +76,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        announce()  # the plugin's own log line, held back until vLLM's logging is set up
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         ktc = vllm_config.kv_transfer_config
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
@@ -113,11 +119,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             heartbeat_interval=self.config.heartbeat_interval,
             client_name=f"vllm-{role.name.lower()}-{strategy.rank}-{uuid.uuid4().hex[:8]}",
             auth_secret=self.config.auth or None,
+            on_reconnect=self._on_reconnect,
         )
         _check_server(self.client, self.config.timeout)
         name = layout_name(vllm_config)
-        self._scheduler: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
                 # A failed load must be recomputed, never turned into a failed request.
@@ -149,6 +154,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             address,
             self.config.chunk_size,
         )
+
+    def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
+        if self._worker is not None:
+            self._worker.on_reconnect(hello, register)
 
     @property
     def requires_kv_delivery(self) -> bool:

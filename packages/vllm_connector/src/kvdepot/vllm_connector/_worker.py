@@ -91,7 +91,6 @@ class WorkerSide:
 
         self.layout = KVLayout.from_kv_caches(kv_caches, backend_hint=self.backend_hint)
         self.chunk_bytes = self.layout.chunk_bytes(self.blocks_per_chunk)
-        self.client.on_reconnect = self._on_reconnect  # type: ignore[attr-defined]
         try:
             reply = self.client.register(
                 self.layout_name,
@@ -117,8 +116,9 @@ class WorkerSide:
             reply.pool.path,
         )
 
-    def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
-        if register is not None:
+    def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
+        """The client re-registered with a (possibly restarted) server: map its pool."""
+        if register is not None and self.layout is not None:
             self._map(register, hello.server_id)
 
     def _map(self, reply: RegisterReply, server_id: str) -> None:
