@@ -110,7 +110,7 @@ def cpu_case(name: str, layers: int, heads: int, tokens: int, head: int, per_chu
         src.copy_(pool[j * size : j * size + src.numel()])
 
     results = []
-    reps = max(1, (16 << 20) // size)
+    reps = max(1, (4 << 20) // size)
     with open_copier(layout, pool) as copier:
         for ids_name, ids in (("random ids", scattered), ("consecutive ids", runs)):
             gather_s, base_g = interleaved(
@@ -196,7 +196,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
     args = parser.parse_args()
-    rounds = 5 if args.quick else 15
+    rounds = 10 if args.quick else 60
     log(f"kvdepot.gpu benchmark: torch {torch.__version__}, {torch.get_num_threads()} CPU threads, target ratio {TARGET}")
     results = []
     cases = [

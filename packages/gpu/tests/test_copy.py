@@ -35,7 +35,7 @@ def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     if request.param == "runs":
         monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 10**9)
     elif request.param in ("rows", "strided"):
-        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 0)
+        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", -1)
         monkeypatch.setattr(_copy, "RUN_COPY_MIN_BYTES", 10**18)
     if request.param == "strided":
         monkeypatch.setattr(PlaneGroup, "rows_addressable", property(lambda self: False))

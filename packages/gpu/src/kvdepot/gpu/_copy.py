@@ -22,37 +22,51 @@ from kvdepot.gpu._layout import KVLayout, dtype_of_width, width_of
 BlockIds: TypeAlias = "Sequence[int] | torch.Tensor"
 
 
-@attrs.frozen
+@attrs.define
 class CopyPlan:
     """A validated gather or scatter: per chunk, its slot offset, block ids and skipped blocks."""
 
     offsets: tuple[int, ...]
-    block_ids: tuple[torch.Tensor, ...]  # int64 CPU, every block of the chunk in slot order
+    block_lists: tuple[list[int], ...]  # every block of each chunk, in slot order
     skips: tuple[int, ...]  # leading blocks of each chunk that are not copied
-    block_lists: tuple[list[int], ...] = ()  # the same ids as Python ints
+    _tensors: dict[int, torch.Tensor] = attrs.field(factory=dict, repr=False)
 
-    def runs(self, chunk: int) -> list[tuple[int, int, int]]:
-        """(slot position, first block id, length) of each run of consecutive ids copied in `chunk`."""
+    def ids(self, chunk: int) -> torch.Tensor:
+        """The block ids of `chunk` as an int64 CPU tensor (built on first use)."""
+        tensor = self._tensors.get(chunk)
+        if tensor is None:
+            tensor = self._tensors[chunk] = torch.tensor(self.block_lists[chunk], dtype=torch.int64)
+        return tensor
+
+    def runs(self, chunk: int, limit: int) -> list[tuple[int, int, int]] | None:
+        """(slot position, first block id, length) of each run of consecutive ids copied in `chunk`.
+
+        None as soon as there are more than `limit` runs (fragmented chunks stop early).
+        """
         ids, skip = self.block_lists[chunk], self.skips[chunk]
         runs: list[tuple[int, int, int]] = []
         position, first, length = skip, -2, 0
-        for block in ids[skip:]:
+        for block in ids[skip:] if skip else ids:
             if block == first + length:
                 length += 1
                 continue
             if length:
+                if len(runs) == limit:
+                    return None
                 runs.append((position, first, length))
                 position += length
             first, length = block, 1
         if length:
+            if len(runs) == limit:
+                return None
             runs.append((position, first, length))
         return runs
 
     def chunks(self) -> Any:
-        """(chunk index, offset, ids, skip, blocks in chunk) for each chunk with something to copy."""
-        for chunk, (offset, ids, skip) in enumerate(zip(self.offsets, self.block_ids, self.skips, strict=True)):
-            if skip < ids.numel():
-                yield chunk, offset, ids, skip, ids.numel()
+        """(chunk index, offset, id list, skip, blocks in chunk) for each chunk with something to copy."""
+        for chunk, (offset, ids, skip) in enumerate(zip(self.offsets, self.block_lists, self.skips, strict=True)):
+            if skip < len(ids):
+                yield chunk, offset, ids, skip, len(ids)
 
 
 class CopyHandle(Protocol):
@@ -97,31 +111,30 @@ def check_pool(pool: Any) -> torch.Tensor:
     return pool
 
 
-def _as_ids(chunk: int, ids: Any) -> tuple[list[int], torch.Tensor]:
-    """Block ids as Python ints and as an int64 tensor; the type check runs in C, not per id in Python."""
+def _bad_ids(chunk: int, ids: Any) -> BlockIdError:
+    return BlockIdError(
+        f"chunk {chunk}: block ids must be a list of ints or a 1-D integer tensor, got {ids!r}.",
+        chunk=chunk,
+        block_id=None,
+        num_blocks=None,
+    )
+
+
+def _as_ids(chunk: int, ids: Any) -> list[int]:
+    """Block ids as a list of Python ints (bools, floats and strings are refused)."""
     if isinstance(ids, torch.Tensor):
         if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise BlockIdError(
-                f"chunk {chunk}: block ids must be a 1-D integer tensor or a list of ints, got {ids.dtype} "
-                f"{tuple(ids.shape)}.",
-                chunk=chunk,
-                block_id=None,
-                num_blocks=None,
-            )
-        tensor = ids.to(device="cpu", dtype=torch.int64)
-        return tensor.tolist(), tensor
+            raise _bad_ids(chunk, ids)
+        return list(ids.tolist())
     values = ids if isinstance(ids, list) else list(ids)
+    if all(type(v) is int for v in values):  # the common case: one type test per block
+        return values
     try:
-        tensor = torch.tensor(values, dtype=None) if values else torch.empty(0, dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
-        raise BlockIdError(
-            f"chunk {chunk}: block ids must be ints, got {ids!r}.", chunk=chunk, block_id=None, num_blocks=None
-        ) from exc
-    if tensor.dtype != torch.int64 or tensor.dim() != 1:
-        raise BlockIdError(
-            f"chunk {chunk}: block ids must be ints, got {ids!r}.", chunk=chunk, block_id=None, num_blocks=None
-        )
-    return values, tensor
+        if any(isinstance(v, bool) for v in values):
+            raise TypeError("bool")
+        return [operator.index(v) for v in values]  # numpy integers and other int-likes
+    except TypeError as exc:
+        raise _bad_ids(chunk, ids) from exc
 
 
 def plan_copy(
@@ -150,8 +163,7 @@ def plan_copy(
             expected=len(block_ids_per_chunk),
             got=len(slot_offsets),
         )
-    converted = [_as_ids(i, chunk) for i, chunk in enumerate(block_ids_per_chunk)]
-    ids = [c[0] for c in converted]
+    ids = [_as_ids(i, chunk) for i, chunk in enumerate(block_ids_per_chunk)]
     skips = _skips(skip_blocks, [len(t) for t in ids])
     pool_bytes = pool.numel()
     spans = []
@@ -224,9 +236,8 @@ def plan_copy(
             )
     return CopyPlan(
         offsets=tuple(operator.index(o) for o in slot_offsets),
-        block_ids=tuple(c[1] for c in converted),
-        skips=tuple(skips),
         block_lists=tuple(ids),
+        skips=tuple(skips),
     )
 
 
@@ -289,19 +300,18 @@ RUN_COPY_MIN_BYTES = 1 << 20
 GATHER_ROW_MAX_WIDTH = 8
 
 
-def _use_runs(runs: list[tuple[int, int, int]], group_bytes_per_block: int) -> bool:
-    if len(runs) <= RUN_COPY_MAX_RUNS:
-        return True
-    copied = sum(run[2] for run in runs)
-    return copied * group_bytes_per_block >= RUN_COPY_MIN_BYTES * len(runs)
+def _run_limit(copied_blocks: int, group_bytes_per_block: int) -> int:
+    """The most runs for which one copy_ per run beats an index op, for one plane group."""
+    return max(RUN_COPY_MAX_RUNS, copied_blocks * group_bytes_per_block // RUN_COPY_MIN_BYTES)
 
 
 def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy the planned blocks of every layer into their slots (CPU tensors)."""
-    for chunk, offset, ids, _, blocks in plan.chunks():
-        runs = plan.runs(chunk)
+    for chunk, offset, _, _, blocks in plan.chunks():
+        limits = [_run_limit(blocks, g.num_planes * g.plane_block_bytes) for g in layout.groups]
+        runs = plan.runs(chunk, max(limits))
         for index, group in enumerate(layout.groups):
-            if _use_runs(runs, group.num_planes * group.plane_block_bytes):
+            if runs is not None and len(runs) <= limits[index]:
                 dst = slot_view(layout, pool, index, offset, blocks, width=1)
                 src = group.view(1)
                 for position, first, length in runs:
@@ -310,18 +320,19 @@ def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
                 dst = slot_view(layout, pool, index, offset, blocks, max_width=GATHER_ROW_MAX_WIDTH)
                 width = _width(dst)
                 rows = dst.view(-1, group.seg_bytes // width)
-                torch.index_select(group.rows(width), 0, group.row_index(ids), out=rows)
+                torch.index_select(group.rows(width), 0, group.row_index(plan.ids(chunk)), out=rows)
             else:
                 dst = slot_view(layout, pool, index, offset, blocks)
-                torch.index_select(group.view(_width(dst)), 1, ids, out=dst)
+                torch.index_select(group.view(_width(dst)), 1, plan.ids(chunk), out=dst)
 
 
 def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy slots back into the planned blocks, leaving skipped leading blocks alone (CPU tensors)."""
-    for chunk, offset, ids, skip, blocks in plan.chunks():
-        runs = plan.runs(chunk)
+    for chunk, offset, _, skip, blocks in plan.chunks():
+        limits = [_run_limit(blocks - skip, g.num_planes * g.plane_block_bytes) for g in layout.groups]
+        runs = plan.runs(chunk, max(limits))
         for index, group in enumerate(layout.groups):
-            if _use_runs(runs, group.num_planes * group.plane_block_bytes):
+            if runs is not None and len(runs) <= limits[index]:
                 src = slot_view(layout, pool, index, offset, blocks, width=1)
                 dst = group.view(1)
                 for position, first, length in runs:
@@ -330,10 +341,10 @@ def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
                 src = slot_view(layout, pool, index, offset, blocks)[:, skip:]
                 width = _width(src)
                 rows = src.reshape(-1, group.seg_bytes // width) if skip else src.view(-1, group.seg_bytes // width)
-                group.rows(width).index_copy_(0, group.row_index(ids[skip:]), rows)
+                group.rows(width).index_copy_(0, group.row_index(plan.ids(chunk)[skip:]), rows)
             else:
                 src = slot_view(layout, pool, index, offset, blocks)
-                group.view(_width(src)).index_copy_(1, ids[skip:], src[:, skip:])
+                group.view(_width(src)).index_copy_(1, plan.ids(chunk)[skip:], src[:, skip:])
 
 
 def _width(view: torch.Tensor) -> int:

@@ -65,8 +65,8 @@ def _group_table(layout: KVLayout, group: PlaneGroup, plan: CopyPlan, width: int
     planes = torch.arange(group.num_planes, dtype=torch.int64).view(-1, 1, 1)
     segments = torch.arange(group.num_segments, dtype=torch.int64).view(1, 1, -1)
     kv_parts, slot_parts = [], []
-    for _, offset, ids, skip, blocks in plan.chunks():
-        used = ids[skip:].view(1, -1, 1)
+    for chunk, offset, _, skip, blocks in plan.chunks():
+        used = plan.ids(chunk)[skip:].view(1, -1, 1)
         position = torch.arange(skip, blocks, dtype=torch.int64).view(1, -1, 1)
         kv = group.offset + planes * group.plane_stride + used * group.block_stride + segments * group.seg_stride
         slot_start = offset + layout.plane_offset_in_slot(group.first_plane, blocks)
