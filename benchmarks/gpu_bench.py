@@ -89,7 +89,10 @@ def cpu_case(name: str, layers: int, heads: int, tokens: int, head: int, per_chu
             start = (i * 7919 % max(1, whole.numel() // size - 1)) * size
             return whole[start : start + size]
         layer = storages[i % len(storages)]  # a layer tensor may hold less than a chunk: wrap to the next
-        return layer[: min(size, layer.numel())]
+        if layer.numel() <= size:
+            return layer
+        start = (i * 7919 % max(1, layer.numel() // size - 1)) * size
+        return layer[start : start + size]
 
     def memcpy(i: int) -> None:
         j = i % slots

@@ -37,7 +37,7 @@ def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     elif request.param in ("rows", "strided"):
         monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", -1)
         monkeypatch.setattr(_copy, "RUN_COPY_MIN_BYTES", 10**18)
-    if request.param == "strided":
+    if request.param in ("runs", "strided"):
         monkeypatch.setattr(PlaneGroup, "rows_addressable", property(lambda self: False))
     return str(request.param)
 

@@ -289,9 +289,9 @@ def slot_view(
 
 
 # A chunk whose blocks form at most this many runs of consecutive ids is copied with one
-# strided `copy_` per run (memcpy speed, ~5 us of dispatch each); more fragmented chunks
-# use one index op per plane group, paid in C. Runs of at least RUN_COPY_MIN_BYTES are
-# always worth a `copy_` of their own.
+# strided `copy_` per run (memcpy speed, ~5 us of dispatch each; scatters, and gathers
+# that cannot use rows); more fragmented chunks use one index op per plane group, paid in
+# C. Runs of at least RUN_COPY_MIN_BYTES are always worth a `copy_` of their own.
 RUN_COPY_MAX_RUNS = 4
 RUN_COPY_MIN_BYTES = 1 << 20
 
@@ -306,21 +306,29 @@ def _run_limit(copied_blocks: int, group_bytes_per_block: int) -> int:
 
 
 def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
-    """Copy the planned blocks of every layer into their slots (CPU tensors)."""
+    """Copy the planned blocks of every layer into their slots (CPU tensors).
+
+    Where segments are rows of a contiguous matrix, one `index_select` over rows (torch
+    copies each row with memcpy, on every thread; measured at or above a plain memcpy of
+    the same bytes); else one strided `copy_` per run of consecutive blocks, or one
+    `index_select` over a strided view for fragmented chunks.
+    """
     for chunk, offset, _, _, blocks in plan.chunks():
-        limits = [_run_limit(blocks, g.num_planes * g.plane_block_bytes) for g in layout.groups]
-        runs = plan.runs(chunk, max(limits))
+        runs: list[tuple[int, int, int]] | None = None
         for index, group in enumerate(layout.groups):
-            if runs is not None and len(runs) <= limits[index]:
-                dst = slot_view(layout, pool, index, offset, blocks, width=1)
-                src = group.view(1)
-                for position, first, length in runs:
-                    dst[:, position : position + length].copy_(src[:, first : first + length])
-            elif group.rows_addressable:  # one index_select over a contiguous [rows, segment] matrix
+            if group.rows_addressable:
                 dst = slot_view(layout, pool, index, offset, blocks, max_width=GATHER_ROW_MAX_WIDTH)
                 width = _width(dst)
                 rows = dst.view(-1, group.seg_bytes // width)
                 torch.index_select(group.rows(width), 0, group.row_index(plan.ids(chunk)), out=rows)
+                continue
+            limit = _run_limit(blocks, group.num_planes * group.plane_block_bytes)
+            runs = plan.runs(chunk, limit)
+            if runs is not None:
+                dst = slot_view(layout, pool, index, offset, blocks, width=1)
+                src = group.view(1)
+                for position, first, length in runs:
+                    dst[:, position : position + length].copy_(src[:, first : first + length])
             else:
                 dst = slot_view(layout, pool, index, offset, blocks)
                 torch.index_select(group.view(_width(dst)), 1, plan.ids(chunk), out=dst)
