@@ -137,7 +137,7 @@ class PlaneGroup:
     seg_bytes: int
     num_blocks: int
     max_width: int
-    _views: dict[int, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    _views: dict[int, Any] = attrs.field(factory=dict, repr=False)
 
     @property
     def plane_block_bytes(self) -> int:
@@ -189,6 +189,16 @@ class PlaneGroup:
             flat = self.base(width)
             cached = flat[: flat.numel() - flat.numel() % words].view(-1, words)
             self._views[key] = cached
+        return cached
+
+    def row_items(self) -> Any:
+        """The storage as a 1-D numpy array of `seg_bytes`-byte items, one per row (needs `rows_addressable`)."""
+        cached = self._views.get(-1_000_000)
+        if cached is None:
+            import numpy as np
+
+            cached = self.rows(1).numpy().view(np.dtype((np.void, self.seg_bytes))).reshape(-1)
+            self._views[-1_000_000] = cached
         return cached
 
     def row_index(self, ids: torch.Tensor) -> torch.Tensor:
