@@ -242,3 +242,55 @@ def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvde
     second = vllm_engine(tiny_llama, [p], kv_transfer_config=config, env=env).check()
     assert second.num_cached_tokens == [512]
     assert second.outputs == baseline.outputs
+
+
+def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engine, tmp_path):
+    """`--kv-offloading-backend lmcache --kv-offloading-size N` without lmcache gives kvdepot, on a server started on demand."""
+    from kvdepot.transport import default_address
+    from kvdepot.vllm_connector._server import pid_path
+
+    runtime = Path(f"/tmp/kvd-rt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    runtime.mkdir(mode=0o700)
+    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    old = os.environ.get("XDG_RUNTIME_DIR")
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    try:
+        address = default_address()
+    finally:
+        if old is None:
+            del os.environ["XDG_RUNTIME_DIR"]
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = old
+    flags = {"kv_offloading_backend": "lmcache", "kv_offloading_size": 0.25}
+    p = prompt(600, seed=5)
+    try:
+        first = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
+        assert "started a local kvdepot server" in first.log_tail
+        server = ServerProcess(runtime)
+        server.address = address
+        stats = server.stats()
+        assert stats.chunks == 2
+        assert stats.capacity_bytes == 256 * 2**20
+        second = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
+        assert "started a local kvdepot server" not in second.log_tail  # the first one is shared
+        assert second.num_cached_tokens == [512]
+        assert second.outputs == first.outputs
+    finally:
+        pid_file = pid_path(address)
+        if pid_file.exists():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engine, tmp_path):
+    """An explicit server address with nothing behind it stops the engine with an error naming the fix."""
+    config = {
+        "kv_connector": "KVDepotConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"kvdepot.address": f"ipc:///tmp/kvd-none-{os.getpid()}.sock", "kvdepot.timeout": 1},
+    }
+    result = vllm_engine(tiny_llama, [prompt(300)], kv_transfer_config=config, timeout=120)
+    assert result.error is not None or result.returncode != 0
+    text = (result.error or "") + result.log_tail
+    assert "no kvdepot server answers at" in text
+    assert "kvdepot serve --address" in text

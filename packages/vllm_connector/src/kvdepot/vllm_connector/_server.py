@@ -69,6 +69,7 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
                     f"the kvdepot server started at {address} exited with code {process.returncode}; see {log_path}"
                 )
             if server_answers(address, timeout=0.5):
+                pid_path(address).write_text(f"{process.pid}\n")
                 log.info(
                     "started a local kvdepot server at %s (capacity %s, pid %d, log %s)",
                     address,
@@ -79,3 +80,8 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
                 return
             time.sleep(0.1)
         raise RuntimeError(f"the kvdepot server started at {address} did not answer in time; see {log_path}")
+
+
+def pid_path(address: str) -> Path:
+    """Where a server started on demand records its pid (beside its ipc socket)."""
+    return Path(address[len("ipc://") :]).with_suffix(".pid")
