@@ -127,7 +127,7 @@ def _as_ids(chunk: int, ids: Any) -> list[int]:
             raise _bad_ids(chunk, ids)
         return list(ids.tolist())
     values = ids if isinstance(ids, list) else list(ids)
-    if all(type(v) is int for v in values):  # the common case: one type test per block
+    if set(map(type, values)) <= {int}:  # the common case, checked in C
         return values
     try:
         if any(isinstance(v, bool) for v in values):
