@@ -14,6 +14,8 @@ from kvdepot.gpu import (
     BlockIdError,
     CopierClosedError,
     CopyArgumentError,
+    CpuCopier,
+    CudaCopier,
     KVLayout,
     PoolBoundsError,
     PoolDtypeError,
@@ -270,3 +272,13 @@ def test_closed_copier_refuses_work(make_case) -> None:
     copier.close()
     with pytest.raises(CopierClosedError):
         copier.gather([[0]], [0])
+
+
+def test_cuda_copier_refuses_a_cpu_cache(make_case) -> None:
+    """CudaCopier on a CPU layout is a typed error, raised before CUDA is touched; open_copier picks CpuCopier."""
+    case = make_case("cpu", torch.float16)
+    layout = layout_of(case)
+    pool = filled_pool(layout.chunk_bytes(1))
+    with pytest.raises(CopyArgumentError, match="CUDA KV cache"):
+        CudaCopier(layout, pool)
+    assert isinstance(open_copier(layout, pool), CpuCopier)
