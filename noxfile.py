@@ -83,6 +83,13 @@ def lint(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: build a small model, start a server, run vLLM twice, show the cache hit."""
+    _install_workspace(session, "transformers", "tokenizers")
+    session.run("kvdepot", "demo", *session.posargs, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Every benchmark; each prints ratios against a baseline measured in the same run."""
     _install_workspace(session, *TEST_DEPS)

@@ -45,6 +45,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvdepot")
 
 
+def _route_structlog_to_stdlib() -> None:
+    """Inside vLLM, kvdepot's transport logs through the standard library, so debug lines stay quiet.
+
+    Only when the host process has not configured structlog itself.
+    """
+    import structlog
+
+    if structlog.is_configured():
+        return
+    structlog.configure(
+        processors=[
+            structlog.stdlib.filter_by_level,
+            structlog.stdlib.add_logger_name,
+            structlog.processors.format_exc_info,
+            structlog.processors.KeyValueRenderer(key_order=["event"]),
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=True,
+    )
+
+
 class ConnectorConfigError(KVDepotError, ValueError):
     """The engine's configuration cannot work with kvdepot; the message says what to change."""
 
@@ -77,6 +99,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         announce()  # the plugin's own log line, held back until vLLM's logging is set up
+        _route_structlog_to_stdlib()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         ktc = vllm_config.kv_transfer_config
