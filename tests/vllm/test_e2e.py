@@ -188,9 +188,12 @@ def test_injected_load_failure_is_recomputed(tiny_llama, vllm_engine, kvdepot_se
 
 
 def test_cache_salts_are_isolated(tiny_llama, vllm_engine, kvdepot_server):
-    """A prompt stored under one cache_salt is no hit under another, and a hit under its own."""
+    """A prompt stored under one cache_salt is no hit under another, and a hit under its own.
+
+    The connector is loaded by `kv_connector_module_path` here, as without the plugin.
+    """
     p = prompt(600, seed=3)
-    config = kvdepot_server.connector_config()
+    config = {**kvdepot_server.connector_config(), "kv_connector_module_path": "kvdepot.vllm_connector"}
     vllm_engine(tiny_llama, [p], kv_transfer_config=config, cache_salts=["tenant-a"]).check()
     other = vllm_engine(tiny_llama, [p, p], kv_transfer_config=config, cache_salts=["tenant-b", "tenant-a"]).check()
     assert other.num_cached_tokens == [0, 512]
