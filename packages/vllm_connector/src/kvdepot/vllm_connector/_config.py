@@ -29,7 +29,7 @@ KEYS = {
     "kvdepot.chunk_size": f"tokens per chunk, a multiple of the block size (default {DEFAULT_CHUNK_SIZE})",
     "kvdepot.start_server": "start a local server when none answers (default: true with the lmcache backend)",
     "kvdepot.capacity": "capacity of a server started on demand, e.g. '4GiB' (default: --kv-offloading-size)",
-    "kvdepot.auth": "shared secret for tcp servers started with --auth",
+    "kvdepot.auth": "shared secret for tcp servers started with --auth-secret-file",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
     "lmcache.mp.port": "LMCache MP compatible: server port",
