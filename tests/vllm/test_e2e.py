@@ -201,7 +201,7 @@ def test_cache_salts_are_isolated(tiny_llama, vllm_engine, kvdepot_server):
 
 
 def test_aborts_and_preemption_leave_no_lease(tiny_llama, vllm_engine, kvdepot_server):
-    """Aborts before scheduling and mid-prefill, and preemption under a small KV cache, crash nothing and leak no lease."""
+    """Aborts before scheduling and mid-prefill, and preemption under a small KV cache, leak no lease."""
     config = kvdepot_server.connector_config()
     prompts = [prompt(600, seed=10 + i) for i in range(4)]
     vllm_engine(tiny_llama, prompts[:2], kv_transfer_config=config).check()  # some hits for the next run
@@ -248,7 +248,7 @@ def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvde
 
 
 def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engine, tmp_path):
-    """`--kv-offloading-backend lmcache --kv-offloading-size N` without lmcache gives kvdepot, on a server started on demand."""
+    """`--kv-offloading-backend lmcache --kv-offloading-size N` gives kvdepot on a server started on demand."""
     from kvdepot.transport import default_address
     from kvdepot.vllm_connector._server import pid_path
 
@@ -290,7 +290,10 @@ def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engin
     config = {
         "kv_connector": "KVDepotConnector",
         "kv_role": "kv_both",
-        "kv_connector_extra_config": {"kvdepot.address": f"ipc:///tmp/kvd-none-{os.getpid()}.sock", "kvdepot.timeout": 1},
+        "kv_connector_extra_config": {
+            "kvdepot.address": f"ipc:///tmp/kvd-none-{os.getpid()}.sock",
+            "kvdepot.timeout": 1,
+        },
     }
     result = vllm_engine(tiny_llama, [prompt(300)], kv_transfer_config=config, timeout=120)
     assert result.error is not None or result.returncode != 0

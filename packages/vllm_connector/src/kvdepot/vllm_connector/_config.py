@@ -24,7 +24,9 @@ DEFAULT_HEARTBEAT_INTERVAL = 2.0
 KEYS = {
     "kvdepot.address": "server address: ipc:///path or tcp://127.0.0.1:PORT (default: the local ipc socket)",
     "kvdepot.timeout": f"seconds one server request may take (default {DEFAULT_TIMEOUT})",
-    "kvdepot.lookup_timeout": f"seconds before an unanswered lookup counts as a miss (default {DEFAULT_LOOKUP_TIMEOUT})",
+    "kvdepot.lookup_timeout": (
+        f"seconds before an unanswered lookup counts as a miss (default {DEFAULT_LOOKUP_TIMEOUT})"
+    ),
     "kvdepot.heartbeat_interval": f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})",
     "kvdepot.chunk_size": f"tokens per chunk, a multiple of the block size (default {DEFAULT_CHUNK_SIZE})",
     "kvdepot.start_server": "start a local server when none answers (default: true with the lmcache backend)",

@@ -177,7 +177,7 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=10)
 
 
-def _run_engine(
+def _run_engine(  # noqa: PLR0917 (one engine run's whole description)
     work: Path, name: str, model: Path, prompt: list[int], max_tokens: int, config: dict[str, Any]
 ) -> dict[str, Any]:
     spec = work / f"{name}.json"

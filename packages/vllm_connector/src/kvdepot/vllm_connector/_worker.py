@@ -7,6 +7,7 @@ block a copy still uses. A failed load is reported, never hidden.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -47,10 +48,8 @@ class _PoolMapping:
     def close(self) -> None:
         self.copier.close()
         del self.tensor
-        try:
+        with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
             self.mmap.close()
-        except BufferError:  # a view is still alive somewhere; the OS unmaps at exit
-            pass
 
 
 class WorkerSide:
