@@ -78,8 +78,9 @@ class KVDepotStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = dict.fromkeys(STAT_COUNTERS, 0)
-        self.data["lookup_seconds_sum"] = 0.0
+        data: dict[str, float] = dict.fromkeys(STAT_COUNTERS, 0)
+        data["lookup_seconds_sum"] = 0.0
+        self.data = data
 
     def add(self, name: str, value: float = 1) -> None:
         self.data[name] = self.data.get(name, 0) + value

@@ -275,4 +275,4 @@ class SchedulerSide:
 def _was_aborted(request: Request) -> bool:
     from vllm.v1.request import RequestStatus
 
-    return request.status == RequestStatus.FINISHED_ABORTED
+    return bool(request.status == RequestStatus.FINISHED_ABORTED)

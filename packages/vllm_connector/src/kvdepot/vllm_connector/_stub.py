@@ -27,11 +27,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class StubConnectorMetadata(KVConnectorMetadata):  # type: ignore[misc]  # vLLM is untyped for mypy
+class StubConnectorMetadata(KVConnectorMetadata):
     """Empty per-step metadata."""
 
 
-class StubConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]  # vLLM is untyped for mypy
+class StubConnector(KVConnectorBase_V1, SupportsHMA):
     """A no-op KV connector; `instances` records each one created, for assertions."""
 
     instances: ClassVar[list[StubConnector]] = []
