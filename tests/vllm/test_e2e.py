@@ -118,8 +118,14 @@ def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdep
     first = vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
     assert first.num_cached_tokens == [0]
     assert kvdepot_server.stats().chunks == 700 // CHUNK
-    second = vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
+    second = vllm_engine(
+        tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config(), collect_metrics=True
+    ).check()
     assert second.num_cached_tokens == [(700 // CHUNK) * CHUNK]
+    # The connector's figures reach vLLM's Prometheus metrics.
+    loaded = [v for k, v in (second.metrics or {}).items() if "kvdepot_loaded_bytes" in k]
+    assert loaded
+    assert loaded[0] == kvdepot_server.stats().bytes_loaded > 0
     assert first.outputs == baseline.outputs
     assert second.outputs == baseline.outputs
     stats = kvdepot_server.stats()

@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._config import ConnectorConfig
-from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats
+from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
 from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
 from kvdepot.vllm_connector._server import ensure_server
@@ -262,6 +262,16 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVDepotStats.from_data(data) if data is not None else KVDepotStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return make_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

@@ -103,3 +103,42 @@ class KVDepotStats(KVConnectorStats):
     @classmethod
     def from_data(cls, data: dict[str, Any] | None) -> KVDepotStats:
         return cls(data=dict(data or {}))
+
+
+#: Prometheus counters the connector exports through vLLM's metrics endpoint: name -> help.
+PROM_COUNTERS = {
+    "lookup_hit_tokens": "Tokens found in kvdepot by lookups",
+    "loaded_bytes": "Bytes loaded from kvdepot into the KV cache",
+    "stored_bytes": "Bytes stored from the KV cache into kvdepot",
+    "load_failures": "Loads from kvdepot that failed and were recomputed",
+    "lookups": "Lookups answered by kvdepot",
+    "lookup_seconds_sum": "Seconds spent waiting for kvdepot lookups",
+}
+
+
+def make_prom_metrics(
+    vllm_config: Any, metric_types: dict[type, type], labelnames: list[str], per_engine: dict[int, list[object]]
+) -> Any:
+    """vLLM's Prometheus hook: one counter per figure, per engine."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+    class KVDepotPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine)
+            self._counters = {
+                name: {
+                    idx: self._counter_cls(
+                        name=f"vllm:kvdepot_{name}", documentation=doc, labelnames=labelnames
+                    ).labels(*values)
+                    for idx, values in per_engine.items()
+                }
+                for name, doc in PROM_COUNTERS.items()
+            }
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            for name, per_engine_counter in self._counters.items():
+                value = transfer_stats_data.get(name, 0)
+                if value and engine_idx in per_engine_counter:
+                    per_engine_counter[engine_idx].inc(value)
+
+    return KVDepotPromMetrics()
