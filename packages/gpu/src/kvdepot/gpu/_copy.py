@@ -51,13 +51,13 @@ class CopyPlan:
                 length += 1
                 continue
             if length:
-                if len(runs) == limit:
+                if len(runs) >= limit:
                     return None
                 runs.append((position, first, length))
                 position += length
             first, length = block, 1
         if length:
-            if len(runs) == limit:
+            if len(runs) >= limit:
                 return None
             runs.append((position, first, length))
         return runs
@@ -337,14 +337,23 @@ def gather_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
 def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy slots back into the planned blocks, leaving skipped leading blocks alone (CPU tensors).
 
-    Where segments are rows of a contiguous matrix, one `numpy.put` of whole rows (numpy
-    moves each `seg_bytes` item with memcpy; measured at or above a plain memcpy, where
-    torch's `index_copy_` copies word by word); else one strided `copy_` per run of
-    consecutive blocks, or one `index_copy_` over a strided view for fragmented chunks.
+    A few runs of consecutive blocks: one strided `copy_` per run. Fragmented chunks,
+    where segments are rows of a contiguous matrix: one `numpy.put` of whole rows (numpy
+    moves each `seg_bytes` item with memcpy, where torch's `index_copy_` copies word by
+    word); else one `index_copy_` over a strided view.
     """
     for chunk, offset, _, skip, blocks in plan.chunks():
         for index, group in enumerate(layout.groups):
             if group.rows_addressable:
+                runs = plan.runs(chunk, RUN_COPY_MAX_RUNS)  # a few long runs: copy_ is multi-threaded
+            else:
+                runs = plan.runs(chunk, _run_limit(blocks - skip, group.num_planes * group.plane_block_bytes))
+            if runs is not None:
+                src = slot_view(layout, pool, index, offset, blocks, width=1)
+                dst = group.view(1)
+                for position, first, length in runs:
+                    dst[:, first : first + length].copy_(src[:, position : position + length])
+            elif group.rows_addressable:
                 src = slot_view(layout, pool, index, offset, blocks, width=1)
                 items = _as_items(src, group.seg_bytes)
                 rows = group.row_index(plan.ids(chunk)[skip:]).numpy()
@@ -355,13 +364,6 @@ def scatter_cpu(layout: KVLayout, pool: torch.Tensor, plan: CopyPlan) -> None:
                         numpy_put(group.row_items(), part, items[plane, skip * group.num_segments :])
                 else:
                     numpy_put(group.row_items(), rows, items.reshape(-1))
-                continue
-            runs = plan.runs(chunk, _run_limit(blocks - skip, group.num_planes * group.plane_block_bytes))
-            if runs is not None:
-                src = slot_view(layout, pool, index, offset, blocks, width=1)
-                dst = group.view(1)
-                for position, first, length in runs:
-                    dst[:, first : first + length].copy_(src[:, position : position + length])
             else:
                 src = slot_view(layout, pool, index, offset, blocks)
                 group.view(_width(src)).index_copy_(1, plan.ids(chunk)[skip:], src[:, skip:])
