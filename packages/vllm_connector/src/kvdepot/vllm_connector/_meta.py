@@ -122,7 +122,7 @@ def make_prom_metrics(
     """vLLM's Prometheus hook: one counter per figure, per engine."""
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
-    class KVDepotPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
+    class KVDepotPromMetrics(KVConnectorPromMetrics):
         def __init__(self) -> None:
             super().__init__(vllm_config, metric_types, labelnames, per_engine)
             self._counters = {
