@@ -22,6 +22,8 @@ HEAVY = ["torch", "numpy", "zmq", "msgspec", "vllm", "triton", "structlog", "pro
 CONTRACTS = {
     "core": ({"attrs"}, set(HEAVY)),
     "server": (None, {"torch", "vllm", "triton", "kvdepot.gpu", "kvdepot.vllm_connector"}),
+    "gpu": (None, {"zmq", "msgspec", "vllm", "kvdepot.transport", "kvdepot.server", "kvdepot.vllm_connector"}),
+    "transport": (None, {"torch", "vllm", "triton", "kvdepot.gpu", "kvdepot.server", "kvdepot.vllm_connector"}),
 }
 
 
