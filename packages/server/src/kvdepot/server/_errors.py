@@ -36,6 +36,12 @@ class NotRegisteredError(ServerError):
     code = "not_registered"
 
 
+class StalePoolError(ServerError):
+    """A reserve named the pool of another server instance (the client has not remapped yet)."""
+
+    code = "stale_pool"
+
+
 class TooManyError(ServerError):
     """A client holds more leases or reservations than the server allows one client."""
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from kvdepot.server._errors import StalePoolError
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._results import IndexStats
 from kvdepot.server._slabs import SLOT_ALIGNMENT
@@ -145,6 +146,13 @@ class CacheHandler:
         )
 
     def _reserve(self, client: str, body: Reserve, now: float) -> ReplyBody:
+        if body.server_id and body.server_id != self.server_id:
+            raise StalePoolError(
+                f"this reserve is for the pool of server {body.server_id}, but this is server {self.server_id}; "
+                "map the pool from the Register reply of this server first",
+                expected=self.server_id,
+                got=body.server_id,
+            )
         out = self.index.reserve(client, body.salt, body.keys, body.chunk_bytes, now)
         return ReserveReply(
             reservation_id=out.reservation_id,

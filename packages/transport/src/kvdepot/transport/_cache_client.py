@@ -98,9 +98,14 @@ class _Operations:
         """Longest committed prefix (and a lease on it) for each item: LookupItem or (salt, keys)."""
         return self._call(Lookup(_items(items)))
 
-    def reserve(self, salt: str, keys: Sequence[bytes], chunk_bytes: int) -> Future[ReserveReply]:
-        """Slots for the keys that are neither committed nor pending."""
-        return self._call(Reserve(salt, keys if isinstance(keys, list) else list(keys), chunk_bytes))
+    def reserve(
+        self, salt: str, keys: Sequence[bytes], chunk_bytes: int, *, server_id: str = ""
+    ) -> Future[ReserveReply]:
+        """Slots for the keys that are neither committed nor pending.
+
+        With `server_id`, a server that is another instance refuses with `StalePoolError`.
+        """
+        return self._call(Reserve(salt, keys if isinstance(keys, list) else list(keys), chunk_bytes, server_id))
 
     def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> Future[CommitReply]:
         """Makes the reserved chunks (or only `indices` of them) visible to lookups."""

@@ -25,6 +25,7 @@ CODE_NOT_REGISTERED = "not_registered"
 CODE_INVALID_ARGUMENT = "invalid_argument"
 CODE_POOL_FULL = "pool_full"
 CODE_INTERNAL = "internal"
+CODE_STALE_POOL = "stale_pool"
 
 
 class TransportError(KVDepotError):
@@ -126,6 +127,12 @@ class PoolFullError(RemoteError):
     code = CODE_POOL_FULL
 
 
+class StalePoolError(RemoteError):
+    """The request names another server instance's pool: map the pool of the current server first."""
+
+    code = CODE_STALE_POOL
+
+
 class InternalServerError(RemoteError):
     """The server failed while handling the request; its log has the traceback."""
 
@@ -146,6 +153,7 @@ ERROR_CLASSES: dict[str, type[RemoteError]] = {
         NotRegisteredError,
         RemoteInvalidArgumentError,
         PoolFullError,
+        StalePoolError,
         InternalServerError,
     )
 }

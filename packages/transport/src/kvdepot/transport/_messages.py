@@ -95,6 +95,10 @@ class Reserve(_Body, frozen=True, tag="reserve"):
     salt: Name
     keys: Keys
     chunk_bytes: Count
+    #: The server instance whose pool the client has mapped (HelloReply.server_id). A server
+    #: with another id refuses with `stale_pool`, so a client that has not yet remapped after a
+    #: restart never writes slots of the new pool into its old mapping. Empty: not checked.
+    server_id: Name = ""
 
 
 class Commit(_Body, frozen=True, tag="commit"):

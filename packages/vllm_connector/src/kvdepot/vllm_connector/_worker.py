@@ -177,7 +177,9 @@ class WorkerSide:
         rank = self.strategy.kv_rank
         try:
             with self.client.batch() as batch:
-                futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes) for op in ops]
+                futures = [
+                    batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops
+                ]
             replies = [f.result() for f in futures]
         except Exception as exc:
             log.warning("kvdepot stores skipped this step, the server did not answer: %s", exc)

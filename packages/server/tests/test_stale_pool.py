@@ -1,0 +1,27 @@
+"""A reserve names the server instance whose pool the client mapped; another instance refuses it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvdepot.transport import CacheClient, StalePoolError
+
+CHUNK = 1000
+T = 5.0
+
+
+def test_reserve_for_another_servers_pool_is_refused(make_server):
+    """After a restart a client that still maps the old pool gets stale_pool, and nothing is reserved."""
+    server = make_server()
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        current = client.server_id
+        assert current
+        with pytest.raises(StalePoolError) as info:
+            client.reserve("", [b"\x01" * 32], CHUNK, server_id="an-older-server").result(T)
+        assert info.value.fields["expected"] == current
+        assert client.stats().result(T).reservations == 0
+        ok = client.reserve("", [b"\x01" * 32], CHUNK, server_id=current).result(T)
+        assert len(ok.slots) == 1
+        unchecked = client.reserve("", [b"\x02" * 32], CHUNK).result(T)
+        assert len(unchecked.slots) == 1
