@@ -181,6 +181,81 @@ def test_other_class_cannot_take_a_page_with_a_leased_chunk():
     index.check()
 
 
+def slot_pages(index: ChunkIndex, salt: str, keys: list[bytes]) -> set[int]:
+    """The pages that hold `keys` now (looked up and released at once, which refreshes them)."""
+    (out,) = index.lookup("a", [(salt, keys)], 0.0)
+    index.release("a", [out.lease_id])
+    return {offset // PAGE for offset, _ in out.slots}
+
+
+def present(index: ChunkIndex, keys: list[bytes], salt: str = "") -> list[bool]:
+    """Which keys are stored, without refreshing or leasing them."""
+    return [(salt, key) in index._entries for key in keys]
+
+
+def test_other_class_spares_a_page_with_a_chunk_committed_just_now():
+    """A reserve of another size reclaims the page whose chunks are all old, not the page that
+    holds the oldest chunk next to one committed a moment ago."""
+    index = make_index(pages=4)
+    store(index, [k(i) for i in range(16)])  # page 0: k0-k3, page 1: k4-k7, ...
+    store(index, [k(100)])  # evicts k0 alone and takes its slot in page 0
+    assert present(index, [k(0), k(100)]) == [False, True]
+    index.register("c", 3000, 0.0)
+    out = index.reserve("c", "", [k(200)], 3000, 0.0)
+    assert [offset // PAGE for _, offset, _ in out.slots] == [1]
+    assert present(index, [k(100), k(1), k(2), k(3)]) == [True] * 4
+    assert present(index, [k(i) for i in range(4, 8)]) == [False] * 4
+    assert index.stats().evictions == 1 + 4
+    index.check()
+
+
+def test_other_class_spares_a_page_with_a_chunk_looked_up_just_now():
+    """A lookup (then release) makes its chunk's page the most recent one: another size class
+    reclaims the next page instead, even though the refreshed page holds the oldest chunks."""
+    index = make_index(pages=3)
+    store(index, [k(i) for i in range(12)])
+    index.release("a", [index.lookup("a", [("", [k(1)])], 0.0)[0].lease_id])
+    index.register("c", 3000, 0.0)
+    out = index.reserve("c", "", [k(200)], 3000, 0.0)
+    assert [offset // PAGE for _, offset, _ in out.slots] == [1]
+    assert present(index, [k(i) for i in range(4)]) == [True] * 4
+    assert present(index, [k(i) for i in range(4, 8)]) == [False] * 4
+    index.check()
+
+
+def test_page_with_fresh_chunks_goes_when_every_other_page_is_fresher():
+    """Pages are ranked by their most recently used chunk: the page refreshed first is reclaimed."""
+    index = make_index(pages=2)
+    store(index, [k(i) for i in range(8)])
+    assert slot_pages(index, "", [k(6)]) == {1}  # page 1 is now the more recent page...
+    assert slot_pages(index, "", [k(2)]) == {0}  # ...until page 0 is used after it
+    index.register("c", 3000, 0.0)
+    out = index.reserve("c", "", [k(200)], 3000, 0.0)
+    assert [offset // PAGE for _, offset, _ in out.slots] == [1]
+    assert present(index, [k(i) for i in range(8)]) == [True] * 4 + [False] * 4
+    index.check()
+
+
+def test_same_size_chunk_goes_alone_unless_a_whole_page_is_older():
+    """The oldest chunk of the needed size is evicted alone, but a page of another size whose
+    chunks are all older than it is reclaimed instead."""
+    index = make_index(pages=3)
+    index.register("c", 3000, 0.0)
+    store(index, [k(i) for i in range(4)])  # page 0
+    out = index.reserve("c", "", [k(50)], 3000, 0.0)  # page 1, one slot
+    index.commit("c", out.reservation_id, None, 0.0)
+    store(index, [k(i) for i in range(4, 8)])  # page 2
+    store(index, [k(100)])
+    assert present(index, [k(0), k(1), k(50), k(100)]) == [False, True, True, True]
+    assert index.stats().evictions == 1
+    slot_pages(index, "", [k(1), k(2), k(3)])  # now k(50) is older than everything of page 0
+    out = store(index, [k(101)])
+    assert [offset // PAGE for _, offset, _ in out.slots] == [1]
+    assert present(index, [k(50), k(1), k(4), k(100)]) == [False, True, True, True]
+    assert index.stats().evictions == 2
+    index.check()
+
+
 def test_quota_evicts_own_chunks_first():
     """A salt at its quota evicts its own oldest chunk, never another salt's."""
     index = make_index(pages=2)

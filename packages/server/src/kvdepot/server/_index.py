@@ -445,18 +445,37 @@ class ChunkIndex:
                 return None
 
     def _make_room(self, slot_size: int) -> bool:
-        """Evict the least recently used chunks that free a slot of `slot_size` or a page."""
+        """Evict what was used longest ago among the choices that free a slot of `slot_size`.
+
+        The choices are one chunk of `slot_size` (its slot is reused) or every chunk of one page
+        with nothing pending or leased (the page goes back to the free list). A page counts as
+        recent as its most recently used chunk, so a page holding a chunk committed or looked up
+        just now is reclaimed only when every other choice was used more recently.
+
+        Walking the LRU list from the oldest finds that choice without any per-page state: it
+        is the first chunk of `slot_size` met, or the first page all of whose chunks have been
+        met, whichever comes first (a page completes at its newest chunk, so the first page to
+        complete is the one whose newest chunk is the oldest). Pages with a pending or leased
+        chunk never complete. The walk stops at the choice: about one page of chunks when the
+        oldest chunks share pages, the whole list only when every page holds a recent chunk.
+        """
+        page_size = self.allocator.page_size
+        passed: dict[int, int] = {}  # page -> chunks of it seen so far in the walk
         for entry in self._lru.values():
             if entry.slot_size == slot_size:
                 self._evict(entry)
                 return True
-            page = self.allocator.page_of(entry.offset)
-            if not self._page_pinned[page]:
+            page = entry.offset // page_size
+            count = passed.get(page, 0) + 1
+            if count == self.allocator.page_used(page):
+                # Every slot of the page holds an LRU chunk, so none is pending or leased.
+                assert not self._page_pinned[page], "a pinned page has a chunk outside the LRU list"
                 for off in self.allocator.page_slots(page):
                     resident = self._by_offset.get(off)
                     if resident is not None:
                         self._evict(resident)
                 return True
+            passed[page] = count
         return False
 
     def _evict(self, entry: _Entry) -> None:

@@ -106,6 +106,10 @@ class SlabAllocator:
         """Slot size of the class that owns `page`, 0 when the page is free."""
         return self._page_class[page]
 
+    def page_used(self, page: int) -> int:
+        """How many slots of `page` are allocated (0 when the page is free)."""
+        return self._page_used[page]
+
     def page_slots(self, page: int) -> range:
         """The slot offsets of `page` under its current class (empty when the page is free)."""
         size = self._page_class[page]
