@@ -5,8 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,68 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.transport import CacheClient
-
-SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
+import kvdepot.server
 
 
-class ServerProcess:
-    """A `kvdepot serve` process on a private ipc socket; restartable at the same address."""
+class ServerProcess(kvdepot.server.ServerProcess):
+    """A real `kvdepot serve` process on a private ipc socket; restartable at the same address."""
 
-    def __init__(self, workdir: Path, capacity: str = "512MiB") -> None:
-        self.workdir = workdir
-        self.address = f"ipc://{workdir}/kvdepot.sock"
-        self.capacity = capacity
-        self.process: subprocess.Popen[bytes] | None = None
-        self.log_path = workdir / "server.log"
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SERVE,
-                "serve",
-                "--address",
-                self.address,
-                "--capacity",
-                self.capacity,
-                "--no-metrics",
-                "--log-format",
-                "json",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"kvdepot server exited: {self.log_path.read_text()[-3000:]}")
-            try:
-                self.stats(timeout=0.5)
-                return
-            except Exception:
-                time.sleep(0.1)
-        pytest.fail("kvdepot server did not answer within 30 s")
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def stats(self, timeout: float = 3.0):
-        with CacheClient(self.address, timeout=timeout) as client:
-            return client.stats().result(timeout=timeout + 1)
+    def __init__(self, workdir: Path) -> None:
+        super().__init__(f"ipc://{workdir}/kvdepot.sock", capacity="512MiB", log_path=workdir / "server.log")
 
     def connector_config(self, **extra: object) -> dict[str, object]:
         return {
@@ -86,16 +30,13 @@ class ServerProcess:
 
 
 @pytest.fixture
-def kvdepot_server(tmp_path: Path) -> Iterator[ServerProcess]:
+def kvdepot_server() -> Iterator[ServerProcess]:
     """A real kvdepot server process, stopped (and its shared memory removed) after the test."""
     # ipc paths are limited to 107 bytes; pytest's tmp paths can be long.
     workdir = Path(f"/tmp/kvd-{os.getpid()}-{time.monotonic_ns() % 10**9}")
     workdir.mkdir(mode=0o700)
-    server = ServerProcess(workdir)
-    server.start()
-    yield server
-    server.stop()
-    server.kill()
+    with ServerProcess(workdir) as server:
+        yield server
 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -275,9 +216,7 @@ def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engin
     try:
         first = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
         assert "started a local kvdepot server" in first.log_tail
-        server = ServerProcess(runtime)
-        server.address = address
-        stats = server.stats()
+        stats = kvdepot.server.ServerProcess(address).stats()
         assert stats.chunks == 2
         assert stats.capacity_bytes == 256 * 2**20
         second = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()

@@ -18,6 +18,7 @@ from kvdepot.server._errors import (
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool
+from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
 from kvdepot.server._slabs import SLOT_ALIGNMENT, SlabAllocator, auto_page_size
@@ -44,6 +45,8 @@ __all__ = [
     "ServerArgumentError",
     "ServerConfig",
     "ServerError",
+    "ServerProcess",
+    "ServerStartError",
     "SharedPool",
     "SimpleCommand",
     "SlabAllocator",

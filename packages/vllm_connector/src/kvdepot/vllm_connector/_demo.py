@@ -13,7 +13,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,10 +20,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from kvdepot.server import SimpleCommand, configure_logging, format_size
-from kvdepot.transport import CacheClient
+from kvdepot.server import ServerProcess, ServerStartError, SimpleCommand, configure_logging, format_size
 
-_SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
 #: vLLM settings of both engines: fp32 greedy decoding is exact on CPU, and with vLLM's own
 #: prefix cache off every reuse comes from kvdepot.
 _ENGINE_ARGS: dict[str, Any] = {
@@ -81,14 +78,14 @@ def run(args: argparse.Namespace) -> int:
     work = Path(tempfile.mkdtemp(prefix="kvdepot-demo-"))
     os.chmod(work, 0o700)
     model_dir = args.model_dir or Path.home() / ".cache" / "kvdepot" / "models"
-    server: subprocess.Popen[bytes] | None = None
+    server: ServerProcess | None = None
     try:
         screen.step(1, f"building the small local model in {model_dir / 'tiny-llama'}")
         model = build_tiny_llama(model_dir / "tiny-llama", **TINY_LLAMA)
 
         address = f"ipc://{work}/kvdepot.sock"
         screen.step(2, f"starting a kvdepot server at {address}")
-        server = _start_server(address, work / "server.log")
+        server = ServerProcess(address, capacity="1GiB", log_path=work / "server.log").start()
 
         rng = random.Random(0)
         prompt = [rng.randrange(10, 2000) for _ in range(args.prompt_tokens)]
@@ -107,9 +104,8 @@ def run(args: argparse.Namespace) -> int:
         )
 
         screen.step(5, "reading the server's figures and stopping it")
-        with CacheClient(address, timeout=3.0) as client:
-            stats = client.stats().result(timeout=5)
-        _stop(server)
+        stats = server.stats()
+        server.stop()
         server = None
         same = miss["output"] == hit["output"]
         rows = [
@@ -128,12 +124,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(f"{name.ljust(width)}  {value}\n")
         sys.stdout.write(f"\n(finished in {time.monotonic() - screen.started:.0f} s; nothing left running)\n")
         return 0 if same and hit["num_cached_tokens"] > 0 else 1
-    except _DemoError as exc:
+    except (_DemoError, ServerStartError) as exc:
         sys.stderr.write(f"kvdepot demo failed: {exc}\n")
         return 1
     finally:
         if server is not None:
-            _stop(server)
+            server.stop()
+            server.kill()
         if args.keep_logs:
             sys.stdout.write(f"logs kept in {work}\n")
         else:
@@ -142,39 +139,6 @@ def run(args: argparse.Namespace) -> int:
 
 class _DemoError(Exception):
     pass
-
-
-def _start_server(address: str, log_path: Path) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, "serve", "--address", address, "--capacity", "1GiB", "--no-metrics"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise _DemoError(f"the server exited: {log_path.read_text()[-2000:]}")
-        try:
-            with CacheClient(address, timeout=0.5) as client:
-                client.ping().result(timeout=1)
-        except Exception:
-            time.sleep(0.1)
-        else:
-            return process
-    _stop(process)
-    raise _DemoError("the server did not answer within 30 s")
-
-
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
 
 
 def _run_engine(  # noqa: PLR0917 (one engine run's whole description)

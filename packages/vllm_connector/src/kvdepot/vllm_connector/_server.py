@@ -5,12 +5,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from kvdepot.transport import CacheClient
+from kvdepot.server import ServerProcess
 
 log = logging.getLogger("vllm.kvdepot.server")
 
@@ -20,21 +17,9 @@ START_TIMEOUT = 30.0
 PROBE_TIMEOUT = 1.0
 
 
-# Runs the `kvdepot` command line with this interpreter, whatever PATH holds.
-_SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
-
-
 def server_answers(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether a kvdepot server answers a ping at ``address`` within ``timeout``."""
-    client = CacheClient(address, timeout=timeout)
-    try:
-        client.ping().result(timeout=timeout + 0.5)
-    except Exception:
-        return False
-    else:
-        return True
-    finally:
-        client.close(end_session=False)
+    """Whether a kvdepot server answers at ``address`` within ``timeout``."""
+    return ServerProcess(address).answers(timeout)
 
 
 def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None:
@@ -42,6 +27,7 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
 
     Several processes may race here (every vLLM engine of the node); an exclusive lock on a
     file beside the socket lets exactly one start the server while the others wait for it.
+    The server runs in its own session, so it outlives the vLLM process that started it.
     """
     if server_answers(address):
         return
@@ -54,32 +40,16 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
         fcntl.flock(lock, fcntl.LOCK_EX)
         if server_answers(address):
             return
-        command = [sys.executable, "-c", _SERVE, "serve", "--address", address, "--no-metrics"]
-        if capacity:
-            command += ["--capacity", capacity]
-        log_path = sock.with_suffix(".log")
-        with open(os.open(log_path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600), "ab") as out:
-            process = subprocess.Popen(
-                command, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True, close_fds=True
-            )
-        deadline = time.monotonic() + max(START_TIMEOUT, timeout)
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"the kvdepot server started at {address} exited with code {process.returncode}; see {log_path}"
-                )
-            if server_answers(address, timeout=0.5):
-                pid_path(address).write_text(f"{process.pid}\n")
-                log.info(
-                    "started a local kvdepot server at %s (capacity %s, pid %d, log %s)",
-                    address,
-                    capacity or "default",
-                    process.pid,
-                    log_path,
-                )
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"the kvdepot server started at {address} did not answer in time; see {log_path}")
+        server = ServerProcess(address, capacity=capacity, args=(), log_path=sock.with_suffix(".log"))
+        server.start(timeout=max(START_TIMEOUT, timeout))
+        pid_path(address).write_text(f"{server.pid}\n")
+        log.info(
+            "started a local kvdepot server at %s (capacity %s, pid %s, log %s)",
+            address,
+            capacity or "default",
+            server.pid,
+            server.log_path,
+        )
 
 
 def pid_path(address: str) -> Path:
