@@ -152,8 +152,29 @@ def test_hits_are_not_stored_again_and_max_of_prefixes_is_used():
     tokens = list(range(40))
     load, _ = admitted(p, "r", tokens, hits=2, engine_hit=8)
     assert load == 8
-    plan = p.on_scheduled("r", 8, tokens)  # computed = 16 + 8 = 24 -> chunk 2
+    assert p.on_scheduled("r", 8, tokens) is None  # computed = 16 + 8 = 24, load unconfirmed
+    p.on_load_done("r")
+    plan = p.on_scheduled("r", 0, tokens)
     assert (plan.first_chunk, plan.num_chunks) == (2, 1)
+
+
+def test_nothing_is_stored_while_a_load_is_unconfirmed():
+    """Chunks computed over a load are stored only once the load is confirmed, never if it failed."""
+    p = planner()
+    tokens = list(range(48))
+    admitted(p, "r", tokens, hits=2)
+    assert p.on_scheduled("r", 16, tokens) is None  # 16 loaded + 16 computed: chunks 2, 3 wait
+    assert p.on_scheduled("r", 8, tokens) is None  # a second step in flight (async scheduling)
+    p.on_load_done("r")
+    plan = p.on_scheduled("r", 0, tokens)
+    assert (plan.first_chunk, plan.num_chunks) == (2, 3)
+
+    q = planner()
+    admitted(q, "q", tokens, hits=2)
+    assert q.on_scheduled("q", 16, tokens) is None
+    q.on_load_failed("q", 0)  # vLLM truncated at the first failed block
+    plan = q.on_scheduled("q", 32, tokens)
+    assert (plan.first_chunk, plan.num_chunks) == (0, 4)  # recomputed chunks are stored again
 
 
 def test_each_chunk_planned_once():
@@ -234,8 +255,7 @@ def test_load_failure_rolls_back_and_allows_restore():
     p = planner()
     tokens = list(range(40))
     admitted(p, "r", tokens, hits=4)
-    # 32 loaded + 8 computed: chunk 4 is planned (the worker drops it when the load fails)
-    assert p.on_scheduled("r", 8, tokens).first_chunk == 4
+    assert p.on_scheduled("r", 8, tokens) is None  # 32 loaded + 8 computed, load unconfirmed
     p.on_load_failed("r", 8)
     assert p.take_releases() == [7]
     plan = p.on_scheduled("r", 32, tokens)
@@ -275,3 +295,18 @@ def test_server_claiming_more_hits_than_keys_is_clamped():
     p.start_lookup("r", list(range(16)))
     p.on_lookup_done("r", [50], (1,))
     assert p.num_tokens_to_load("r", 0, 100) == 16
+
+
+def test_looking_up_again_releases_the_old_leases():
+    """A request whose hit grew old while waiting for blocks looks up again; the old leases go back."""
+    p = planner()
+    tokens = list(range(24))
+    p.add_request("r")
+    p.start_lookup("r", tokens)
+    p.on_lookup_done("r", [3], (7,))
+    assert p.start_lookup("r", tokens) is not None
+    assert p.take_releases() == [7]
+    p.on_lookup_done("r", [1], (8,))
+    assert p.num_tokens_to_load("r", 0, 24) == 8
+    p.finish("r")
+    assert p.take_releases() == [8]

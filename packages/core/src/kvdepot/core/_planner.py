@@ -152,10 +152,13 @@ class Planner:
     def start_lookup(self, req_id: str, all_token_ids: Sequence[int]) -> list[list[bytes]] | None:
         """Keys to look up, one list per KV rank, or None when the request has no full chunk.
 
-        With None the request is already looked up with zero hits.
+        With None the request is already looked up with zero hits. A request already looked
+        up may look up again (its hit grew old waiting for blocks); its leases are released.
         """
         tracker = self.get(req_id)
         tracker.move(Event.LOOKUP_SENT)
+        self._release(tracker)  # a repeated lookup gives back the leases of the previous one
+        tracker.hit_chunks = 0
         tracker.chain.update(all_token_ids)
         if tracker.chain.num_chunks == 0:
             self.on_lookup_done(req_id, [0], ())
@@ -241,7 +244,9 @@ class Planner:
 
         New and running requests alike grow by the step's scheduled tokens. Chunks are
         stored only when full, only once, and never beyond the tokens whose keys are
-        known, the blocks allocated, or the tokens computed once this step has run.
+        known, the blocks allocated, or the tokens computed once this step has run. While a
+        load is unconfirmed nothing is stored; the first step after `on_load_done` stores
+        everything computed meanwhile.
         """
         tracker = self.get(req_id)
         _non_negative("num_scheduled_tokens", num_scheduled_tokens)
@@ -254,6 +259,11 @@ class Planner:
         chain = tracker.chain
         if len(all_token_ids) - chain.num_tokens_hashed >= self.chunk_size:
             chain.update(all_token_ids)
+        if tracker.state is RequestState.WAITING_FOR_LOAD:
+            # Tokens computed over a load that is not confirmed yet (on every rank, before a
+            # later step was scheduled) are stored only once it is: a failed load must never
+            # leave chunks computed over garbage in the cache.
+            return None
         limit = min(chain.num_tokens_hashed, len(tracker.block_ids) * self.block_size, tracker.num_computed_tokens)
         end = limit // self.chunk_size
         first = tracker.next_store_chunk
