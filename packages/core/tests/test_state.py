@@ -3,7 +3,6 @@ import pytest
 from kvdepot.core import TRANSITIONS, Event, InvalidTransitionError, RequestState
 from kvdepot.core._state import TERMINAL, next_state
 
-
 S, E = RequestState, Event
 LIVE = [S.NEW, S.PREFETCHING, S.LOOKED_UP, S.WAITING_FOR_LOAD, S.READY, S.PREEMPTED]
 
