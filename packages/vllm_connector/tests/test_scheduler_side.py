@@ -227,3 +227,62 @@ def test_prompt_embeds_are_not_cached():
     meta = s.build_connector_meta(output(new=[("e", list(range(5)))], scheduled={"e": 20}))
     assert client.lookups == []
     assert meta.stores == []
+
+
+def test_reply_from_before_a_server_restart_is_a_miss():
+    """A reply from an instance the client no longer talks to is a miss; its leases are not released elsewhere."""
+    client = FakeClient()
+    s = side(client)
+    a = request("a", 20)
+    s.get_num_new_matched_tokens(a, 0)
+    s.build_connector_meta(output())
+    client.lookups[0][1].set_result(reply((2, 5)))
+    client.server_id = "server-2"  # the client reconnected to a restarted server
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.request_finished(a)
+    assert client.released == []
+
+
+def test_leases_of_a_gone_server_are_not_released_to_the_new_one():
+    """A lease taken on one server instance is dropped, not released, after a restart."""
+    client = FakeClient()
+    s = side(client)
+    a = request("a", 20)
+    s.get_num_new_matched_tokens(a, 0)
+    s.build_connector_meta(output())
+    client.lookups[0][1].set_result(reply((2, 5)))
+    assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+    client.server_id = "server-2"
+    s.request_finished(a)
+    assert client.released == []
+
+
+def test_an_old_hit_is_looked_up_again(monkeypatch):
+    """A hit that waited longer than the refresh age for blocks is looked up again; its old lease goes back."""
+    from kvdepot.vllm_connector import _scheduler
+
+    client = FakeClient()
+    s = side(client)
+    a = request("a", 20)
+    s.get_num_new_matched_tokens(a, 0)
+    s.build_connector_meta(output())
+    client.lookups[0][1].set_result(reply((2, 5)))
+    assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+    monkeypatch.setattr(_scheduler, "LEASE_REFRESH_S", 0.0)
+    assert s.get_num_new_matched_tokens(a, 0) == (None, False)
+    assert client.released == [5]
+    s.build_connector_meta(output())
+    assert len(client.lookups) == 2
+
+
+def test_skip_reading_prefix_cache_is_stored_but_not_looked_up():
+    """A request that must not read cached prefixes is not looked up, and its chunks are still stored."""
+    client = FakeClient()
+    s = side(client)
+    a = request("a", 20)
+    a.skip_reading_prefix_cache = True
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, list(range(5)), 0)
+    meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
+    assert client.lookups == []
+    assert len(meta.stores) == 1

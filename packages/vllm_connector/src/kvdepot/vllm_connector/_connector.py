@@ -93,6 +93,18 @@ def layout_name(vllm_config: VllmConfig) -> str:
     )
 
 
+def model_identity(vllm_config: VllmConfig) -> str:
+    """The model as the KV bytes see it: name, revision, quantization and config overrides."""
+    model = vllm_config.model_config
+    parts = [
+        str(model.model),
+        str(getattr(model, "revision", None) or ""),
+        str(getattr(model, "quantization", None) or ""),
+        repr(getattr(model, "hf_overrides", None) or ""),
+    ]
+    return "|".join(parts)
+
+
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     """Stores computed KV chunks in a kvdepot server and loads hits instead of recomputing."""
 
@@ -150,9 +162,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             if ktc.kv_load_failure_policy != "recompute":
                 # A failed load must be recomputed, never turned into a failed request.
                 ktc.kv_load_failure_policy = "recompute"
-            namespace = Namespace(
-                model=str(vllm_config.model_config.model), layout=name, kv_world_size=strategy.kv_world_size
-            )
+            namespace = Namespace(model=model_identity(vllm_config), layout=name, kv_world_size=strategy.kv_world_size)
             self._scheduler = SchedulerSide(
                 namespace,
                 block_size=block_size,

@@ -7,10 +7,14 @@ planner events, batches a step's lookups into one message, and never waits on th
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import LookupItem
@@ -26,6 +30,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvdepot.scheduler")
 
 _RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
+#: A hit older than this (seconds) is looked up again before it is loaded: its leases expire on
+#: the server after a minute (`kvdepot serve --lease-ttl`), and an expired lease's slot may hold
+#: another chunk by then.
+LEASE_REFRESH_S = 20.0
 
 
 def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
@@ -44,6 +52,33 @@ def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
     return tuple(digests)
 
 
+def lora_identity(request: Request) -> str | None:
+    """The LoRA adapter as name, id and path, so two adapters with one name never share keys."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return f"{lora.lora_name}|{getattr(lora, 'lora_int_id', '')}|{getattr(lora, 'lora_path', '')}"
+
+
+@attrs.define
+class _Lookup:
+    """A lookup on its way: sent (or about to be) to one server instance."""
+
+    future: Future[Any] | None
+    first: int
+    sent_at: float
+    server_id: str
+
+
+@attrs.define
+class _Hit:
+    """What a lookup found: slots per KV rank on one server instance, and when."""
+
+    slots: list[list[int]]
+    server_id: str
+    at: float
+
+
 class SchedulerSide:
     """Drives the planner from vLLM's scheduler hooks."""
 
@@ -59,11 +94,14 @@ class SchedulerSide:
         self._uncacheable: set[str] = set()
         # Lookups of this step, sent together by build_connector_meta.
         self._batch: list[tuple[str, str, list[list[bytes]]]] = []
-        # req_id -> (future of the step's lookup reply, index of its first item, time sent)
-        self._lookups: dict[str, tuple[Future[Any] | None, int, float]] = {}
-        self._slots: dict[str, list[list[int]]] = {}
+        self._lookups: dict[str, _Lookup] = {}
+        self._hits: dict[str, _Hit] = {}
         self._loads: list[LoadOp] = []
-        self._server_id = ""
+        # The planner sees lease handles unique across server instances; each names the
+        # server that granted it, so a lease is never released to a restarted server.
+        self._handles = itertools.count(1)
+        self._leases: dict[int, tuple[str, int]] = {}
+        self._leases_lock = threading.Lock()
 
     # -- vLLM scheduler hooks --------------------------------------------------------
 
@@ -76,20 +114,26 @@ class SchedulerSide:
             if digests is None:
                 self._uncacheable.add(req_id)
                 return 0, False
-            lora = getattr(request, "lora_request", None)
-            self.planner.add_request(
-                req_id, cache_salt=request.cache_salt, lora=lora.lora_name if lora else None, extra=digests
-            )
+            self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), extra=digests)
             self._requests[req_id] = request
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # vLLM would not use a hit; the request is still stored
         tracker = self.planner.get(req_id)
         if tracker.state in _RUNNING:  # back in the waiting queue: it was preempted
             self.planner.on_preempted(req_id)
+            self._hits.pop(req_id, None)
             self._flush_releases()
-        if tracker.state in (RequestState.NEW, RequestState.PREEMPTED):
+        hit = self._hits.get(req_id)
+        stale = (
+            tracker.state is RequestState.LOOKED_UP and hit is not None and time.monotonic() - hit.at > LEASE_REFRESH_S
+        )
+        if tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale:
+            self._hits.pop(req_id, None)
             keys = self.planner.start_lookup(req_id, request.all_token_ids)
+            self._flush_releases()
             if keys is not None:
                 self._batch.append((req_id, tracker.cache_salt, keys))
-                self._lookups[req_id] = (None, 0, time.monotonic())
+                self._lookups[req_id] = _Lookup(None, 0, time.monotonic(), "")
                 return None, False
         if tracker.state is RequestState.PREFETCHING and not self._poll_lookup(req_id):
             return None, False
@@ -103,15 +147,15 @@ class SchedulerSide:
         if tracker.state not in (RequestState.LOOKED_UP, RequestState.NEW, RequestState.PREEMPTED):
             return  # a second call for the same allocation
         plan = self.planner.on_allocated(req_id, block_ids, num_external_tokens)
-        slots = self._slots.pop(req_id, None)
+        hit = self._hits.pop(req_id, None)
         if plan is not None:
-            assert slots is not None
+            assert hit is not None
             end = plan.first_chunk + plan.num_chunks
             self._loads.append(
                 LoadOp(
                     req_id=req_id,
-                    server_id=self._server_id,
-                    slots=[rank_slots[plan.first_chunk : end] for rank_slots in slots],
+                    server_id=hit.server_id,
+                    slots=[rank_slots[plan.first_chunk : end] for rank_slots in hit.slots],
                     block_ids=list(plan.block_ids),
                     skip_blocks=plan.skip_blocks,
                     num_tokens=plan.num_tokens,
@@ -156,14 +200,14 @@ class SchedulerSide:
         req_id = request.request_id
         self._uncacheable.discard(req_id)
         self._requests.pop(req_id, None)
-        self._slots.pop(req_id, None)
+        self._hits.pop(req_id, None)
         self._batch = [item for item in self._batch if item[0] != req_id]
         pending = self._lookups.pop(req_id, None)
         ended = self.planner.abort(req_id) if _was_aborted(request) else self.planner.finish(req_id)
         if ended and pending is not None:
             # The lookup is still out: whatever leases its reply brings are released on arrival.
             self.planner.on_lookup_done(req_id, [0], ())
-            self._release_on_arrival(req_id, pending)
+            self._release_on_arrival(pending)
         self._flush_releases()
         # Stores finish inside the step that planned them (wait_for_save), so blocks can go at once.
         return False, None
@@ -200,6 +244,7 @@ class SchedulerSide:
             return
         batch, self._batch = self._batch, []
         items = [LookupItem(salt=salt, keys=rank_keys) for _req, salt, keys in batch for rank_keys in keys]
+        server_id = self.client.server_id or ""
         try:
             future: Future[Any] = self.client.lookup(items)
         except Exception as exc:  # the server is unreachable: every lookup is a miss
@@ -207,61 +252,79 @@ class SchedulerSide:
             future = Future()
             future.set_exception(exc)
         for index, (req_id, _salt, _keys) in enumerate(batch):
-            sent_at = self._lookups.get(req_id, (None, 0, time.monotonic()))[2]
-            self._lookups[req_id] = (future, index * self.kv_world_size, sent_at)
+            lookup = self._lookups[req_id]
+            lookup.future, lookup.first, lookup.server_id = future, index * self.kv_world_size, server_id
 
     def _poll_lookup(self, req_id: str) -> bool:
         """Apply the lookup reply if it is in; True once the request is looked up."""
-        future, first, sent_at = self._lookups[req_id]
-        if future is None or not future.done():
-            if time.monotonic() - sent_at < self.lookup_timeout:
+        lookup = self._lookups[req_id]
+        if lookup.future is None or not lookup.future.done():
+            if time.monotonic() - lookup.sent_at < self.lookup_timeout:
                 return False
             log.warning("kvdepot lookup for %s took over %.1fs; counting it as a miss", req_id, self.lookup_timeout)
             self.stats.add("lookup_misses_timeout")
             del self._lookups[req_id]
-            if future is not None:
-                self._release_on_arrival(req_id, (future, first, sent_at))
+            self._release_on_arrival(lookup)
             self.planner.on_lookup_done(req_id, [0], ())
             return True
         del self._lookups[req_id]
-        hits, leases, slots = [0], [], []
+        hits, handles, slots = [0], [], []
         try:
-            results = future.result().results[first : first + self.kv_world_size]
-            if len(results) == self.kv_world_size:
-                hits = [r.num_hits for r in results]
-                leases = [r.lease_id for r in results]
-                slots = [[s.offset for s in r.slots] for r in results]
+            results = lookup.future.result().results[lookup.first : lookup.first + self.kv_world_size]
         except Exception as exc:
             log.warning("kvdepot lookup for %s failed, counting it as a miss: %s", req_id, exc)
-        self._server_id = getattr(self.client, "server_id", "") or ""
-        self.planner.on_lookup_done(req_id, hits, leases)
+            results = []
+        # The slots are only meaningful in the pool of the server that answered: if the
+        # client reconnected to another instance meanwhile, the reply counts as a miss.
+        same_server = bool(lookup.server_id) and lookup.server_id == self.client.server_id
+        if len(results) == self.kv_world_size and same_server:
+            hits = [r.num_hits for r in results]
+            handles = [self._handle(lookup.server_id, r.lease_id) for r in results]
+            slots = [[s.offset for s in r.slots] for r in results]
+        self.planner.on_lookup_done(req_id, hits, handles)
         tracker = self.planner.get(req_id)
         self.stats.add("lookups")
-        self.stats.add("lookup_seconds_sum", time.monotonic() - sent_at)
+        self.stats.add("lookup_seconds_sum", time.monotonic() - lookup.sent_at)
         self.stats.add("lookup_hit_tokens", tracker.hit_chunks * self.planner.chunk_size)
         if tracker.hit_chunks:
-            self._slots[req_id] = [rank_slots[: tracker.hit_chunks] for rank_slots in slots]
+            self._hits[req_id] = _Hit(
+                [rank_slots[: tracker.hit_chunks] for rank_slots in slots], lookup.server_id, time.monotonic()
+            )
         return True
 
-    def _release_on_arrival(self, req_id: str, pending: tuple[Future[Any] | None, int, float]) -> None:
+    def _handle(self, server_id: str, lease_id: int) -> int:
+        if not lease_id:
+            return 0
+        handle = next(self._handles)
+        with self._leases_lock:
+            self._leases[handle] = (server_id, lease_id)
+        return handle
+
+    def _release_on_arrival(self, lookup: _Lookup) -> None:
         """Release whatever leases a reply we no longer wait for brings when it arrives."""
-        future, first, _ = pending
+        future, first, world, server_id = lookup.future, lookup.first, self.kv_world_size, lookup.server_id
         if future is None:
             return
-        world = self.kv_world_size
 
-        def release(done: Future[Any]) -> None:
+        def release(done: Future[Any]) -> None:  # runs on the transport's I/O thread
             try:
                 leases = [r.lease_id for r in done.result().results[first : first + world] if r.lease_id]
             except Exception:
                 return
-            if leases:
+            if leases and server_id == self.client.server_id:
                 self._send_release(leases)
 
         future.add_done_callback(release)
 
     def _flush_releases(self) -> None:
-        leases = self.planner.take_releases()
+        handles = self.planner.take_releases()
+        if not handles:
+            return
+        current = self.client.server_id
+        with self._leases_lock:
+            owned = [self._leases.pop(h) for h in handles if h in self._leases]
+        # Leases of a server instance that is gone died with it; never release them elsewhere.
+        leases = [lease for server_id, lease in owned if server_id == current]
         if leases:
             self._send_release(leases)
 

@@ -79,8 +79,15 @@ class WorkerSide:
         self.chunk_bytes = 0
         self.stats = KVDepotStats()
         self._pool: _PoolMapping | None = None
+        # A re-registration reply from the transport's I/O thread, mapped by the engine's
+        # thread at the start of its next copy (never while a copy may use the old mapping).
         self._lock = threading.Lock()
+        self._pending: tuple[RegisterReply, str] | None = None
         self._failed_blocks: set[int] = set()
+        # Loads of the current step that failed: their requests' stores (and any store over a
+        # failed block) are dropped. Reset by start_load_kv, which vLLM calls every step.
+        self._step_failed: set[str] = set()
+        self._step_failed_blocks: set[int] = set()
         self._step_meta = KVDepotWorkerMetadata()
 
     # -- set-up ---------------------------------------------------------------------
@@ -106,7 +113,8 @@ class WorkerSide:
                 exc,
             )
             return
-        self._map(reply, self.client.server_id or "")
+        self._pending = (reply, self.client.server_id or "")
+        self._current_pool()
         log.info(
             "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s",
             self.strategy.rank,
@@ -116,48 +124,63 @@ class WorkerSide:
         )
 
     def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
-        """The client re-registered with a (possibly restarted) server: map its pool."""
-        if register is not None and self.layout is not None:
-            self._map(register, hello.server_id)
+        """The client re-registered with a (possibly restarted) server; runs on the I/O thread."""
+        if register is not None:
+            with self._lock:
+                self._pending = (register, hello.server_id)
 
-    def _map(self, reply: RegisterReply, server_id: str) -> None:
+    def _current_pool(self) -> _PoolMapping | None:
+        """The mapped pool, first switching to a newly registered one (engine thread only)."""
         with self._lock:
-            if self._pool is not None and self._pool.server_id == server_id:
-                return
-            assert self.layout is not None
-            try:
-                pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout)
-            except OSError as exc:
-                log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
-                return
-            old, self._pool = self._pool, pool
+            pending, self._pending = self._pending, None
+        if pending is None or self.layout is None:
+            return self._pool
+        reply, server_id = pending
+        if self._pool is not None and self._pool.server_id == server_id:
+            return self._pool
+        try:
+            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout)
+        except OSError as exc:
+            log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
+            return self._pool
+        old, self._pool = self._pool, pool
         if old is not None:
             old.close()
+        return pool
 
     # -- loads ------------------------------------------------------------------------
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
+        self._step_failed = set()
+        self._step_failed_blocks = set()
+        pool = self._current_pool()
         for op in meta.loads:
             try:
-                self._load(op)
+                self._load(op, pool)
             except Exception as exc:
                 log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", op.req_id, exc)
+                failed = op.block_ids[op.skip_blocks :]
+                self._step_failed.add(op.req_id)
+                self._step_failed_blocks.update(failed)
                 self._step_meta.failed.add(op.req_id)
-                self._failed_blocks.update(op.block_ids[op.skip_blocks :])
+                self._failed_blocks.update(failed)
                 self.stats.add("load_failures")
             else:
                 self._step_meta.loaded.add(op.req_id)
 
-    def _load(self, op: LoadOp) -> None:
+    def _load(self, op: LoadOp, pool: _PoolMapping | None) -> None:
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
-        pool = self._pool
         if self.layout is None or pool is None:
             raise RuntimeError("the pool is not mapped")
-        if op.server_id and op.server_id != pool.server_id:
-            raise RuntimeError(f"the lease is from server {op.server_id}, the mapped pool from {pool.server_id}")
+        if not op.server_id or op.server_id != pool.server_id:
+            raise RuntimeError(f"the lease is from server {op.server_id!r}, the mapped pool from {pool.server_id!r}")
         slots = op.slots[self.strategy.kv_rank]
         bpc = self.blocks_per_chunk
+        if len(slots) * bpc != len(op.block_ids):
+            raise RuntimeError(f"{len(slots)} slots for {len(op.block_ids)} blocks of {bpc} per chunk")
+        if any(offset + self.chunk_bytes > pool.size for offset in slots):
+            raise RuntimeError("a slot lies outside the mapped pool")
         blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(len(slots))]
         pool.copier.scatter(slots, blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
         self.stats.add("loaded_tokens", op.num_tokens)
@@ -168,11 +191,16 @@ class WorkerSide:
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
         if not meta.stores or not self.strategy.stores:
             return
-        pool = self._pool
+        pool = self._current_pool()
         if self.layout is None or pool is None or self.client.server_id != pool.server_id:
             self.stats.add("store_skipped", len(meta.stores))
             return
-        ops = [op for op in meta.stores if op.req_id not in self._step_meta.failed]
+        failed, failed_blocks = self._step_failed, self._step_failed_blocks
+        ops = [
+            op
+            for op in meta.stores
+            if op.req_id not in failed and not (failed_blocks and failed_blocks.intersection(op.block_ids))
+        ]
         self.stats.add("store_skipped", len(meta.stores) - len(ops))
         rank = self.strategy.kv_rank
         try:
