@@ -78,6 +78,12 @@ class Profile:
                 if side == "scheduler" and name == "get_num_new_matched_tokens":
                     timed = self._lookup_watch(timed)
                 setattr(instance, name, timed)
+        # kvdepot's copies on their own (CPU copies finish inside the call): what is left of
+        # wait_for_save / start_load_kv is planning and the server round trips.
+        copier = getattr(getattr(getattr(instance, "_worker", None), "_pool", None), "copier", None)
+        if copier is not None:
+            for name in ("gather", "scatter"):
+                setattr(copier, name, self._timed(f"{side}.copier.{name}", getattr(copier, name)))
 
     def _lookup_watch(self, method: Any) -> Any:
         def watched(request: Any, *args: Any, **kwargs: Any) -> Any:
