@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdepot.server import ChunkTooLargeError, ServerArgumentError, SlabAllocator, auto_page_size
+from kvdepot.server._slabs import PageRecency
 
 PAGE = 4096
 
@@ -93,3 +94,41 @@ def test_random_allocations_never_overlap_or_exceed_capacity(ops):
         alloc.free(offset)
     assert alloc.free_pages == alloc.num_pages
     assert alloc.used_bytes == 0
+
+
+recency_op = st.one_of(
+    st.tuples(st.just("use"), st.integers(0, 5)),
+    st.tuples(st.just("lower"), st.integers(0, 5)),
+    st.tuples(st.just("empty"), st.integers(0, 5)),
+    st.tuples(st.just("pin"), st.integers(0, 5)),
+    st.tuples(st.just("oldest"), st.none()),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(recency_op, max_size=120))
+def test_page_recency_finds_the_unpinned_page_used_longest_ago(ops):
+    """PageRecency.oldest always names the unpinned page whose newest stamp is the oldest, however
+    stamps rise, fall and reset and pages are pinned, and the lazily kept heap stays bounded."""
+    recency = PageRecency(6)
+    stamps: list[list[int]] = [[] for _ in range(6)]  # every stamp still held by a chunk of the page
+    pinned = [0] * 6
+    clock = itertools.count(1)
+    for name, page in ops:
+        if name == "use":
+            stamp = next(clock)
+            stamps[page].append(stamp)
+            recency.used(page, stamp)
+        elif name == "lower" and stamps[page]:
+            stamps[page].pop()  # the newest chunk left the page
+            recency.reset(page, max(stamps[page], default=0))
+        elif name == "empty":
+            stamps[page] = []
+            recency.reset(page, 0)
+        elif name == "pin":
+            pinned[page] ^= 1
+        elif name == "oldest":
+            candidates = [(max(s), p) for p, s in enumerate(stamps) if s and not pinned[p]]
+            assert recency.oldest(pinned) == min(candidates, default=None)
+        recency.check((p, s) for p, held in enumerate(stamps) for s in held)
+        assert len(recency._heap) <= 2 * 6 + 64 + 1

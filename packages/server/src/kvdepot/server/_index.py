@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
 
@@ -36,7 +37,7 @@ from kvdepot.server._errors import (
     UnknownReservationError,
 )
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
-from kvdepot.server._slabs import SlabAllocator
+from kvdepot.server._slabs import PageRecency, SlabAllocator
 
 # Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
 # a loaded engine to schedule and scatter a hit; short enough that a stuck client frees memory.
@@ -69,6 +70,7 @@ class _Entry:
     slot_size: int
     committed: bool = False
     leases: int = 0
+    used: int = 0  # stamp of the last use (commit, reserve hit, end of the last lease)
 
 
 @attrs.define(eq=False)
@@ -120,8 +122,11 @@ class ChunkIndex:
         self.session_ttl = session_ttl
         self._entries: dict[EntryKey, _Entry] = {}
         self._by_offset: dict[int, _Entry] = {}
-        self._lru: OrderedDict[EntryKey, _Entry] = OrderedDict()
-        self._salt_lru: dict[str, OrderedDict[bytes, _Entry]] = {}
+        # Committed chunks with no lease, oldest use first: per size class and per salt.
+        self._lru: defaultdict[int, OrderedDict[EntryKey, _Entry]] = defaultdict(OrderedDict)
+        self._salt_lru: defaultdict[str, OrderedDict[bytes, _Entry]] = defaultdict(OrderedDict)
+        self._clock = 0  # the last use stamp handed out
+        self._recency = PageRecency(allocator.num_pages)
         self._salt_bytes: dict[str, int] = {}
         self._salt_chunks: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
@@ -204,8 +209,8 @@ class ChunkIndex:
             if entry is not None:
                 present.append(index)
                 if entry.committed and not entry.leases:
-                    self._lru.move_to_end((salt, key))
-                    self._salt_lru[salt].move_to_end(key)
+                    self._lru_drop(entry)
+                    self._lru_add(entry)
                 continue
             if full:
                 continue
@@ -259,8 +264,7 @@ class ChunkIndex:
             session.pending_bytes -= entry.slot_size
             self._chunks += 1
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
-            self._lru[(entry.salt, entry.key)] = entry
-            self._salt_lru.setdefault(entry.salt, OrderedDict())[entry.key] = entry
+            self._lru_add(entry)
             self.bytes_stored += entry.length
             committed += 1
         if not reservation.pending:
@@ -305,8 +309,7 @@ class ChunkIndex:
                 continue
             for entry in hits:
                 if not entry.leases:
-                    del self._lru[(salt, entry.key)]
-                    del self._salt_lru[salt][entry.key]
+                    self._lru_drop(entry)
                     self._leased_chunks += 1
                     self._page_pinned[entry.offset // self.allocator.page_size] += 1
                 entry.leases += 1
@@ -334,7 +337,8 @@ class ChunkIndex:
 
     def clear(self, salt: str | None = None) -> int:
         """Remove committed, unleased chunks (of `salt`, or all); returns how many."""
-        victims = list(self._lru.values()) if salt is None else list(self._salt_lru.get(salt, {}).values())
+        lrus: Iterable[Mapping[Any, _Entry]] = self._lru.values() if salt is None else [self._salt_lru.get(salt, {})]
+        victims = [entry for lru in lrus for entry in lru.values()]
         for entry in victims:
             self._remove(entry)
         return len(victims)
@@ -445,38 +449,41 @@ class ChunkIndex:
                 return None
 
     def _make_room(self, slot_size: int) -> bool:
-        """Evict what was used longest ago among the choices that free a slot of `slot_size`.
+        """Free a slot of `slot_size`: evict the oldest chunk of that size alone, or every chunk
+        of the page (nothing pending or leased) whose most recently used chunk is older still.
+        A page holding a chunk used just now goes only when every other choice is as fresh."""
+        own = self._lru.get(slot_size)
+        oldest = next(iter(own.values())) if own else None
+        found = self._recency.oldest(self._page_pinned)
+        if oldest is not None and (found is None or oldest.used <= found[0]):
+            self._evict(oldest)
+            return True
+        if found is None:
+            return False
+        page = found[1]
+        self._recency.reset(page, 0)  # first, so that no eviction below looks for the newest chunk
+        for off in self.allocator.page_slots(page):
+            resident = self._by_offset.get(off)
+            if resident is not None:
+                self._evict(resident)
+        assert not self.allocator.page_used(page), "a reclaimed page kept a chunk"
+        return True
 
-        The choices are one chunk of `slot_size` (its slot is reused) or every chunk of one page
-        with nothing pending or leased (the page goes back to the free list). A page counts as
-        recent as its most recently used chunk, so a page holding a chunk committed or looked up
-        just now is reclaimed only when every other choice was used more recently.
+    def _lru_add(self, entry: _Entry) -> None:
+        """Make `entry` the most recently used evictable chunk."""
+        self._clock += 1
+        entry.used = self._clock
+        self._lru[entry.slot_size][(entry.salt, entry.key)] = entry
+        self._salt_lru[entry.salt][entry.key] = entry
+        self._recency.used(entry.offset // self.allocator.page_size, self._clock)
 
-        Walking the LRU list from the oldest finds that choice without any per-page state: it
-        is the first chunk of `slot_size` met, or the first page all of whose chunks have been
-        met, whichever comes first (a page completes at its newest chunk, so the first page to
-        complete is the one whose newest chunk is the oldest). Pages with a pending or leased
-        chunk never complete. The walk stops at the choice: about one page of chunks when the
-        oldest chunks share pages, the whole list only when every page holds a recent chunk.
-        """
-        page_size = self.allocator.page_size
-        passed: dict[int, int] = {}  # page -> chunks of it seen so far in the walk
-        for entry in self._lru.values():
-            if entry.slot_size == slot_size:
-                self._evict(entry)
-                return True
-            page = entry.offset // page_size
-            count = passed.get(page, 0) + 1
-            if count == self.allocator.page_used(page):
-                # Every slot of the page holds an LRU chunk, so none is pending or leased.
-                assert not self._page_pinned[page], "a pinned page has a chunk outside the LRU list"
-                for off in self.allocator.page_slots(page):
-                    resident = self._by_offset.get(off)
-                    if resident is not None:
-                        self._evict(resident)
-                return True
-            passed[page] = count
-        return False
+    def _lru_drop(self, entry: _Entry) -> None:
+        """Take `entry` out of the LRU lists (it is leased, removed, or used again)."""
+        del self._lru[entry.slot_size][(entry.salt, entry.key)]  # a size class's list is kept when empty
+        own = self._salt_lru[entry.salt]
+        del own[entry.key]
+        if not own:
+            del self._salt_lru[entry.salt]
 
     def _evict(self, entry: _Entry) -> None:
         self._remove(entry)
@@ -485,16 +492,16 @@ class ChunkIndex:
     def _remove(self, entry: _Entry) -> None:
         assert entry.committed, "only committed chunks are evicted or cleared"
         assert not entry.leases, "leased chunks are never evicted or cleared"
-        del self._lru[(entry.salt, entry.key)]
-        own = self._salt_lru[entry.salt]
-        del own[entry.key]
-        if not own:
-            del self._salt_lru[entry.salt]
+        self._lru_drop(entry)
         self._chunks -= 1
         self._salt_chunks[entry.salt] -= 1
         if not self._salt_chunks[entry.salt]:
             del self._salt_chunks[entry.salt]
         self._free_slot(entry)
+        page = entry.offset // self.allocator.page_size
+        if entry.used == self._recency.newest(page):  # the page's stamp is its newest committed chunk's
+            residents = (self._by_offset.get(off) for off in self.allocator.page_slots(page))
+            self._recency.reset(page, max((e.used for e in residents if e and e.committed), default=0))
 
     def _free_slot(self, entry: _Entry) -> None:
         del self._entries[(entry.salt, entry.key)]
@@ -530,8 +537,7 @@ class ChunkIndex:
                 assert self._entries.get((entry.salt, entry.key)) is entry, "a leased chunk left the index"
                 self._leased_chunks -= 1
                 self._page_pinned[entry.offset // self.allocator.page_size] -= 1
-                self._lru[(entry.salt, entry.key)] = entry
-                self._salt_lru.setdefault(entry.salt, OrderedDict())[entry.key] = entry
+                self._lru_add(entry)
 
     def check(self) -> None:
         """Assert every invariant of the index and its allocator (for tests)."""
@@ -543,7 +549,7 @@ class ChunkIndex:
             assert self._by_offset[entry.offset] is entry
             assert self.allocator.page_slot_size(self.allocator.page_of(entry.offset)) == entry.slot_size
             assert entry.offset + entry.slot_size <= self.allocator.capacity
-            in_lru = (salt, key) in self._lru
+            in_lru = (salt, key) in self._lru.get(entry.slot_size, {})
             assert in_lru == (entry.committed and not entry.leases)
             assert in_lru == (key in self._salt_lru.get(salt, {}))
             spans.append((entry.offset, entry.offset + entry.slot_size))
@@ -558,9 +564,14 @@ class ChunkIndex:
         assert self._leased_chunks == sum(1 for e in self._entries.values() if e.leases)
         pinned = [0] * self.allocator.num_pages
         for entry in self._entries.values():
-            if not entry.committed or entry.leases:
-                pinned[entry.offset // self.allocator.page_size] += 1
+            pinned[entry.offset // self.allocator.page_size] += not entry.committed or entry.leases > 0
         assert pinned == self._page_pinned
+        self._recency.check((e.offset // self.allocator.page_size, e.used) for e in self._by_offset.values())
+        lrus = [[e.used for e in lru.values()] for lru in self._lru.values()]
+        assert all(uses == sorted(uses) for uses in lrus), "a size class's LRU list is out of order"
+        salt_lrus = [[e.used for e in lru.values()] for lru in self._salt_lru.values()]
+        assert all(uses and uses == sorted(uses) for uses in salt_lrus), "a salt's LRU list is empty or out of order"
+        assert sum(map(len, lrus)) == sum(map(len, salt_lrus)) == self._chunks - self._leased_chunks
         for lease in self._leases.values():
             assert lease.id in self._sessions[lease.client].leases
         for session in self._sessions.values():

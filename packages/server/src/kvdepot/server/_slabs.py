@@ -5,10 +5,15 @@ size class and is carved into equal slots of that class's slot size. A page whos
 freed goes back to the free-page list at once, so any class can take it next. Chunks of
 different sizes therefore never fragment each other: a class needs either a free slot in one
 of its pages or one whole free page, and the index frees a whole page by evicting the chunks
-in it (see `ChunkIndex`). docs/server.md explains the trade-offs.
+in it (see `ChunkIndex`). `PageRecency` ranks pages by their most recently used chunk, so the
+index can pick the page whose chunks were all used longest ago. docs/server.md explains the
+trade-offs.
 """
 
 from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -182,3 +187,74 @@ class SlabAllocator:
             used += self._page_used[page] * size
         assert used == self.used_bytes
         assert len(set(self._free_pages)) == len(self._free_pages)
+
+
+class PageRecency:
+    """Per page, the use stamp of its most recently used chunk; finds the page where it is oldest.
+
+    Stamps are positive integers that the caller draws from one increasing counter; 0 means the
+    page holds nothing that was used. A use only writes the page's stamp. A min-heap holds, for
+    every page with a stamp, at least one item (stamp, page) no newer than the page's stamp;
+    `oldest` moves items that fell behind to their place as it meets them, so each use costs
+    O(1) and each search O(log pages) per item it moves or skips. The heap is rebuilt from the
+    stamps when items outnumber pages twice over.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        self._newest: list[int] = [0] * num_pages
+        self._heap: list[tuple[int, int]] = []
+
+    def newest(self, page: int) -> int:
+        return self._newest[page]
+
+    def used(self, page: int, stamp: int) -> None:
+        """A chunk of `page` was used at `stamp` (newer than every stamp given before)."""
+        if not self._newest[page]:
+            self._push(stamp, page)  # items left from before the page emptied are too old
+        self._newest[page] = stamp
+
+    def reset(self, page: int, stamp: int) -> None:
+        """Lower the page's stamp after its newest chunk left (0: nothing used remains)."""
+        assert stamp <= self._newest[page], "reset only lowers a stamp"
+        self._newest[page] = stamp
+        if stamp:
+            self._push(stamp, page)
+
+    def oldest(self, pinned: Sequence[int]) -> tuple[int, int] | None:
+        """(stamp, page) of the page with the oldest stamp among pages whose `pinned` count is
+        0, or None. Pinned pages met on the way stay in the heap."""
+        heap, skipped, found = self._heap, [], None
+        while heap:
+            stamp, page = heap[0]
+            newest = self._newest[page]
+            if stamp != newest:
+                heapq.heappop(heap)
+                if stamp < newest:  # used since: move it to its place
+                    heapq.heappush(heap, (newest, page))
+                # else the page emptied, or its stamp was lowered, which pushed another item
+            elif pinned[page]:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = (stamp, page)
+                break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def _push(self, stamp: int, page: int) -> None:
+        heapq.heappush(self._heap, (stamp, page))
+        if len(self._heap) > 2 * len(self._newest) + 64:
+            self._heap = [(s, p) for p, s in enumerate(self._newest) if s]
+            heapq.heapify(self._heap)
+
+    def check(self, uses: Iterable[tuple[int, int]]) -> None:
+        """Assert each page's stamp is the newest of its (page, stamp) `uses`, and every stamped
+        page has a heap item no newer (for tests)."""
+        newest = [0] * len(self._newest)
+        for page, stamp in uses:
+            newest[page] = max(newest[page], stamp)
+        assert self._newest == newest
+        lowest: dict[int, int] = {}
+        for stamp, page in self._heap:
+            lowest[page] = min(stamp, lowest.get(page, stamp))
+        assert all(p in lowest and lowest[p] <= s for p, s in enumerate(self._newest) if s)
