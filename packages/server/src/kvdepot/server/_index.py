@@ -451,7 +451,7 @@ class ChunkIndex:
     def _make_room(self, slot_size: int) -> bool:
         """Free a slot of `slot_size`: evict the oldest chunk of that size alone, or every chunk
         of the page (nothing pending or leased) whose most recently used chunk is older still.
-        A page holding a chunk used just now goes only when every other choice is as fresh."""
+        A page holding a chunk used just now goes only when every other choice is fresher."""
         own = self._lru.get(slot_size)
         oldest = next(iter(own.values())) if own else None
         found = self._recency.oldest(self._page_pinned)
