@@ -72,6 +72,10 @@ def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdep
     stats = kvdepot_server.stats()
     assert stats.leases == 0
     assert stats.reservations == 0
+    # The engines released every lease and finished every reservation themselves: nothing was
+    # left for the server to reclaim when they disconnected.
+    assert stats.extra["reclaimed_leases"] == 0
+    assert stats.extra["reclaimed_reservations"] == 0
 
 
 def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepot_server):
@@ -140,6 +144,7 @@ def test_injected_load_failure_is_recomputed(tiny_llama, vllm_engine, kvdepot_se
     assert check.outputs == longer_baseline.outputs
     stats = kvdepot_server.stats()
     assert stats.leases == 0
+    assert stats.extra["reclaimed_leases"] == 0
 
 
 def test_cache_salts_are_isolated(tiny_llama, vllm_engine, kvdepot_server):
@@ -190,6 +195,10 @@ def test_aborts_and_preemption_leave_no_lease(tiny_llama, vllm_engine, kvdepot_s
     stats = kvdepot_server.stats()
     assert stats.leases == 0
     assert stats.reservations == 0
+    # The engines released every lease and finished every reservation themselves: nothing was
+    # left for the server to reclaim when they disconnected.
+    assert stats.extra["reclaimed_leases"] == 0
+    assert stats.extra["reclaimed_reservations"] == 0
 
 
 def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvdepot_server):

@@ -25,3 +25,20 @@ def test_reserve_for_another_servers_pool_is_refused(make_server):
         assert len(ok.slots) == 1
         unchecked = client.reserve("", [b"\x02" * 32], CHUNK).result(T)
         assert len(unchecked.slots) == 1
+
+
+def test_leases_left_at_session_end_are_counted(make_server):
+    """Leases a client never released are reclaimed when it leaves, and Stats counts them."""
+    server = make_server()
+    with CacheClient(server.address, timeout=T) as writer:
+        writer.register("layout", 256, CHUNK).result(T)
+        res = writer.reserve("", [b"\x03" * 32], CHUNK).result(T)
+        writer.commit(res.reservation_id).result(T)
+    reader = CacheClient(server.address, timeout=T)
+    (hit,) = reader.lookup([("", [b"\x03" * 32])]).result(T).results
+    assert hit.num_hits == 1
+    reader.close()  # ends its session with the lease still held
+    with CacheClient(server.address, timeout=T) as probe:
+        extra = probe.stats().result(T).extra
+    assert extra["reclaimed_leases"] == 1
+    assert extra["reclaimed_reservations"] == 0

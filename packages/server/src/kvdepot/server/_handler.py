@@ -15,7 +15,7 @@ import structlog
 
 from kvdepot.server._errors import StalePoolError
 from kvdepot.server._index import ChunkIndex
-from kvdepot.server._results import IndexStats
+from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 from kvdepot.transport import (
@@ -74,6 +74,8 @@ class CacheHandler:
         self.pool_info = PoolInfo(kind="shm_file", path=pool_path, size=pool_size)
         self.chunk_size = chunk_size
         self.server_id = server_id
+        self.reclaimed_leases = 0
+        self.reclaimed_reservations = 0
         self.clock = clock
         # Extra figures the server adds to Stats (pool path, transport counters, ...).
         self.extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict
@@ -106,6 +108,7 @@ class CacheHandler:
             log.info("stale_connection_dropped", peer=peer.client_id)
             return
         gone = self.index.close_session(peer.client_id)
+        self._count_reclaimed(gone)
         log.info(
             "client_reclaimed",
             peer=peer.client_id,
@@ -172,11 +175,23 @@ class CacheHandler:
 
     def _end_session(self, client: str, body: EndSession, now: float) -> ReplyBody:
         gone = self.index.close_session(client)
+        self._count_reclaimed(gone)
         log.info("client_left", peer=client, leases=gone.leases, reservations=gone.reservations)
         return EndSessionReply()
 
+    def _count_reclaimed(self, gone: Reclaimed) -> None:
+        # Leases and reservations a client still held when it left or went silent: a client
+        # that releases everything it takes leaves these at zero.
+        self.reclaimed_leases += gone.leases
+        self.reclaimed_reservations += gone.reservations
+
     def _stats(self, client: str, body: Stats, now: float) -> ReplyBody:
-        return stats_reply(self.index.stats(), self.extra_stats())
+        extra = {
+            **self.extra_stats(),
+            "reclaimed_leases": self.reclaimed_leases,
+            "reclaimed_reservations": self.reclaimed_reservations,
+        }
+        return stats_reply(self.index.stats(), extra)
 
     def _clear(self, client: str, body: Clear, now: float) -> ReplyBody:
         removed = self.index.clear(body.salt)

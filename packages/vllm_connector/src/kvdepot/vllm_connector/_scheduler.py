@@ -11,7 +11,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -34,6 +34,11 @@ _RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
 #: the server after a minute (`kvdepot serve --lease-ttl`), and an expired lease's slot may hold
 #: another chunk by then.
 LEASE_REFRESH_S = 20.0
+#: Once per scheduling pass the scheduler gives a pending lookup this long (seconds) to land.
+#: The reply is usually already on the socket; what delays it is the engine thread holding the
+#: GIL, so the transport's I/O thread waits out Python's 5 ms switch interval. A bounded wait
+#: hands over the GIL at once; the scheduler still never waits longer for the server.
+LOOKUP_YIELD_S = 0.002
 
 
 def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
@@ -102,6 +107,7 @@ class SchedulerSide:
         self._handles = itertools.count(1)
         self._leases: dict[int, tuple[str, int]] = {}
         self._leases_lock = threading.Lock()
+        self._yielded = False
 
     # -- vLLM scheduler hooks --------------------------------------------------------
 
@@ -164,6 +170,7 @@ class SchedulerSide:
         self._flush_releases()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
+        self._yielded = False
         self._send_lookups()
         meta = KVDepotMetadata(loads=self._loads)
         self._loads = []
@@ -258,6 +265,9 @@ class SchedulerSide:
     def _poll_lookup(self, req_id: str) -> bool:
         """Apply the lookup reply if it is in; True once the request is looked up."""
         lookup = self._lookups[req_id]
+        if lookup.future is not None and not lookup.future.done() and not self._yielded:
+            self._yielded = True
+            wait([lookup.future], timeout=LOOKUP_YIELD_S)
         if lookup.future is None or not lookup.future.done():
             if time.monotonic() - lookup.sent_at < self.lookup_timeout:
                 return False
