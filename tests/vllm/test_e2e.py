@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import kvdepot.server
+import kvdepot.transport
 
 
 class ServerProcess(kvdepot.server.ServerProcess):
@@ -40,6 +41,16 @@ def kvdepot_server() -> Iterator[ServerProcess]:
 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+
+def assert_nothing_left(stats: kvdepot.transport.StatsReply) -> None:
+    """No lease or reservation is held, and the engines released every one themselves: nothing
+    was left for the server to reclaim when they disconnected."""
+    assert stats.leases == 0
+    assert stats.reservations == 0
+    assert stats.extra["reclaimed_leases"] == 0
+    assert stats.extra["reclaimed_reservations"] == 0
+
 
 CHUNK = 256  # two CPU blocks of 128 tokens
 
@@ -70,12 +81,7 @@ def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdep
     assert first.outputs == baseline.outputs
     assert second.outputs == baseline.outputs
     stats = kvdepot_server.stats()
-    assert stats.leases == 0
-    assert stats.reservations == 0
-    # The engines released every lease and finished every reservation themselves: nothing was
-    # left for the server to reclaim when they disconnected.
-    assert stats.extra["reclaimed_leases"] == 0
-    assert stats.extra["reclaimed_reservations"] == 0
+    assert_nothing_left(stats)
 
 
 def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepot_server):
@@ -193,12 +199,7 @@ def test_aborts_and_preemption_leave_no_lease(tiny_llama, vllm_engine, kvdepot_s
     assert "length" not in aborted.finish_reasons[:3]
     time.sleep(0.5)
     stats = kvdepot_server.stats()
-    assert stats.leases == 0
-    assert stats.reservations == 0
-    # The engines released every lease and finished every reservation themselves: nothing was
-    # left for the server to reclaim when they disconnected.
-    assert stats.extra["reclaimed_leases"] == 0
-    assert stats.extra["reclaimed_reservations"] == 0
+    assert_nothing_left(stats)
 
 
 def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvdepot_server):

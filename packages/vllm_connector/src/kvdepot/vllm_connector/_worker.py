@@ -203,18 +203,18 @@ class WorkerSide:
         ]
         self.stats.add("store_skipped", len(meta.stores) - len(ops))
         rank = self.strategy.kv_rank
-        try:
-            with self.client.batch() as batch:
-                futures = [
-                    batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops
-                ]
-            replies = [f.result() for f in futures]
-        except Exception as exc:
-            log.warning("kvdepot stores skipped this step, the server did not answer: %s", exc)
-            self.stats.add("store_skipped", len(ops))
-            return
+        with self.client.batch() as batch:
+            futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops]
         commits = []
-        for op, reply in zip(ops, replies, strict=True):
+        for op, future in zip(ops, futures, strict=True):
+            # Each reply on its own: a failed reserve skips only its own store, and every
+            # reservation that was granted is committed or aborted, never left to expire.
+            try:
+                reply = future.result()
+            except Exception as exc:
+                log.warning("kvdepot store of %s skipped, the server did not reserve: %s", op.req_id, exc)
+                self.stats.add("store_skipped")
+                continue
             commits.append(self._store(op, reply, pool))
         for future in commits:
             try:
