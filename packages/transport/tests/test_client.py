@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -11,6 +13,7 @@ import zmq
 
 import kvdepot.transport as t
 from kvdepot.transport._io import IOLoop
+from kvdepot.transport._zmq_link import WAIT_ON_CALLER_S
 from kvdepot.transport.testing import MemoryPair, ZmqPair, key, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -34,14 +37,15 @@ class _FakeServer:
         while not self.stop.is_set():
             if not self.sock.poll(50):
                 continue
-            ident, frame = self.sock.recv_multipart()
-            req = t.decode_request(frame)
-            if isinstance(req.body, t.Hello):
-                replies = [t.encode_reply(t.Reply(req.id, t.HelloReply(t.PROTOCOL_VERSION, "fake", "fake")))]
-            else:
-                replies = self.answer(req)
-            for reply in replies:
-                self.sock.send_multipart([ident, reply])
+            ident, *frames = self.sock.recv_multipart()
+            for frame in frames:
+                req = t.decode_request(frame)
+                if isinstance(req.body, t.Hello):
+                    replies = [t.encode_reply(t.Reply(req.id, t.HelloReply(t.PROTOCOL_VERSION, "fake", "fake")))]
+                else:
+                    replies = self.answer(req)
+                for reply in replies:
+                    self.sock.send_multipart([ident, reply])
 
     def close(self) -> None:
         self.stop.set()
@@ -233,3 +237,115 @@ def test_curve_encryption(tmp_path: Any) -> None:
             c.close(end_session=False)
         endpoint.close()
         thread.join(5)
+
+
+def _record_settling_thread(fut: Any, names: list[str]) -> None:
+    """Appends to `names` the name of the thread that settles `fut` (its callbacks run there)."""
+    fut.add_done_callback(lambda _f: names.append(threading.current_thread().name))
+
+
+def test_blocked_caller_reads_its_own_reply(ipc_address: str) -> None:
+    """A thread blocked in result() reads the reply itself; the I/O thread is not woken for it."""
+
+    def answer(req: t.Request) -> list[bytes]:
+        time.sleep(0.005)  # the caller is surely blocked by the time the reply arrives
+        return [t.encode_reply(t.Reply(req.id, t.Pong()))]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=5)
+    try:
+        client.ping().result(5)
+        names: list[str] = []
+        for _ in range(20):
+            fut = client.ping()
+            _record_settling_thread(fut, names)
+            assert isinstance(fut.result(5), t.Pong)
+        assert names.count(threading.current_thread().name) >= 10, names
+    finally:
+        client.close(end_session=False)
+        server.close()
+
+
+def test_slow_reply_is_left_to_the_io_thread(ipc_address: str) -> None:
+    """A reply slower than the caller's wait window is read by the I/O thread; result() still gets it."""
+
+    def answer(req: t.Request) -> list[bytes]:
+        time.sleep(WAIT_ON_CALLER_S * 4)
+        return [t.encode_reply(t.Reply(req.id, t.Pong()))]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=5)
+    try:
+        fut = client.ping()
+        names: list[str] = []
+        _record_settling_thread(fut, names)
+        assert isinstance(fut.result(5), t.Pong)
+        assert names == ["kvdepot-transport-io"]
+    finally:
+        client.close(end_session=False)
+        server.close()
+
+
+def test_caller_wait_honours_timeouts_and_deadlines(ipc_address: str) -> None:
+    """result(timeout) shorter than the reply raises TimeoutError and can be retried; a request
+    past its deadline fails with DeadlineExceededError; exception() waits like result()."""
+    release = threading.Event()
+
+    def answer(req: t.Request) -> list[bytes]:
+        if isinstance(req.body, t.Stats):
+            return []  # never answered
+        release.wait(5)
+        return [t.encode_reply(t.Reply(req.id, t.ErrorReply("invalid_argument", "no")))]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=0.3)
+    try:
+        fut = client.request(t.Ping(), timeout=5)
+        with pytest.raises(concurrent.futures.TimeoutError):
+            fut.result(0.01)
+        release.set()
+        assert isinstance(fut.exception(5), t.RemoteInvalidArgumentError)
+        with pytest.raises(t.DeadlineExceededError):
+            client.stats().result(5)
+        with pytest.raises(t.DeadlineExceededError):
+            client.stats().result()
+    finally:
+        client.close(end_session=False)
+        server.close()
+
+
+def test_waiting_threads_take_each_others_replies(ipc_address: str) -> None:
+    """Eight threads block on replies that come back in reverse order; every one gets its own."""
+    lock = threading.Lock()
+    held: list[t.Request] = []
+
+    def answer(req: t.Request) -> list[bytes]:
+        with lock:
+            held.append(req)
+            if len(held) < 8:
+                return []
+            batch = held[::-1]
+            held.clear()
+        return [t.encode_reply(t.Reply(r.id, t.QuotaReply({str(r.body.salt): 1}))) for r in batch]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=10)
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for j in range(20):
+                assert client.set_quota(f"{n}-{j}", 1).result(10).quotas == {f"{n}-{j}": 1}
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        assert not errors, errors[:3]
+    finally:
+        client.close(end_session=False)
+        server.close()

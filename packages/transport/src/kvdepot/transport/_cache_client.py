@@ -1,7 +1,8 @@
 """`CacheClient`: one method per protocol operation, each returning a future of its reply.
 
-Futures resolve on the shared I/O thread; callbacks added to them run there, so keep them
-short. A future fails with `DeadlineExceededError`, a `RemoteError` subclass for an error
+Futures resolve on the shared I/O thread, or on a thread blocked in `result()` or
+`exception()`, which reads its reply itself; callbacks added to them run on that thread,
+so keep them short and thread-safe. A future fails with `DeadlineExceededError`, a `RemoteError` subclass for an error
 reply, `TransportBrokenError` when the connection drops under it, or
 `TransportClosedError` once the client is closed.
 """
@@ -202,14 +203,13 @@ class CacheClient(_Operations):
         return dict(self._conn.stats)
 
     def _call(self, body: RequestBody) -> Future[Any]:
-        call = self._conn.prepare(body)
-        self._conn.submit((call,))
-        return call.future
+        return self.request(body)
 
     def request(self, body: RequestBody, *, timeout: float | None = None) -> Future[Any]:
         """Sends any request body; the future resolves to its reply body."""
         call = self._conn.prepare(body, timeout)
-        self._conn.submit((call,))
+        if call.frame:  # else it failed to encode and the future holds the error
+            self._conn.submit_live([call])
         return call.future
 
     def batch(self, *, timeout: float | None = None) -> Batch:

@@ -77,7 +77,30 @@ class Link(Protocol):
 
     def send(self, frames: list[bytes]) -> bool: ...
 
+    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
+        """Helps `future` along on the calling thread, if the link can; returns the time left."""
+        ...
+
     def close(self) -> None: ...
+
+
+class ReplyFuture(Future[Any]):
+    """The future of one request. A thread blocked in `result` or `exception` reads the
+    reply itself where the link allows (ZMQ), rather than wait for the I/O thread to."""
+
+    def __init__(self, conn: Connection) -> None:
+        super().__init__()
+        self._conn = conn
+
+    def result(self, timeout: float | None = None) -> Any:
+        if not self.done():
+            timeout = self._conn.wait(self, timeout)
+        return super().result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self.done():
+            timeout = self._conn.wait(self, timeout)
+        return super().exception(timeout)
 
 
 class Call:
@@ -85,13 +108,15 @@ class Call:
 
     __slots__ = ("body", "deadline", "frame", "future", "id", "internal", "timeout")
 
-    def __init__(self, request_id: int, body: RequestBody, frame: bytes, timeout: float, internal: bool) -> None:
+    def __init__(  # noqa: PLR0917
+        self, conn: Connection, request_id: int, body: RequestBody, frame: bytes, timeout: float, internal: bool
+    ) -> None:
         self.id = request_id
         self.body = body
         self.frame = frame
         self.timeout = timeout
         self.deadline = time.monotonic() + timeout
-        self.future: Future[Any] = Future()
+        self.future: Future[Any] = ReplyFuture(conn)
         self.internal = internal
 
 
@@ -100,15 +125,13 @@ def _nothing() -> None:
 
 
 def _settle(future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    if future.done():
-        return
     try:
         if exc is not None:
             future.set_exception(exc)
         else:
             future.set_result(result)
     except InvalidStateError:
-        pass  # cancelled by its owner in the meantime
+        pass  # settled already, or cancelled by its owner
 
 
 class Connection:
@@ -176,7 +199,7 @@ class Connection:
         """A call for `body` (encoded now, in the caller's thread); submit it with `submit`."""
         request_id = next(self._ids)
         frame = b""
-        call = Call(request_id, body, frame, self.timeout if timeout is None else timeout, internal=False)
+        call = Call(self, request_id, body, frame, self.timeout if timeout is None else timeout, internal=False)
         try:
             call.frame = encode(Request(request_id, body), max_frame_bytes=self.max_frame_bytes)
         except TransportError as exc:
@@ -191,7 +214,10 @@ class Connection:
 
     def submit(self, calls: Sequence[Call]) -> None:
         """Sends prepared calls, in one message when the connection is ready."""
-        live = [c for c in calls if not c.future.done()]
+        self.submit_live([c for c in calls if not c.future.done()])
+
+    def submit_live(self, live: list[Call]) -> None:
+        """`submit` for calls whose futures are known not to be done."""
         if self._closed:
             for call in live:
                 _settle(call.future, exc=self._closed_error())
@@ -205,6 +231,12 @@ class Connection:
                 return
             self._handed_over += 1
         self._loop.call_soon(self._enqueue, live)
+
+    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
+        """Lets the calling thread read replies until `future` is done (see `ReplyFuture`)."""
+        if self.state != "ready" or self._loop.in_loop():
+            return timeout
+        return self._link.wait(future, timeout)
 
     def close(self, timeout: float = 1.0) -> None:
         """Fails what is pending with TransportClosedError and closes the link."""
@@ -275,7 +307,7 @@ class Connection:
         self._last_sent = time.monotonic()
 
     def _send_internal(self, body: RequestBody) -> None:
-        call = Call(next(self._ids), body, b"", self.timeout, internal=True)
+        call = Call(self, next(self._ids), body, b"", self.timeout, internal=True)
         call.frame = encode(Request(call.id, body), max_frame_bytes=self.max_frame_bytes)
         self._deadlines.setdefault(call.timeout, deque()).append(call)
         self._send([call])

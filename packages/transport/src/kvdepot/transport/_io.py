@@ -1,14 +1,19 @@
 """The one background I/O thread per process that every client shares.
 
-Only this thread touches client sockets. Other threads hand it work with `call_soon`,
-which wakes it through an eventfd only when it is asleep in poll, so a busy loop pays no
-system call per submission and an idle one wakes at once.
+Other threads hand it work with `call_soon`, which wakes it through an eventfd only when
+it is asleep in poll, so a busy loop pays no system call per submission and an idle one
+wakes at once.
+
+Plain file descriptors (a DEALER's ZMQ_FD) are watched through an epoll set, which any
+thread may change: a caller blocked on its own reply `mute`s the descriptor, reads the
+reply itself, and the loop is not woken to fight it for the GIL (see `ZmqLink.wait`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 from collections import deque
@@ -53,9 +58,13 @@ class IOLoop:
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._sleeping = False
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._epoll = select.epoll()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_fd, zmq.POLLIN)
-        self._readers: dict[Any, Callable[[], None]] = {}
+        self._poller.register(self._epoll.fileno(), zmq.POLLIN)
+        self._readers: dict[Any, Callable[[], None]] = {}  # zmq sockets
+        self._fd_readers: dict[int, Callable[[], None]] = {}  # fds, in the epoll set
+        self._fd_lock = threading.Lock()  # guards _fd_readers with the epoll set
         self._timers: set[TimerOwner] = set()
         self.thread = threading.Thread(target=self._run, name="kvdepot-transport-io", daemon=True)
         self.thread.start()
@@ -72,15 +81,36 @@ class IOLoop:
         """True when called from the I/O thread itself."""
         return threading.current_thread() is self.thread
 
+    def mute(self, fd: int, muted: bool) -> None:
+        """Stops (or resumes) waking the loop when `fd`, added with `add_reader`, is readable.
+
+        The fd's owner calls this, from any thread, and keeps the calls in order itself.
+        """
+        with self._fd_lock:
+            if fd not in self._fd_readers:
+                return
+            with contextlib.suppress(OSError, ValueError):  # the epoll set closed meanwhile
+                self._epoll.modify(fd, 0 if muted else select.EPOLLIN)
+
     # -- I/O thread only -----------------------------------------------------------------
 
     def add_reader(self, sock: Any, callback: Callable[[], None]) -> None:
         """Calls `callback()` whenever `sock` (a zmq socket or an fd) is readable."""
+        if isinstance(sock, int):
+            with self._fd_lock:
+                self._fd_readers[sock] = callback
+                self._epoll.register(sock, select.EPOLLIN)
+            return
         self._readers[sock] = callback
         self._poller.register(sock, zmq.POLLIN)
 
     def remove_reader(self, sock: Any) -> None:
         """Stops watching `sock`."""
+        if isinstance(sock, int):
+            with self._fd_lock:
+                if self._fd_readers.pop(sock, None) is not None:
+                    self._epoll.unregister(sock)
+            return
         if self._readers.pop(sock, None) is not None:
             self._poller.unregister(sock)
 
@@ -115,6 +145,12 @@ class IOLoop:
                     if sock == self._wake_fd:
                         with contextlib.suppress(BlockingIOError):
                             os.eventfd_read(self._wake_fd)
+                        continue
+                    if sock == self._epoll.fileno():
+                        for fd, _ in self._epoll.poll(0):
+                            fd_reader = self._fd_readers.get(fd)
+                            if fd_reader is not None:
+                                fd_reader()
                         continue
                     reader = self._readers.get(sock)
                     if reader is not None:

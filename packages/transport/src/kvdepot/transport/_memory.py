@@ -20,6 +20,8 @@ from kvdepot.transport._handler import Handler
 from kvdepot.transport._server import MAX_MESSAGES_PER_POLL, ServerEndpoint
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from kvdepot.transport._client import Connection
     from kvdepot.transport._io import IOLoop
 
@@ -149,6 +151,10 @@ class MemoryLink(_Peer):
             return False
         server.submit(self, list(frames))
         return True
+
+    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
+        """Replies arrive through the loop; nothing to help with."""
+        return timeout
 
     def close(self) -> None:
         self._closed = True

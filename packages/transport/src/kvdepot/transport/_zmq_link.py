@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import select
+import time
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -9,6 +12,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.transport._io import IOLoop
 from kvdepot.transport._server import HARD_LIMIT_FACTOR
+from kvdepot.transport._server import get_option as _get
 
 if TYPE_CHECKING:
     from kvdepot.transport._client import Connection
@@ -19,6 +23,9 @@ RECONNECT_IVL_MAX_MS = 1000
 # Replies read per wake-up before timers are checked again.
 MAX_RECV_PER_WAKE = 1024
 SEND_HWM = 100_000
+# A caller blocked on its reply reads the socket itself for at most this long; a slower
+# reply (or one the I/O thread settles: a deadline, a disconnect) is left to the I/O thread.
+WAIT_ON_CALLER_S = 0.05
 
 # Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
 _EVENTS = int(zmq.EVENTS)
@@ -38,6 +45,9 @@ class ZmqLink:
     the socket itself (that would race with those sends): it polls the socket's ZMQ_FD and
     reads under the lock. ZMQ_FD only signals edges, so whoever touches the socket checks
     ZMQ_EVENTS afterwards and makes sure pending replies get read.
+
+    A thread blocked on a reply reads it itself (`wait`): one wake-up per round trip, as
+    with a bare socket, instead of the I/O thread's and then the caller's.
     """
 
     def __init__(self, conn: Connection, loop: IOLoop) -> None:
@@ -46,6 +56,8 @@ class ZmqLink:
         self._sock: zmq.Socket[Any] | None = None
         self._fd: int | None = None
         self._monitor: zmq.Socket[Any] | None = None
+        self._poller: select.poll | None = None  # for `wait`, on the socket's fd
+        self._waiting = False  # a caller is reading replies in `wait` (guarded by the connection lock)
 
     def open(self) -> None:
         sock = self._loop.context.socket(zmq.DEALER)
@@ -68,6 +80,8 @@ class ZmqLink:
         sock.connect(self._conn.address)
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
+        self._poller = select.poll()
+        self._poller.register(self._fd, select.POLLIN)
         self._loop.add_reader(self._fd, self._readable)
         self._loop.add_reader(self._monitor, self._monitor_event)
 
@@ -84,21 +98,63 @@ class ZmqLink:
         except zmq.Again:
             return False
         finally:
-            if int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            if _get(sock, _EVENTS) & _POLLIN:
                 self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
         return True
 
     def _readable(self) -> None:
+        with self._conn._lock:
+            if not self._read_locked():
+                self._loop.call_soon(self._readable)  # more to read; let timers run first
+
+    def _read_locked(self) -> bool:
+        """Reads up to MAX_RECV_PER_WAKE replies; True when none are left."""
         conn = self._conn
-        with conn._lock:
+        sock = self._sock
+        for _ in range(MAX_RECV_PER_WAKE):
+            if sock is None or not _get(sock, _EVENTS) & _POLLIN:
+                return True
+            conn._on_frames_locked(sock.recv_multipart(_NOBLOCK))
             sock = self._sock
-            for _ in range(MAX_RECV_PER_WAKE):
-                if sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
-                    return
-                frames = sock.recv_multipart(_NOBLOCK)
-                conn._on_frames_locked(frames)
-                sock = self._sock
-            self._loop.call_soon(self._readable)  # more to read; let timers run first
+        return False
+
+    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
+        """Reads replies on this thread until `future` is done; returns the time left of `timeout`.
+
+        One thread per connection at a time does this, for at most WAIT_ON_CALLER_S; the
+        socket's fd is muted in the I/O loop meanwhile, so the loop neither wakes for the
+        reply nor competes for the GIL. Other waiters, and whatever is left afterwards, are
+        served by the I/O thread as usual.
+        """
+        conn = self._conn
+        start = time.monotonic()
+        end = start + (WAIT_ON_CALLER_S if timeout is None else min(timeout, WAIT_ON_CALLER_S))
+        with conn._lock:
+            fd, poller = self._fd, self._poller
+            if self._waiting or fd is None or poller is None:
+                return timeout
+            self._waiting = True
+            self._loop.mute(fd, True)
+        try:
+            while True:
+                with conn._lock:
+                    if self._fd != fd:
+                        break  # closed
+                    self._read_locked()  # also before the first poll: ZMQ_FD only signals edges
+                if future.done():
+                    break
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                poller.poll(left * 1000)
+        finally:
+            with conn._lock:
+                self._waiting = False
+                if self._fd == fd:  # else closed meanwhile, and the fd may be another's now
+                    self._loop.mute(fd, False)
+                    if _get(self._sock, _EVENTS) & _POLLIN:
+                        self._loop.call_soon(self._readable)  # replies for other waiters
+        return None if timeout is None else max(0.0, start + timeout - time.monotonic())
 
     def _monitor_event(self) -> None:
         while self._monitor is not None:
@@ -117,6 +173,7 @@ class ZmqLink:
         if self._fd is not None:
             self._loop.remove_reader(self._fd)
             self._fd = None
+            self._poller = None
         if self._sock is not None:
             self._sock.disable_monitor()
             self._sock.close(0)

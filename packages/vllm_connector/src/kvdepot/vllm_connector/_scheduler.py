@@ -6,12 +6,13 @@ planner events, batches a step's lookups into one message, and never waits on th
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future, wait
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -35,9 +36,9 @@ _RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
 #: another chunk by then.
 LEASE_REFRESH_S = 20.0
 #: Once per scheduling pass the scheduler gives a pending lookup this long (seconds) to land.
-#: The reply is usually already on the socket; what delays it is the engine thread holding the
-#: GIL, so the transport's I/O thread waits out Python's 5 ms switch interval. A bounded wait
-#: hands over the GIL at once; the scheduler still never waits longer for the server.
+#: The reply is usually on the socket already, or a round trip away; waiting on the future
+#: reads it on the engine thread, where the transport's I/O thread would first have to win
+#: the GIL from the engine. The scheduler never waits longer than this for the server.
 LOOKUP_YIELD_S = 0.002
 
 
@@ -267,7 +268,8 @@ class SchedulerSide:
         lookup = self._lookups[req_id]
         if lookup.future is not None and not lookup.future.done() and not self._yielded:
             self._yielded = True
-            wait([lookup.future], timeout=LOOKUP_YIELD_S)
+            with contextlib.suppress(TimeoutError):
+                lookup.future.exception(timeout=LOOKUP_YIELD_S)  # reads the reply on this thread
         if lookup.future is None or not lookup.future.done():
             if time.monotonic() - lookup.sent_at < self.lookup_timeout:
                 return False
@@ -316,7 +318,7 @@ class SchedulerSide:
         if future is None:
             return
 
-        def release(done: Future[Any]) -> None:  # runs on the transport's I/O thread
+        def release(done: Future[Any]) -> None:  # runs on whichever thread reads the reply
             try:
                 leases = [r.lease_id for r in done.result().results[first : first + world] if r.lease_id]
             except Exception:
