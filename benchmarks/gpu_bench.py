@@ -1,22 +1,34 @@
 """kvdepot.gpu: gather and scatter of realistic chunks against a plain copy of the same bytes.
 
 CPU: one chunk per call between a paged KV cache and a pool slot, against a plain
-contiguous memcpy (torch `copy_`) of the same number of bytes, measured in the same run
-and interleaved with it. Both walk a working set far larger than the CPU caches, so
+memcpy (libc, through `ctypes.memmove`, as in server_bench.py) of the same number of
+bytes between the same two memory areas, measured in the same run and interleaved with
+it. torch's multi-threaded `copy_` of the same bytes is timed alongside, as a stricter
+second reference. Everything walks a working set far larger than the CPU caches, so
 every copy reads and writes cold memory as it would in a server. CUDA (when present):
 the same against a raw pinned `cudaMemcpyAsync` of the same bytes.
 
-Run: python benchmarks/gpu_bench.py [--quick]
+The KV caches sit on transparent huge pages, as docs/gpu.md recommends for CPU engines
+(`THP_MEM_ALLOC_ENABLE=1`, read by torch's CPU allocator at its first allocation, so it
+is set here before torch is imported); `--no-thp` measures without them. Blocks of a few
+KiB at random addresses otherwise pay a TLB miss each.
+
+Run: python benchmarks/gpu_bench.py [--quick] [--no-thp]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
+
+if "--no-thp" not in sys.argv:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch
 
@@ -46,31 +58,32 @@ def kv_caches(layers: int, blocks: int, heads: int, tokens: int, head: int, *, s
 
 
 def interleaved(
-    op: Callable[[int], None], base: Callable[[int], None], rounds: int, reps: int
-) -> tuple[float, float, float]:
-    """(best seconds per call of `op`, of `base`, median of paired ratios base/op).
+    op: Callable[[int], None], bases: dict[str, Callable[[int], None]], rounds: int, reps: int
+) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(best seconds per call of `op`, of each base, median of paired ratios base/op per base).
 
-    Each round times `base` and `op` back to back, alternating which goes first, so a
-    slow spell of a shared machine hits both sides of a pair alike; the median of the
+    Each round times `op` and every base back to back, rotating which goes first, so a
+    slow spell of a shared machine hits all sides of a round alike; the median of the
     per-round ratios is the comparison, the best times give the absolute rates.
     """
-    op(0)
-    base(0)
-    op_times, base_times, ratios = [], [], []
+    fns = {"op": op, **bases}
+    for fn in fns.values():
+        fn(0)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
     i = 0
     for round_ in range(rounds):
-        pair = {}
-        order = ((op, "op"), (base, "base")) if round_ % 2 else ((base, "base"), (op, "op"))
-        for fn, name in order:
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             start = time.perf_counter()
             for _ in range(reps):
                 fn(i)
                 i += 1
-            pair[name] = (time.perf_counter() - start) / reps
-        op_times.append(pair["op"])
-        base_times.append(pair["base"])
-        ratios.append(pair["base"] / pair["op"])
-    return min(op_times), min(base_times), statistics.median(ratios)
+            times[name].append((time.perf_counter() - start) / reps)
+    best = {name: min(times[name]) for name in bases}
+    paired = {name: statistics.median(b / o for b, o in zip(times[name], times["op"], strict=True)) for name in bases}
+    return min(times["op"]), best, paired
 
 
 def cpu_case(  # noqa: PLR0917 - one row of the case table
@@ -107,31 +120,37 @@ def cpu_case(  # noqa: PLR0917 - one row of the case table
         start = (i * 7919 % max(1, layer.numel() // size - 1)) * size
         return layer[start : start + size]
 
-    def memcpy(i: int) -> None:
-        if batch > 1:  # one plain copy of all the call's bytes
-            j = (i * batch) % (slots - batch)
-            pool[j * size : (j + batch) * size].copy_(whole[((i * 7) % (slots - batch)) * size :][: batch * size])
-            return
-        j = i % slots
-        src = kv_range(i)
-        pool[j * size : j * size + src.numel()].copy_(src)
-        if src.numel() < size:  # per-layer tensors: copy the rest from the next layers
-            done = src.numel()
-            k = i + 1
-            while done < size:
-                nxt = kv_range(k)[: size - done]
-                pool[j * size + done : j * size + done + nxt.numel()].copy_(nxt)
-                done += nxt.numel()
-                k += 1
-
-    def memcpy_back(i: int) -> None:
+    def pieces(i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(KV cache bytes, pool bytes) pairs, contiguous on both sides, adding up to one call's bytes."""
         if batch > 1:
             j = (i * batch) % (slots - batch)
-            whole[((i * 7) % (slots - batch)) * size :][: batch * size].copy_(pool[j * size : (j + batch) * size])
-            return
+            return [(whole[((i * 7) % (slots - batch)) * size :][: batch * size], pool[j * size : (j + batch) * size])]
         j = i % slots
-        src = kv_range(i)
-        src.copy_(pool[j * size : j * size + src.numel()])
+        out, done, k = [], 0, i
+        while done < size:  # per-layer tensors may hold less than a chunk: go on in the next layers
+            src = kv_range(k)[: size - done]
+            out.append((src, pool[j * size + done : j * size + done + src.numel()]))
+            done += src.numel()
+            k += 1
+        return out
+
+    memmove = ctypes.memmove
+
+    def memcpy(i: int) -> None:
+        for kv_bytes, pool_bytes in pieces(i):
+            memmove(pool_bytes.data_ptr(), kv_bytes.data_ptr(), kv_bytes.numel())
+
+    def memcpy_back(i: int) -> None:
+        for kv_bytes, pool_bytes in pieces(i):
+            memmove(kv_bytes.data_ptr(), pool_bytes.data_ptr(), kv_bytes.numel())
+
+    def torch_copy(i: int) -> None:
+        for kv_bytes, pool_bytes in pieces(i):
+            pool_bytes.copy_(kv_bytes)
+
+    def torch_copy_back(i: int) -> None:
+        for kv_bytes, pool_bytes in pieces(i):
+            kv_bytes.copy_(pool_bytes)
 
     results = []
     reps = max(1, (4 << 20) // (size * batch))
@@ -154,19 +173,25 @@ def cpu_case(  # noqa: PLR0917 - one row of the case table
 
     with open_copier(layout, pool) as copier:
         for ids_name, ids in (("random ids", scattered), ("consecutive ids", runs)):
-            gather_s, base_g, ratio_g = interleaved(lambda i, ids=ids: gather_call(i, ids), memcpy, rounds, reps)
-            scatter_s, base_s, ratio_s = interleaved(
-                lambda i, ids=ids: scatter_call(i, ids),
-                memcpy_back if whole is not None else memcpy,
-                rounds,
-                reps,
-            )
-            moved = size * batch
-            for op, t, b, paired in (("gather", gather_s, base_g, ratio_g), ("scatter", scatter_s, base_s, ratio_s)):
-                row = (f"{name}, {ids_name}", op, moved, moved / t / 1e9, moved / b / 1e9, b / t, paired)
+            for op, call, bases in (
+                ("gather", gather_call, {"memcpy": memcpy, "copy_": torch_copy}),
+                ("scatter", scatter_call, {"memcpy": memcpy_back, "copy_": torch_copy_back}),
+            ):
+                t, best, paired = interleaved(lambda i, ids=ids, call=call: call(i, ids), bases, rounds, reps)
+                moved = size * batch
+                row = (
+                    f"{name}, {ids_name}",
+                    op,
+                    moved,
+                    moved / t / 1e9,
+                    moved / best["memcpy"] / 1e9,
+                    best["memcpy"] / t,
+                    paired["memcpy"],
+                    paired["copy_"],
+                )
                 log(
                     f"  {row[0]:52s} {op:8s} {row[3]:6.2f} GB/s vs memcpy {row[4]:6.2f} GB/s  "
-                    f"ratio {row[5]:.2f} (paired median {row[6]:.2f})"
+                    f"ratio {row[5]:.2f} (paired median {row[6]:.2f}; vs torch copy_ {row[7]:.2f})"
                 )
                 results.append(row)
     return results
@@ -231,20 +256,40 @@ def cuda_case(  # noqa: PLR0917 - one row of the case table
             }
             for op, fn in ops.items():
                 t = timed(fn)
-                row = (f"{name}, {method}", op, size, size / t / 1e9, size / base[op] / 1e9, base[op] / t, base[op] / t)
+                ratio = base[op] / t
+                row = (f"{name}, {method}", op, size, size / t / 1e9, size / base[op] / 1e9, ratio, ratio, float("nan"))
                 rate, base_rate = row[3], row[4]
                 log(f"  {row[0]:52s} {op:8s} {rate:6.2f} GB/s vs raw {base_rate:6.2f} GB/s  ratio {row[5]:.2f}")
                 results.append(row)
     return results
 
 
+def _huge_pages_kib() -> int:
+    """AnonHugePages of this process, in KiB (0 where the kernel does not say)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (noisier)")
+    parser.add_argument("--no-thp", action="store_true", help="KV caches on ordinary 4 KiB pages")
     args = parser.parse_args()
     rounds = 10 if args.quick else 60
     threads = torch.get_num_threads()
     log(f"kvdepot.gpu benchmark: torch {torch.__version__}, {threads} CPU threads, target ratio {TARGET}")
+    probe = torch.empty(8 << 20, dtype=torch.uint8).fill_(0)
+    log(
+        f"KV caches on transparent huge pages: {'yes' if _huge_pages_kib() >= 4096 else 'no'}"
+        f" (THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', 'unset')}, --no-thp to turn off)"
+    )
+    del probe
     results = []
     cases = [
         # name, layers, heads, tokens, head size, blocks per chunk, one shared storage, chunks per call
@@ -269,12 +314,21 @@ def main() -> int:
         log("no CUDA device: CUDA cases skipped")
 
     log("")
-    log("GB/s and ratio: best round of each side; paired: median over rounds of base/kvdepot timed back to back")
-    log(f"{'case':68s} {'op':8s} {'chunk':>8s} {'GB/s':>6s} {'base':>6s} {'ratio':>6s} {'paired':>6s}  target")
-    for case_name, op, size, rate, base_rate, ratio, paired in results:
-        mark = "ok" if ratio >= TARGET else "BELOW"
+    log(
+        "GB/s and ratio: best round of each side against a plain memcpy (CUDA: raw cudaMemcpyAsync); paired:"
+        " median over rounds of base/kvdepot timed back to back; copy_: the same against torch's threaded copy_"
+    )
+    log(
+        f"{'case':68s} {'op':8s} {'chunk':>8s} {'GB/s':>6s} {'base':>6s} {'ratio':>6s} {'paired':>6s}"
+        f" {'copy_':>6s}  target"
+    )
+    for case_name, op, size, rate, base_rate, ratio, paired, vs_copy in results:
+        mark = "ok" if paired >= TARGET else "BELOW"
         mib = size / 2**20
-        log(f"{case_name:68s} {op:8s} {mib:6.1f}Mi {rate:6.2f} {base_rate:6.2f} {ratio:6.2f} {paired:6.2f}  {mark}")
+        log(
+            f"{case_name:68s} {op:8s} {mib:6.1f}Mi {rate:6.2f} {base_rate:6.2f} {ratio:6.2f} {paired:6.2f}"
+            f" {vs_copy:6.2f}  {mark}"
+        )
     return 0
 
 

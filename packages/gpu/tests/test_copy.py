@@ -21,6 +21,7 @@ from kvdepot.gpu import (
     PoolDtypeError,
     SlotSizeError,
     _copy,
+    _flat,
     gather,
     open_copier,
     scatter,
@@ -31,9 +32,20 @@ from kvdepot.gpu.testing import DTYPES, Case, block_bytes, build_case, chunk_byt
 FILL = 0xA5  # pool bytes outside every slot must keep this value
 
 
-@pytest.fixture(autouse=True, params=["runs", "rows", "strided", "auto"])
+@pytest.fixture(autouse=True, params=["runs", "rows", "strided", "flat-put", "flat-runs", "auto"])
 def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run every copy test through each CPU strategy: copy_ per run, index ops over rows or over strided views."""
+    """Run every copy test through each CPU strategy: per plane group, copy_ per run or index ops over
+    rows or strided views; or all layers as one row matrix, scattering with numpy.put or memmove per run."""
+    if request.param.startswith("flat"):
+        monkeypatch.setattr(_flat, "FLAT_MIN_ROW_BYTES", 1)  # every test layout qualifies
+        if request.param == "flat-put":
+            monkeypatch.setattr(_flat, "FLAT_RUNS_MAX", -1)
+            monkeypatch.setattr(_flat, "FLAT_RUN_MIN_BYTES", 10**18)
+        else:
+            monkeypatch.setattr(_flat, "FLAT_RUNS_MAX", 10**9)
+        return str(request.param)
+    if request.param != "auto":
+        monkeypatch.setattr(_flat, "FLAT_MIN_ROW_BYTES", 10**18)
     if request.param == "runs":
         monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 10**9)
     elif request.param in ("rows", "strided"):
@@ -282,3 +294,34 @@ def test_cuda_copier_refuses_a_cpu_cache(make_case) -> None:
     with pytest.raises(CopyArgumentError, match="CUDA KV cache"):
         CudaCopier(layout, pool)
     assert isinstance(open_copier(layout, pool), CpuCopier)
+
+
+def test_layers_apart_share_one_row_matrix(strategy: str) -> None:
+    """Layers in several storages become rows of one matrix when rows are long enough; the copies
+    still match the reference, and rows under FLAT_MIN_ROW_BYTES keep the per-group path."""
+    if strategy != "auto":
+        pytest.skip("checks the default choice")
+    shape = (12, 2, 16, 64)  # [blocks, heads, tokens, 2 * head] fp16: 4 KiB blocks per layer
+    layer_bytes = 12 * 4096
+    whole = random_bytes(7 * layer_bytes, seed=5)  # one buffer, gaps between the layers
+    kv = {
+        f"layers.{i}": whole[at * layer_bytes :][:layer_bytes].view(torch.float16).view(shape)
+        for i, at in enumerate([0, 3, 5, 6])
+    }
+    layout = KVLayout.from_kv_caches(kv, backend_hint="CPU_ATTN")
+    assert len(layout.groups) > 1
+    size = layout.chunk_bytes(3)
+    pool = filled_pool(2 * size)
+    with open_copier(layout, pool) as copier:
+        assert isinstance(copier, CpuCopier)
+        assert copier.flat is not None
+        copier.gather([[9, 2, 3]], [size]).wait()
+        expected = torch.cat([kv[name][[9, 2, 3]].reshape(-1).view(torch.uint8) for name in kv])
+        assert torch.equal(pool[size:], expected)
+        copier.scatter([size], [[0, 1, 11]]).wait()
+    for name in kv:
+        assert torch.equal(kv[name][[0, 1, 11]].view(torch.int16), kv[name][[9, 2, 3]].view(torch.int16))
+    tiny_layout = KVLayout.from_kv_caches(  # 8-byte blocks in separate tensors
+        {f"layers.{i}": torch.zeros((12, 1, 1, 4), dtype=torch.float16) for i in range(3)}, backend_hint="CPU_ATTN"
+    )
+    assert CpuCopier(tiny_layout, filled_pool(1 << 12)).flat is None

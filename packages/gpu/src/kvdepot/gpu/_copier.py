@@ -26,6 +26,7 @@ from kvdepot.gpu._copy import (
     scatter_cpu,
 )
 from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError
+from kvdepot.gpu._flat import flat_rows, gather_flat, scatter_flat
 from kvdepot.gpu._layout import KVLayout, dtype_of_width, width_of
 from kvdepot.gpu._segments import SegmentTable, segment_tables
 
@@ -106,6 +107,9 @@ class CpuCopier:
         self.layout = layout
         self.pool = check_pool(pool)
         self._closed = False
+        # every layer's blocks as rows of one matrix, when the addresses allow (see _flat)
+        self.flat = flat_rows(layout)
+        self._pool_bytes = self.pool.numpy()
 
     def gather(
         self, block_ids_per_chunk: Sequence[BlockIds], slot_offsets: Sequence[int], *, slot_size: int | None = None
@@ -115,7 +119,10 @@ class CpuCopier:
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )
-        gather_cpu(self.layout, self.pool, plan)
+        if self.flat is not None:
+            gather_flat(self.flat, self.pool, plan)
+        else:
+            gather_cpu(self.layout, self.pool, plan)
         return CompletedCopy()
 
     def scatter(
@@ -133,7 +140,10 @@ class CpuCopier:
             writes_kv=True,
             check=False,
         )  # fmt: skip
-        scatter_cpu(self.layout, self.pool, plan)
+        if self.flat is not None:
+            scatter_flat(self.flat, self._pool_bytes, plan)
+        else:
+            scatter_cpu(self.layout, self.pool, plan)
         return CompletedCopy()
 
     def close(self) -> None:

@@ -1,0 +1,212 @@
+"""Every layer's blocks as rows of one matrix: one index op per chunk on CPU, whatever the layout.
+
+The per-group CPU path pays one tensor op (a few microseconds of dispatch each) per plane
+group and chunk: 32 ops for a model whose layers are separate tensors. When every
+segment of every layer starts a whole number of `row_bytes` past one base address, all
+the KV storages are rows of a single matrix laid over the address range they span. A
+gather is then one `index_select` of rows into the slot (a memcpy per row, on every
+torch thread) and a scatter one `numpy.put` of the slot's rows (a memcpy per row). The
+row numbers of a chunk come from one numpy expression over a pattern built once.
+
+The matrix covers the gaps between the storages too; only rows inside the layout's
+blocks are ever named, and `plan_copy` has range-checked every block id before a copy.
+The layout's tensors, which the copier holds, keep the memory alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from kvdepot.gpu._copy import CopyPlan
+from kvdepot.gpu._layout import KVLayout, PlaneGroup, dtype_of_width, width_of
+
+# Rows shorter than this make the per-row copy too short to run at memcpy speed; such
+# layouts keep the per-group path.
+FLAT_MIN_ROW_BYTES = 512
+# A scatter whose rows form at most FLAT_RUNS_MAX runs of consecutive rows, or runs of
+# FLAT_RUN_MIN_BYTES on average, is one memmove per run (a Python call, ~1 us, each).
+FLAT_RUNS_MAX = 16
+FLAT_RUN_MIN_BYTES = 256 << 10
+
+
+@attrs.frozen
+class Band:
+    """Consecutive planes whose blocks have the same number of rows.
+
+    Row `pattern[p, r] + block_id * block_rows[p, 0]` holds row `r` of `block_id` in plane
+    `p` of the band.
+    """
+
+    pattern: np.ndarray  # int64 [planes, rows per block]
+    block_rows: np.ndarray  # int64 [planes, 1]
+
+    @property
+    def num_planes(self) -> int:
+        return int(self.pattern.shape[0])
+
+    @property
+    def rows_per_block(self) -> int:
+        return int(self.pattern.shape[1])
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """[planes, len(ids), rows per block] row numbers, in slot order."""
+        rows: np.ndarray = self.pattern[:, None, :] + ids[None, :, None] * self.block_rows[:, :, None]
+        return rows
+
+
+@attrs.define(eq=False)
+class FlatRows:
+    """The KV storages of a layout as one [rows, row_bytes] matrix of host memory."""
+
+    row_bytes: int
+    base: int  # address of row 0
+    num_rows: int
+    bands: tuple[Band, ...]
+    _buffer: Any = attrs.field(repr=False)  # a ctypes array over the range; owns nothing
+    _layout: KVLayout = attrs.field(repr=False)  # keeps the tensors, and so the memory, alive
+    _words: dict[int, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    _items: Any = attrs.field(default=None, repr=False)
+
+    @property
+    def rows_per_block(self) -> int:
+        """Rows of one block over all layers."""
+        return sum(band.num_planes * band.rows_per_block for band in self.bands)
+
+    def words(self, width: int) -> torch.Tensor:
+        """The matrix as [rows, row_bytes / width] elements of `width` bytes."""
+        cached = self._words.get(width)
+        if cached is None:
+            flat = torch.frombuffer(self._buffer, dtype=torch.uint8)
+            cached = self._words[width] = flat.view(dtype_of_width(width)).view(self.num_rows, -1)
+        return cached
+
+    def items(self) -> Any:
+        """The matrix as a 1-D numpy array of `row_bytes`-byte items."""
+        if self._items is None:
+            self._items = np.frombuffer(self._buffer, dtype=np.dtype((np.void, self.row_bytes)))
+        return self._items
+
+    def index(self, ids: list[int]) -> np.ndarray:
+        """Row numbers of every plane's rows of blocks `ids`, in slot order (plane, block, row)."""
+        block_ids = np.asarray(ids, dtype=np.int64)
+        if len(self.bands) == 1:
+            return self.bands[0].rows(block_ids).reshape(-1)
+        return np.concatenate([band.rows(block_ids).reshape(-1) for band in self.bands])
+
+
+def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows | None:
+    """The layout as one row matrix; None where rows would be under `min_row_bytes`, or off the CPU."""
+    if layout.device.type != "cpu" or not layout.groups:
+        return None
+    starts = [g.source.untyped_storage().data_ptr() + g.offset for g in layout.groups]
+    base = min(starts)
+    row = 0
+    for group, start in zip(layout.groups, starts, strict=True):
+        row = math.gcd(row, start - base, group.seg_bytes, group.block_stride if group.num_blocks > 1 else 0)
+        row = math.gcd(row, group.plane_stride if group.num_planes > 1 else 0)
+        row = math.gcd(row, group.seg_stride if group.num_segments > 1 else 0)
+    if row < (FLAT_MIN_ROW_BYTES if min_row_bytes is None else min_row_bytes):
+        return None
+    end = max(start + _span(g) for g, start in zip(layout.groups, starts, strict=True))
+    num_rows = (end - base) // row
+    bands: list[Band] = []
+    patterns: list[np.ndarray] = []
+    strides: list[np.ndarray] = []
+    for group, start in zip(layout.groups, starts, strict=True):
+        pattern, block_rows = _group_pattern(group, (start - base) // row, row)
+        if patterns and pattern.shape[1] != patterns[-1].shape[1]:
+            bands.append(Band(np.concatenate(patterns), np.concatenate(strides)))
+            patterns, strides = [], []
+        patterns.append(pattern)
+        strides.append(block_rows)
+    bands.append(Band(np.concatenate(patterns), np.concatenate(strides)))
+    buffer = (ctypes.c_uint8 * (num_rows * row)).from_address(base)
+    return FlatRows(row, base, num_rows, tuple(bands), buffer, layout)
+
+
+def _span(group: PlaneGroup) -> int:
+    """Bytes from the group's first byte to one past its last."""
+    return (
+        (group.num_planes - 1) * group.plane_stride
+        + (group.num_blocks - 1) * group.block_stride
+        + (group.num_segments - 1) * group.seg_stride
+        + group.seg_bytes
+    )
+
+
+def _group_pattern(group: PlaneGroup, first_row: int, row: int) -> tuple[np.ndarray, np.ndarray]:
+    """([planes, rows per block] rows of block 0, [planes, 1] rows between blocks) of one group."""
+    planes = np.arange(group.num_planes, dtype=np.int64)[:, None, None] * (group.plane_stride // row)
+    segments = np.arange(group.num_segments, dtype=np.int64)[None, :, None] * (group.seg_stride // row)
+    sub_rows = np.arange(group.seg_bytes // row, dtype=np.int64)[None, None, :]
+    pattern = (first_row + planes + segments + sub_rows).reshape(group.num_planes, -1)
+    block_rows = np.full((group.num_planes, 1), group.block_stride // row, dtype=np.int64)
+    return pattern, block_rows
+
+
+def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
+    """Copy every layer's rows of each chunk's blocks into its slot: one `index_select` per chunk.
+
+    torch copies each row with memcpy, on every torch thread (measured at or above one
+    plain memcpy of the same bytes, for runs of consecutive rows too).
+    """
+    row = flat.row_bytes
+    for offset, ids in zip(plan.offsets, plan.block_lists, strict=True):
+        size = len(ids) * flat.rows_per_block * row
+        width = width_of(row, 8, flat.base, pool.data_ptr() + offset)
+        dst = pool[offset : offset + size].view(dtype_of_width(width)).view(-1, row // width)
+        torch.index_select(flat.words(width), 0, torch.from_numpy(flat.index(ids)), out=dst)
+
+
+def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None:
+    """Copy each slot's rows into its chunk's blocks past the first `skip` (`pool_bytes`: the pool as numpy).
+
+    Rows that continue each other on both sides are merged into runs; a chunk of a few
+    long runs is one `memmove` per run, any other chunk one `numpy.put` of all its rows
+    (a memcpy per row; torch's index_copy_ copies word by word). With leading blocks
+    skipped, each plane's kept rows are contiguous in the slot but the planes are not:
+    one `numpy.put` per plane.
+    """
+    row = flat.row_bytes
+    target = flat.items()
+    item = np.dtype((np.void, row))
+    pool_address = pool_bytes.ctypes.data
+    for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
+        blocks = len(ids)
+        if skip >= blocks:
+            continue
+        source = pool_bytes[offset : offset + blocks * flat.rows_per_block * row].view(item)
+        if not skip:
+            rows = flat.index(ids)
+            if not _copy_runs(flat, rows, pool_address + offset):
+                np.put(target, rows, source, mode="clip")  # ids were range-checked by plan_copy
+            continue
+        kept = np.asarray(ids[skip:], dtype=np.int64)
+        at = 0
+        for band in flat.bands:
+            per_plane = blocks * band.rows_per_block
+            plane_rows = band.rows(kept).reshape(band.num_planes, -1)
+            for plane in range(band.num_planes):
+                start = at + plane * per_plane + skip * band.rows_per_block
+                np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
+            at += band.num_planes * per_plane
+
+
+def _copy_runs(flat: FlatRows, rows: np.ndarray, slot_address: int) -> bool:
+    """Slot rows into KV rows `rows` as one memmove per run of consecutive rows; False if too fragmented."""
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1
+    runs = len(breaks) + 1
+    if runs > FLAT_RUNS_MAX and rows.size * flat.row_bytes // runs < FLAT_RUN_MIN_BYTES:
+        return False
+    row, base = flat.row_bytes, flat.base
+    bounds = [0, *breaks.tolist(), rows.size]
+    for start, end in itertools.pairwise(bounds):
+        ctypes.memmove(base + int(rows[start]) * row, slot_address + start * row, (end - start) * row)
+    return True
