@@ -349,3 +349,27 @@ def test_waiting_threads_take_each_others_replies(ipc_address: str) -> None:
     finally:
         client.close(end_session=False)
         server.close()
+
+
+def test_callback_may_wait_for_another_reply(ipc_address: str) -> None:
+    """A done-callback run by a waiting thread may itself wait on a later reply without hanging."""
+
+    def answer(req: t.Request) -> list[bytes]:
+        time.sleep(0.02 if isinstance(req.body, t.Ping) else 0.2)
+        body = t.Pong() if isinstance(req.body, t.Ping) else t.QuotaReply({})
+        return [t.encode_reply(t.Reply(req.id, body))]
+
+    server = _FakeServer(ipc_address, answer)
+    client = t.CacheClient(ipc_address, timeout=10)
+    seen: list[Any] = []
+    try:
+        client.ping().result(5)
+        first = client.ping()
+        second = client.get_quotas()
+        first.add_done_callback(lambda _f: seen.append((threading.current_thread().name, second.result(5))))
+        assert isinstance(first.result(5), t.Pong)
+        assert seen, "the callback's wait timed out: nobody read the muted socket"
+        assert isinstance(seen[0][1], t.QuotaReply)
+    finally:
+        client.close(end_session=False)
+        server.close()

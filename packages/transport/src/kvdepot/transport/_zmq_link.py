@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import select
+import threading
 import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -57,7 +58,7 @@ class ZmqLink:
         self._fd: int | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._poller: select.poll | None = None  # for `wait`, on the socket's fd
-        self._waiting = False  # a caller is reading replies in `wait` (guarded by the connection lock)
+        self._waiter: int | None = None  # the thread reading replies in `wait` (guarded by the connection lock)
 
     def open(self) -> None:
         sock = self._loop.context.socket(zmq.DEALER)
@@ -127,14 +128,20 @@ class ZmqLink:
         served by the I/O thread as usual.
         """
         conn = self._conn
+        me = threading.get_ident()
         start = time.monotonic()
-        end = start + (WAIT_ON_CALLER_S if timeout is None else min(timeout, WAIT_ON_CALLER_S))
         with conn._lock:
             fd, poller = self._fd, self._poller
-            if self._waiting or fd is None or poller is None:
+            if fd is None or poller is None or self._waiter not in (None, me):
                 return timeout
-            self._waiting = True
-            self._loop.mute(fd, True)
+            # A done-callback run by this very wait may wait on another reply: nobody else
+            # reads the muted socket, so that inner wait goes on until its future is done.
+            nested = self._waiter == me
+            self._waiter = me
+            if not nested:
+                self._loop.mute(fd, True)
+        window = (timeout if timeout is not None else float("inf")) if nested else WAIT_ON_CALLER_S
+        end = start + (window if timeout is None else min(timeout, window))
         try:
             while True:
                 with conn._lock:
@@ -146,14 +153,15 @@ class ZmqLink:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
-                poller.poll(left * 1000)
+                poller.poll(min(left, WAIT_ON_CALLER_S) * 1000)  # wakes to see futures the I/O thread settles
         finally:
-            with conn._lock:
-                self._waiting = False
-                if self._fd == fd:  # else closed meanwhile, and the fd may be another's now
-                    self._loop.mute(fd, False)
-                    if _get(self._sock, _EVENTS) & _POLLIN:
-                        self._loop.call_soon(self._readable)  # replies for other waiters
+            if not nested:
+                with conn._lock:
+                    self._waiter = None
+                    if self._fd == fd:  # else closed meanwhile, and the fd may be another's now
+                        self._loop.mute(fd, False)
+                        if _get(self._sock, _EVENTS) & _POLLIN:
+                            self._loop.call_soon(self._readable)  # replies for other waiters
         return None if timeout is None else max(0.0, start + timeout - time.monotonic())
 
     def _monitor_event(self) -> None:
