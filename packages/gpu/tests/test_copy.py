@@ -325,3 +325,28 @@ def test_layers_apart_share_one_row_matrix(strategy: str) -> None:
         {f"layers.{i}": torch.zeros((12, 1, 1, 4), dtype=torch.float16) for i in range(3)}, backend_hint="CPU_ATTN"
     )
     assert CpuCopier(tiny_layout, filled_pool(1 << 12)).flat is None
+
+
+def test_chunks_in_adjacent_slots(case: Case) -> None:
+    """Chunks whose slots follow each other (copied together where the strategy can) land where
+    the reference says; a chunk with skipped blocks among them keeps its leading blocks."""
+    layout = layout_of(case)
+    size = layout.chunk_bytes(2)
+    pool = filled_pool(5 * size)
+    gather(layout, [[1, 2], [3, 4], [5, 0]], pool, [size, 2 * size, 3 * size], slot_size=size)
+    for blocks, offset in zip([[1, 2], [3, 4], [5, 0]], [size, 2 * size, 3 * size], strict=True):
+        assert torch.equal(pool[offset : offset + size], chunk_bytes(case, blocks))
+    assert bool((pool[:size] == FILL).all())
+    assert bool((pool[4 * size :] == FILL).all())
+    before = snapshot(case)
+    targets = [[6, 7], [8, 9], [10, 11]]
+    scatter(layout, pool, [0, size, 2 * size], targets, skip_blocks=[0, 0, 1], slot_size=size)
+    sources = {6: None, 7: None, 8: 1, 9: 2, 11: 4}  # 10 is skipped; slot 0 holds FILL bytes
+    for layer in case.layers:
+        assert torch.equal(block_bytes(case, layer, 10), before[(layer, 10)])
+        for target, source in sources.items():
+            if source is None:
+                assert bool((block_bytes(case, layer, target) == FILL).all())
+            else:
+                assert torch.equal(block_bytes(case, layer, target), before[(layer, source)]), (layer, target)
+    assert all(torch.equal(block_bytes(case, *key), before[key]) for key in before if key[1] < 6)

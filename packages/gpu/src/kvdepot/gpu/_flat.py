@@ -56,8 +56,8 @@ class Band:
         return int(self.pattern.shape[1])
 
     def rows(self, ids: np.ndarray) -> np.ndarray:
-        """[planes, len(ids), rows per block] row numbers, in slot order."""
-        rows: np.ndarray = self.pattern[:, None, :] + ids[None, :, None] * self.block_rows[:, :, None]
+        """[chunks, planes, blocks, rows per block] row numbers of `ids` ([chunks, blocks]), in slot order."""
+        rows: np.ndarray = self.pattern[None, :, None, :] + ids[:, None, :, None] * self.block_rows[None, :, :, None]
         return rows
 
 
@@ -93,12 +93,15 @@ class FlatRows:
             self._items = np.frombuffer(self._buffer, dtype=np.dtype((np.void, self.row_bytes)))
         return self._items
 
-    def index(self, ids: list[int]) -> np.ndarray:
-        """Row numbers of every plane's rows of blocks `ids`, in slot order (plane, block, row)."""
-        block_ids = np.asarray(ids, dtype=np.int64)
+    def index(self, id_lists: list[list[int]]) -> np.ndarray:
+        """Row numbers of chunks laid one after another, each in slot order (plane, block, row)."""
+        if len(id_lists) > 1 and len({len(ids) for ids in id_lists}) > 1:
+            return np.concatenate([self.index([ids]) for ids in id_lists])
+        ids = np.asarray(id_lists, dtype=np.int64)  # [chunks, blocks]
         if len(self.bands) == 1:
-            return self.bands[0].rows(block_ids).reshape(-1)
-        return np.concatenate([band.rows(block_ids).reshape(-1) for band in self.bands])
+            rows: np.ndarray = self.bands[0].rows(ids).reshape(-1)
+            return rows
+        return np.concatenate([band.rows(ids).reshape(len(ids), -1) for band in self.bands], axis=1).reshape(-1)
 
 
 def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows | None:
@@ -151,18 +154,41 @@ def _group_pattern(group: PlaneGroup, first_row: int, row: int) -> tuple[np.ndar
     return pattern, block_rows
 
 
+def _adjacent(plan: CopyPlan, chunk_bytes: int, skipped: bool) -> list[tuple[int, list[list[int]]]]:
+    """The plan's chunks as (offset, id lists) runs whose slots follow each other in the pool.
+
+    With `skipped`, a chunk with leading blocks skipped stands alone (its rows are not one
+    contiguous part of its slot); chunks skipped entirely are left out.
+    """
+    out: list[tuple[int, list[list[int]]]] = []
+    end: int | None = None
+    for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
+        if skipped and skip >= len(ids):
+            continue
+        alone = skipped and skip > 0
+        if not alone and out and offset == end:
+            out[-1][1].append(ids)
+        else:
+            out.append((offset, [ids]))
+        end = None if alone else offset + len(ids) * chunk_bytes
+    return out
+
+
 def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
-    """Copy every layer's rows of each chunk's blocks into its slot: one `index_select` per chunk.
+    """Copy every layer's rows of each chunk's blocks into its slot: one `index_select` per chunk,
+    or per run of chunks whose slots follow each other.
 
     torch copies each row with memcpy, on every torch thread (measured at or above one
     plain memcpy of the same bytes, for runs of consecutive rows too).
     """
     row = flat.row_bytes
-    for offset, ids in zip(plan.offsets, plan.block_lists, strict=True):
-        size = len(ids) * flat.rows_per_block * row
-        width = width_of(row, 8, flat.base, pool.data_ptr() + offset)
-        dst = pool[offset : offset + size].view(dtype_of_width(width)).view(-1, row // width)
-        torch.index_select(flat.words(width), 0, torch.from_numpy(flat.index(ids)), out=dst)
+    block_bytes = flat.rows_per_block * row
+    address = pool.data_ptr()
+    for offset, id_lists in _adjacent(plan, block_bytes, skipped=False):
+        index = flat.index(id_lists)
+        width = width_of(row, 8, flat.base, address + offset)
+        dst = pool[offset : offset + index.size * row].view(dtype_of_width(width)).view(index.size, row // width)
+        torch.index_select(flat.words(width), 0, torch.from_numpy(index), out=dst)
 
 
 def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None:
@@ -170,25 +196,28 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
 
     Rows that continue each other on both sides are merged into runs; a chunk of a few
     long runs is one `memmove` per run, any other chunk one `numpy.put` of all its rows
-    (a memcpy per row; torch's index_copy_ copies word by word). With leading blocks
-    skipped, each plane's kept rows are contiguous in the slot but the planes are not:
-    one `numpy.put` per plane.
+    (a memcpy per row; torch's index_copy_ copies word by word); chunks whose slots
+    follow each other go together. With leading blocks skipped, each plane's kept rows
+    are contiguous in the slot but the planes are not: one `numpy.put` per plane.
     """
     row = flat.row_bytes
+    block_bytes = flat.rows_per_block * row
     target = flat.items()
     item = np.dtype((np.void, row))
     pool_address = pool_bytes.ctypes.data
-    for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
-        blocks = len(ids)
-        if skip >= blocks:
-            continue
-        source = pool_bytes[offset : offset + blocks * flat.rows_per_block * row].view(item)
+    skip_of = dict(zip(plan.offsets, plan.skips, strict=True))
+    for offset, id_lists in _adjacent(plan, block_bytes, skipped=True):
+        skip = skip_of[offset] if len(id_lists) == 1 else 0
+        ids = id_lists[0]
         if not skip:
-            rows = flat.index(ids)
+            rows = flat.index(id_lists)
             if not _copy_runs(flat, rows, pool_address + offset):
+                source = pool_bytes[offset : offset + rows.size * row].view(item)
                 np.put(target, rows, source, mode="clip")  # ids were range-checked by plan_copy
             continue
-        kept = np.asarray(ids[skip:], dtype=np.int64)
+        blocks = len(ids)
+        source = pool_bytes[offset : offset + blocks * block_bytes].view(item)
+        kept = np.asarray([ids[skip:]], dtype=np.int64)
         at = 0
         for band in flat.bands:
             per_plane = blocks * band.rows_per_block
