@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import select
 import threading
 import time
@@ -57,7 +59,8 @@ class ZmqLink:
         self._sock: zmq.Socket[Any] | None = None
         self._fd: int | None = None
         self._monitor: zmq.Socket[Any] | None = None
-        self._poller: select.poll | None = None  # for `wait`, on the socket's fd
+        self._poller: select.poll | None = None  # for `wait`: the socket's fd and _wake_fd
+        self._wake_fd: int | None = None  # wakes the thread in `wait` when another touched the socket
         self._waiter: int | None = None  # the thread reading replies in `wait` (guarded by the connection lock)
 
     def open(self) -> None:
@@ -81,8 +84,10 @@ class ZmqLink:
         sock.connect(self._conn.address)
         self._sock = sock
         self._fd = sock.getsockopt(zmq.FD)
+        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._poller = select.poll()
         self._poller.register(self._fd, select.POLLIN)
+        self._poller.register(self._wake_fd, select.POLLIN)
         self._loop.add_reader(self._fd, self._readable)
         self._loop.add_reader(self._monitor, self._monitor_event)
 
@@ -99,14 +104,25 @@ class ZmqLink:
         except zmq.Again:
             return False
         finally:
-            if _get(sock, _EVENTS) & _POLLIN:
-                self._loop.call_soon(self._readable)  # the send may have eaten the fd's edge
+            # The send may have eaten the fd's edge: make sure pending replies get read.
+            waiter = self._waiter
+            if waiter is None:
+                if _get(sock, _EVENTS) & _POLLIN:
+                    self._loop.call_soon(self._readable)
+            elif waiter != threading.get_ident():
+                self._wake_waiter()  # it reads them; its poll may not see the fd again
         return True
 
     def _readable(self) -> None:
         with self._conn._lock:
-            if not self._read_locked():
+            if self._waiter is not None:
+                self._wake_waiter()  # the socket is the waiting thread's now; let it read
+            elif not self._read_locked():
                 self._loop.call_soon(self._readable)  # more to read; let timers run first
+
+    def _wake_waiter(self) -> None:
+        if self._wake_fd is not None:
+            os.eventfd_write(self._wake_fd, 1)
 
     def _read_locked(self) -> bool:
         """Reads up to MAX_RECV_PER_WAKE replies; True when none are left."""
@@ -125,13 +141,15 @@ class ZmqLink:
         One thread per connection at a time does this, for at most WAIT_ON_CALLER_S; the
         socket's fd is muted in the I/O loop meanwhile, so the loop neither wakes for the
         reply nor competes for the GIL. Other waiters, and whatever is left afterwards, are
-        served by the I/O thread as usual.
+        served by the I/O thread as usual. While this thread waits, nobody else reads the
+        socket: a thread whose send may have eaten the fd's edge, or the I/O loop, wakes
+        it through `_wake_fd` instead.
         """
         conn = self._conn
         me = threading.get_ident()
         start = time.monotonic()
         with conn._lock:
-            fd, poller = self._fd, self._poller
+            fd, poller, wake_fd = self._fd, self._poller, self._wake_fd
             if fd is None or poller is None or self._waiter not in (None, me):
                 return timeout
             # A done-callback run by this very wait may wait on another reply: nobody else
@@ -153,7 +171,10 @@ class ZmqLink:
                 left = end - time.monotonic()
                 if left <= 0:
                     break
-                poller.poll(min(left, WAIT_ON_CALLER_S) * 1000)  # wakes to see futures the I/O thread settles
+                for ready, _ in poller.poll(min(left, WAIT_ON_CALLER_S) * 1000):
+                    if ready == wake_fd:
+                        with contextlib.suppress(BlockingIOError):
+                            os.eventfd_read(wake_fd)
         finally:
             if not nested:
                 with conn._lock:
@@ -162,6 +183,8 @@ class ZmqLink:
                         self._loop.mute(fd, False)
                         if _get(self._sock, _EVENTS) & _POLLIN:
                             self._loop.call_soon(self._readable)  # replies for other waiters
+                    elif wake_fd is not None:
+                        os.close(wake_fd)  # close() left it to us
         return None if timeout is None else max(0.0, start + timeout - time.monotonic())
 
     def _monitor_event(self) -> None:
@@ -182,6 +205,12 @@ class ZmqLink:
             self._loop.remove_reader(self._fd)
             self._fd = None
             self._poller = None
+        if self._wake_fd is not None:
+            if self._waiter is None:
+                os.close(self._wake_fd)
+            else:  # the waiting thread polls it: wake it; it closes the fd on its way out
+                os.eventfd_write(self._wake_fd, 1)
+            self._wake_fd = None
         if self._sock is not None:
             self._sock.disable_monitor()
             self._sock.close(0)
