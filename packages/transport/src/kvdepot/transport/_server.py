@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import threading
 import time
 import uuid
@@ -206,15 +207,17 @@ class ServerEndpoint(_EndpointBase):
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        # A plain poll on the socket's ZMQ_FD (edge-signalled: ZMQ_EVENTS is checked before
+        # sleeping) and the wake pipe; cheaper per wake-up than zmq_poll.
+        self._poller = select.poll()
+        self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._poller.register(self._wake_r, select.POLLIN)
         log.info("endpoint_bound", address=self.address, server_id=self.server_id)
 
     def _poll(self, wait: float) -> int:
         sock = self._sock
         if not get_option(sock, _EVENTS) & _POLLIN:  # sleep only when nothing is queued
-            for fd, _ in self._poller.poll(int(wait * 1000)):
+            for fd, _ in self._poller.poll(wait * 1000):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
