@@ -210,7 +210,7 @@ class ServerEndpoint(_EndpointBase):
         # A plain poll on the socket's ZMQ_FD (edge-signalled: ZMQ_EVENTS is checked before
         # sleeping) and the wake pipe; cheaper per wake-up than zmq_poll.
         self._poller = select.poll()
-        self._poller.register(sock.getsockopt(zmq.FD), select.POLLIN)
+        self._poller.register(int(sock.getsockopt(zmq.FD)), select.POLLIN)
         self._poller.register(self._wake_r, select.POLLIN)
         log.info("endpoint_bound", address=self.address, server_id=self.server_id)
 
