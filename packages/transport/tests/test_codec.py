@@ -137,3 +137,13 @@ def test_random_bytes_only_raise_protocol_errors(frame: bytes) -> None:
     """Whatever the bytes, decoding either succeeds or raises RemoteProtocolError."""
     with contextlib.suppress(t.RemoteProtocolError):
         t.decode_request(frame)
+
+
+def test_messages_are_not_tracked_by_the_cyclic_gc() -> None:
+    """Message structs hold no cycles; leaving them untracked keeps collections off the hot path."""
+    import gc
+
+    request = t.Request(1, t.Lookup([t.LookupItem("salt", [b"k" * 32])]))
+    reply = t.decode_reply(t.encode_reply(t.Reply(1, t.LookupReply([t.LookupResult(1, 7, [t.Slot(0, 4096)])]))))
+    for message in (request, request.body, request.body.items[0], reply, reply.body, reply.body.results[0]):
+        assert not gc.is_tracked(message), type(message).__name__
