@@ -15,6 +15,18 @@ log = logging.getLogger("vllm.kvdepot.server")
 START_TIMEOUT = 30.0
 #: How long one probe of an existing server may take (seconds).
 PROBE_TIMEOUT = 1.0
+#: The pool of a server started on demand when no size is given (neither `kvdepot.capacity`
+#: nor `--kv-offloading-size`): this, or half the available memory if that is less. The pool
+#: is allocated in full at start, and vLLM's CPU backend refuses to start when it finds less
+#: free memory than it means to use, so the server's own default (half the memory) is too much.
+ON_DEMAND_CAPACITY = 4 << 30
+
+
+def on_demand_capacity() -> str:
+    """The capacity, in bytes, of a server started on demand with no size given."""
+    from kvdepot.server import default_capacity
+
+    return str(min(ON_DEMAND_CAPACITY, default_capacity()))
 
 
 def server_answers(address: str, timeout: float = PROBE_TIMEOUT) -> bool:
@@ -40,13 +52,14 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
         fcntl.flock(lock, fcntl.LOCK_EX)
         if server_answers(address):
             return
+        capacity = capacity or on_demand_capacity()
         server = ServerProcess(address, capacity=capacity, args=(), log_path=sock.with_suffix(".log"))
         server.start(timeout=max(START_TIMEOUT, timeout))
         pid_path(address).write_text(f"{server.pid}\n")
         log.info(
             "started a local kvdepot server at %s (capacity %s, pid %s, log %s)",
             address,
-            capacity or "default",
+            capacity,
             server.pid,
             server.log_path,
         )
