@@ -30,7 +30,7 @@ KEYS = {
     "kvdepot.heartbeat_interval": f"seconds between heartbeats (default {DEFAULT_HEARTBEAT_INTERVAL})",
     "kvdepot.chunk_size": f"tokens per chunk, a multiple of the block size (default {DEFAULT_CHUNK_SIZE})",
     "kvdepot.start_server": "start a local server when none answers (default: true with the lmcache backend)",
-    "kvdepot.capacity": "capacity of a server started on demand, e.g. '16GiB' (default: --kv-offloading-size, else 4GiB)",
+    "kvdepot.capacity": "size of a server started on demand, e.g. '16GiB' (default: --kv-offloading-size, else 4GiB)",
     "kvdepot.auth": "shared secret for tcp servers started with --auth-secret-file",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
