@@ -350,3 +350,29 @@ def test_chunks_in_adjacent_slots(case: Case) -> None:
             else:
                 assert torch.equal(block_bytes(case, layer, target), before[(layer, source)]), (layer, target)
     assert all(torch.equal(block_bytes(case, *key), before[key]) for key in before if key[1] < 6)
+
+
+def test_layers_of_different_sizes(strategy: str) -> None:
+    """Layers whose blocks differ in size (several row bands in the flat path) gather and scatter exactly."""
+    shapes = [(12, 2, 16, 64), (12, 4, 16, 64), (12, 2, 16, 64)]  # fp16: 4, 8 and 4 KiB per block
+    sizes = [12 * 2 * 16 * 64 * 2, 12 * 4 * 16 * 64 * 2, 12 * 2 * 16 * 64 * 2]
+    whole = random_bytes(sum(sizes) + 4096, seed=11)
+    kv, at = {}, 0
+    for i, (shape, size) in enumerate(zip(shapes, sizes, strict=True)):
+        kv[f"layers.{i}"] = whole[at : at + size].view(torch.float16).view(shape)
+        at += size + (4096 if i == 0 else 0)  # a gap after the first layer
+    layout = KVLayout.from_kv_caches(kv, backend_hint="CPU_ATTN")
+    size = layout.chunk_bytes(3)
+    pool = filled_pool(2 * size)
+
+    def expected(blocks: list[int]) -> torch.Tensor:
+        return torch.cat([t[blocks].reshape(-1).view(torch.uint8) for t in kv.values()])
+
+    before = expected([9, 2, 3]).clone()
+    with open_copier(layout, pool) as copier:
+        copier.gather([[9, 2, 3], [4, 5, 6]], [0, size]).wait()
+        assert torch.equal(pool[:size], before)
+        assert torch.equal(pool[size:], expected([4, 5, 6]))
+        copier.scatter([0], [[0, 1, 11]], skip_blocks=1).wait()
+    assert torch.equal(expected([1, 11]), expected([2, 3]))
+    assert not torch.equal(expected([0]), expected([9]))

@@ -100,8 +100,9 @@ class FlatRows:
         ids = np.asarray(id_lists, dtype=np.int64)  # [chunks, blocks]
         if len(self.bands) == 1:
             rows: np.ndarray = self.bands[0].rows(ids).reshape(-1)
-            return rows
-        return np.concatenate([band.rows(ids).reshape(len(ids), -1) for band in self.bands], axis=1).reshape(-1)
+        else:
+            rows = np.concatenate([band.rows(ids).reshape(len(ids), -1) for band in self.bands], axis=1).reshape(-1)
+        return rows
 
 
 def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows | None:
