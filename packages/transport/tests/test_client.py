@@ -373,3 +373,49 @@ def test_callback_may_wait_for_another_reply(ipc_address: str) -> None:
     finally:
         client.close(end_session=False)
         server.close()
+
+
+def test_callback_waiting_on_an_unanswered_request_gets_its_deadline(tmp_path: Any) -> None:
+    """A done-callback that waits (no timeout) on a request the server never answers fails at
+    that request's deadline; meanwhile another client of the process still gets a slow reply,
+    which only the I/O thread can deliver."""
+
+    def answer(req: t.Request) -> list[bytes]:
+        if isinstance(req.body, t.Stats):
+            return []  # never answered
+        time.sleep(0.01)
+        return [t.encode_reply(t.Reply(req.id, t.Pong()))]
+
+    def slow(req: t.Request) -> list[bytes]:
+        time.sleep(WAIT_ON_CALLER_S * 3)
+        return [t.encode_reply(t.Reply(req.id, t.Pong()))]
+
+    first_server = _FakeServer(f"ipc://{tmp_path}/a.sock", answer)
+    second_server = _FakeServer(f"ipc://{tmp_path}/b.sock", slow)
+    first = t.CacheClient(f"ipc://{tmp_path}/a.sock", timeout=0.3)
+    second = t.CacheClient(f"ipc://{tmp_path}/b.sock", timeout=10)
+    outcome: list[BaseException | None] = []
+
+    def callback(_f: Any) -> None:
+        try:
+            first.stats().result()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        first.ping().result(5)
+        fut = first.ping()
+        fut.add_done_callback(callback)
+        waiter = threading.Thread(target=fut.result, daemon=True)
+        waiter.start()
+        assert isinstance(second.ping().result(5), t.Pong)  # not starved by the waiting callback
+        waiter.join(10)
+        assert not waiter.is_alive()
+        assert len(outcome) == 1
+        assert isinstance(outcome[0], t.DeadlineExceededError)
+    finally:
+        first.close(end_session=False)
+        second.close(end_session=False)
+        first_server.close()
+        second_server.close()

@@ -81,6 +81,10 @@ class Link(Protocol):
         """Helps `future` along on the calling thread, if the link can; returns the time left."""
         ...
 
+    def nudge(self) -> None:
+        """Wakes a thread waiting in `wait` (not this one) to look at its future again."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -106,7 +110,7 @@ class ReplyFuture(Future[Any]):
 class Call:
     """One request in flight: its frame, future and deadline."""
 
-    __slots__ = ("body", "deadline", "frame", "future", "id", "internal", "timeout")
+    __slots__ = ("answered", "body", "deadline", "frame", "future", "id", "internal", "timeout")
 
     def __init__(  # noqa: PLR0917
         self, conn: Connection, request_id: int, body: RequestBody, frame: bytes, timeout: float, internal: bool
@@ -118,6 +122,7 @@ class Call:
         self.deadline = time.monotonic() + timeout
         self.future: Future[Any] = ReplyFuture(conn)
         self.internal = internal
+        self.answered = False  # its reply was read; the future is settled outside the lock
 
 
 def _nothing() -> None:
@@ -176,6 +181,8 @@ class Connection:
         self._lost_session = False
         self._queue: deque[Call] = deque()
         self._inflight: dict[int, Call] = {}
+        # Replies read under the lock, settled after it is released (callbacks may wait).
+        self._ready: deque[tuple[Future[Any], Any, BaseException | None]] = deque()
         self._deadlines: dict[float, deque[Call]] = {}
         self._last_sent = 0.0
         self._link_up = False  # the link says a server is connected
@@ -228,8 +235,13 @@ class Connection:
             if self.state == "ready" and not self._handed_over and not self._queue:
                 self._track(live)
                 self._send(live)  # straight onto the socket from this thread
-                return
-            self._handed_over += 1
+                sent = True
+            else:
+                self._handed_over += 1
+                sent = False
+        if sent:  # the I/O loop may be asleep until later than these deadlines
+            self._loop.wake_by(min(call.deadline for call in live) if len(live) > 1 else live[0].deadline)
+            return
         self._loop.call_soon(self._enqueue, live)
 
     def wait(self, future: Future[Any], timeout: float | None) -> float | None:
@@ -270,16 +282,18 @@ class Connection:
         with self._lock:
             self._handed_over -= 1
             self._enqueue_locked(calls)
+        self.settle_ready()
+        self._link.nudge()
 
     def _enqueue_locked(self, calls: list[Call]) -> None:
         if self.state == "closed":
             for call in calls:
-                _settle(call.future, exc=self._closed_error())
+                self._ready.append((call.future, None, self._closed_error()))
             return
         self._track(calls)
         if self.state == "failed":
             for call in calls:
-                _settle(call.future, exc=self._failed_error())
+                self._ready.append((call.future, None, self._failed_error()))
         elif self.state == "ready":
             if self._queue:
                 self._flush()
@@ -353,6 +367,8 @@ class Connection:
         """The link lost its server: requests in flight fail now, queued ones wait."""
         with self._lock:
             self._on_disconnected_locked()
+        self.settle_ready()
+        self._link.nudge()
 
     def _on_disconnected_locked(self) -> None:
         self._link_up = False
@@ -363,15 +379,13 @@ class Connection:
         self._inflight.clear()
         for call in calls:
             if not call.internal:
-                _settle(
-                    call.future,
-                    exc=TransportBrokenError(
-                        f"lost the connection to the kvdepot server at {self.address} while {type(call.body).__name__}"
-                        " was in flight; it may or may not have run",
-                        address=self.address,
-                        request=type(call.body).__name__,
-                    ),
+                error = TransportBrokenError(
+                    f"lost the connection to the kvdepot server at {self.address} while {type(call.body).__name__}"
+                    " was in flight; it may or may not have run",
+                    address=self.address,
+                    request=type(call.body).__name__,
                 )
+                self._ready.append((call.future, None, error))
         log.info("client_disconnected", address=self.address, failed=sum(not c.internal for c in calls))
 
     def _set_connecting(self) -> None:
@@ -382,6 +396,21 @@ class Connection:
         """Reply frames from the server."""
         with self._lock:
             self._on_frames_locked(frames)
+        self.settle_ready()
+
+    def settle_ready(self) -> None:
+        """Settles the futures of replies read so far; call it without holding the lock.
+
+        Done-callbacks run here, on the thread that read the replies, and may block or wait
+        on other replies without holding up the I/O thread or other callers.
+        """
+        ready = self._ready
+        while ready:
+            try:
+                future, result, exc = ready.popleft()  # another thread may be settling too
+            except IndexError:
+                return
+            _settle(future, result, exc)
 
     def _on_frames_locked(self, frames: list[bytes]) -> None:
         for frame in frames:
@@ -395,6 +424,7 @@ class Connection:
             if call is None:
                 self.stats["late_replies"] += 1
                 continue
+            call.answered = True
             if call.internal:
                 self._on_internal_reply(call, reply.body)
             else:
@@ -407,21 +437,20 @@ class Connection:
                 # the server restarted or forgot us; the request never ran: retry after Hello
                 self._lost_session = True
                 self.state = "connecting"
+                call.answered = False
                 self._queue.appendleft(call)
                 self.on_connected()
                 return
-            _settle(call.future, exc=exc)
+            self._ready.append((call.future, None, exc))
         elif isinstance(body, REPLY_FOR[type(call.body)]):
-            _settle(call.future, body)
+            self._ready.append((call.future, body, None))
         else:
-            _settle(
-                call.future,
-                exc=RemoteProtocolError(
-                    f"the server answered {type(call.body).__name__} with {type(body).__name__}",
-                    request=type(call.body).__name__,
-                    reply=type(body).__name__,
-                ),
+            error = RemoteProtocolError(
+                f"the server answered {type(call.body).__name__} with {type(body).__name__}",
+                request=type(call.body).__name__,
+                reply=type(body).__name__,
             )
+            self._ready.append((call.future, None, error))
 
     def _on_internal_reply(self, call: Call, body: Any) -> None:
         _settle(call.future, body)
@@ -440,7 +469,7 @@ class Connection:
             self.state = "failed"
             log.error("client_handshake_refused", address=self.address, code=body.code, message=body.message)
             for call in self._queue:
-                _settle(call.future, exc=self._failed_error())
+                self._ready.append((call.future, None, self._failed_error()))
             self._queue.clear()
             return
         if not isinstance(body, HelloReply):
@@ -481,7 +510,7 @@ class Connection:
         if self.state == "connecting" and self._link_up:
             due = self._retry_at
         for dq in self._deadlines.values():
-            while dq and dq[0].future.done():
+            while dq and (dq[0].answered or dq[0].future.done()):
                 dq.popleft()
             if dq and (due is None or dq[0].deadline < due):
                 due = dq[0].deadline
@@ -495,14 +524,16 @@ class Connection:
         """Fails calls past their deadline and sends a heartbeat when one is due."""
         with self._lock:
             self._on_timer_locked(now)
+        self.settle_ready()
+        self._link.nudge()  # a thread waiting in ReplyFuture.result sees what was settled
 
     def _on_timer_locked(self, now: float) -> None:
         if self.state == "connecting" and self._link_up and now >= self._retry_at:
             self._on_connected_locked()  # a send found no connection although the link is up
         for dq in list(self._deadlines.values()):  # a retried Hello below may add a queue
-            while dq and (dq[0].future.done() or dq[0].deadline <= now):
+            while dq and (dq[0].answered or dq[0].future.done() or dq[0].deadline <= now):
                 call = dq.popleft()
-                if call.future.done():
+                if call.answered or call.future.done():
                     continue
                 self._inflight.pop(call.id, None)
                 if call.internal:
@@ -511,7 +542,7 @@ class Connection:
                         self.state = "connecting"  # try the handshake again
                         self.on_connected()
                     continue
-                _settle(call.future, exc=self._deadline_error(call))
+                self._ready.append((call.future, None, self._deadline_error(call)))
         if self.state == "ready" and now - self._last_sent >= self.heartbeat_interval:
             self._send_internal(Ping())
 
@@ -534,6 +565,8 @@ class Connection:
     def _close_io(self) -> None:
         with self._lock:
             self._close_io_locked()
+        self.settle_ready()
+        self._closed_event.set()
 
     def _close_io_locked(self) -> None:
         self.state = "closed"
@@ -542,7 +575,6 @@ class Connection:
         self._queue.clear()
         self._deadlines.clear()
         for call in calls:
-            _settle(call.future, exc=self._closed_error())
+            self._ready.append((call.future, None, self._closed_error()))
         self._loop.remove_timers(self)
         self._link.close()
-        self._closed_event.set()

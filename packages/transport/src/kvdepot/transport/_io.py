@@ -12,6 +12,7 @@ reply itself, and the loop is not woken to fight it for the GIL (see `ZmqLink.wa
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import threading
@@ -57,6 +58,8 @@ class IOLoop:
         self.context: zmq.Context[Any] = zmq.Context()
         self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         self._sleeping = False
+        self._wake_at = math.inf  # when the loop means to wake from its poll; inf while it computes that
+        self._timers_dirty = False  # a deadline came in while the loop computed its sleep
         self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._epoll = select.epoll()
         self._poller = zmq.Poller()
@@ -70,6 +73,17 @@ class IOLoop:
         self.thread.start()
 
     # -- any thread ----------------------------------------------------------------------
+
+    def wake_by(self, when: float) -> None:
+        """Makes the loop look at its timers again no later than `when` (time.monotonic()).
+
+        A thread that tracks a new deadline without going through the loop calls this: the
+        loop may be asleep until a later time it computed before the deadline existed.
+        """
+        if when < self._wake_at:
+            self._timers_dirty = True
+            if self._sleeping:
+                os.eventfd_write(self._wake_fd, 1)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         """Runs `fn(*args)` on the I/O thread, after everything submitted before it."""
@@ -89,8 +103,10 @@ class IOLoop:
         with self._fd_lock:
             if fd not in self._fd_readers:
                 return
-            with contextlib.suppress(OSError, ValueError):  # the epoll set closed meanwhile
+            try:  # noqa: SIM105 - contextlib.suppress costs three calls on this hot path
                 self._epoll.modify(fd, 0 if muted else select.EPOLLIN)
+            except (OSError, ValueError):  # the epoll set closed meanwhile
+                pass
 
     # -- I/O thread only -----------------------------------------------------------------
 
@@ -129,15 +145,17 @@ class IOLoop:
                 while commands:
                     fn, args = commands.popleft()
                     fn(*args)
+                self._wake_at = math.inf
+                self._timers_dirty = False
                 timeout = MAX_POLL_S
-                if self._timers:
-                    now = time.monotonic()
-                    for owner in self._timers:
-                        due = owner.next_timer()
-                        if due is not None and due - now < timeout:
-                            timeout = due - now
+                now = time.monotonic()
+                for owner in self._timers:
+                    due = owner.next_timer()
+                    if due is not None and due - now < timeout:
+                        timeout = due - now
+                self._wake_at = now + timeout
                 self._sleeping = True
-                if commands:
+                if commands or self._timers_dirty:
                     timeout = 0.0
                 events = self._poller.poll(max(0, int(timeout * 1000 + 0.999)))
                 self._sleeping = False

@@ -156,6 +156,9 @@ class MemoryLink(_Peer):
         """Replies arrive through the loop; nothing to help with."""
         return timeout
 
+    def nudge(self) -> None:
+        """Nobody waits in `wait` here."""
+
     def close(self) -> None:
         self._closed = True
         _detach(self, self._server)

@@ -114,11 +114,19 @@ class ZmqLink:
         return True
 
     def _readable(self) -> None:
-        with self._conn._lock:
+        conn = self._conn
+        with conn._lock:
             if self._waiter is not None:
                 self._wake_waiter()  # the socket is the waiting thread's now; let it read
             elif not self._read_locked():
                 self._loop.call_soon(self._readable)  # more to read; let timers run first
+        conn.settle_ready()
+
+    def nudge(self) -> None:
+        """Wakes the thread waiting in `wait`, if it is not this one, to look at its future."""
+        waiter = self._waiter
+        if waiter is not None and waiter != threading.get_ident():
+            self._wake_waiter()
 
     def _wake_waiter(self) -> None:
         if self._wake_fd is not None:
@@ -153,7 +161,8 @@ class ZmqLink:
             if fd is None or poller is None or self._waiter not in (None, me):
                 return timeout
             # A done-callback run by this very wait may wait on another reply: nobody else
-            # reads the muted socket, so that inner wait goes on until its future is done.
+            # reads the muted socket, so that inner wait goes on until its future is done
+            # (the I/O thread still settles deadlines and disconnects, and nudges it).
             nested = self._waiter == me
             self._waiter = me
             if not nested:
@@ -166,6 +175,7 @@ class ZmqLink:
                     if self._fd != fd:
                         break  # closed
                     self._read_locked()  # also before the first poll: ZMQ_FD only signals edges
+                conn.settle_ready()  # callbacks run here, without the lock
                 if future.done():
                     break
                 left = end - time.monotonic()
@@ -181,8 +191,9 @@ class ZmqLink:
                     self._waiter = None
                     if self._fd == fd:  # else closed meanwhile, and the fd may be another's now
                         self._loop.mute(fd, False)
-                        if _get(self._sock, _EVENTS) & _POLLIN:
-                            self._loop.call_soon(self._readable)  # replies for other waiters
+                        # replies for others (with none in flight, only late ones: they can wait)
+                        if conn._inflight and _get(self._sock, _EVENTS) & _POLLIN:
+                            self._loop.call_soon(self._readable)
                     elif wake_fd is not None:
                         os.close(wake_fd)  # close() left it to us
         return None if timeout is None else max(0.0, start + timeout - time.monotonic())
