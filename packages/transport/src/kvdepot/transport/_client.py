@@ -283,7 +283,6 @@ class Connection:
             self._handed_over -= 1
             self._enqueue_locked(calls)
         self.settle_ready()
-        self._link.nudge()
 
     def _enqueue_locked(self, calls: list[Call]) -> None:
         if self.state == "closed":
@@ -368,7 +367,6 @@ class Connection:
         with self._lock:
             self._on_disconnected_locked()
         self.settle_ready()
-        self._link.nudge()
 
     def _on_disconnected_locked(self) -> None:
         self._link_up = False
@@ -405,12 +403,15 @@ class Connection:
         on other replies without holding up the I/O thread or other callers.
         """
         ready = self._ready
+        if not ready:
+            return
         while ready:
             try:
                 future, result, exc = ready.popleft()  # another thread may be settling too
             except IndexError:
-                return
+                break
             _settle(future, result, exc)
+        self._link.nudge()  # one of them may be what a thread waiting in `wait` waits for
 
     def _on_frames_locked(self, frames: list[bytes]) -> None:
         for frame in frames:
@@ -525,7 +526,6 @@ class Connection:
         with self._lock:
             self._on_timer_locked(now)
         self.settle_ready()
-        self._link.nudge()  # a thread waiting in ReplyFuture.result sees what was settled
 
     def _on_timer_locked(self, now: float) -> None:
         if self.state == "connecting" and self._link_up and now >= self._retry_at:
