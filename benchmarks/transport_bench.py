@@ -164,7 +164,7 @@ def main() -> int:
     parser.add_argument("--transport", default="ipc", choices=["ipc", "tcp"])
     args = parser.parse_args()
     n = 200 if args.quick else 500
-    rounds = 5 if args.quick else 15
+    rounds = 5 if args.quick else 30
     messages = 50 if args.quick else 400
 
     import structlog
@@ -219,6 +219,10 @@ def main() -> int:
         f"  ratio {ratio:4.2f}x  (target <= 1.5x)"
         f"  {'OK' if ratio <= 1.5 else 'MISSED'}"
     )
+    per_round = sorted(c / b for c, b in zip(samples["client"], samples["bare"], strict=True))
+    if len(per_round) >= 4:
+        q1, q3 = per_round[len(per_round) // 4], per_round[(3 * len(per_round)) // 4]
+        print(f"    per-round client/bare ratios: quartiles {q1:4.2f}-{q3:4.2f}, {len(per_round)} rounds")
     for per_message, rate in results.items():
         print(
             f"  batched lookup, {per_message:3d} requests/message  {rate / 1e3:7.1f} k keys/s"
