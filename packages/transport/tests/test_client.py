@@ -419,3 +419,46 @@ def test_callback_waiting_on_an_unanswered_request_gets_its_deadline(tmp_path: A
         second.close(end_session=False)
         first_server.close()
         second_server.close()
+
+
+def test_reply_future_is_a_full_concurrent_future() -> None:
+    """ReplyFuture builds its Condition lazily; stdlib wait/as_completed, cancel, callbacks and
+    timeouts behave as for any concurrent.futures.Future."""
+    from kvdepot.transport._client import ReplyFuture
+
+    class NoLink:
+        def wait(self, future: Any, timeout: float | None) -> float | None:
+            return timeout
+
+    def make() -> Any:
+        return ReplyFuture(NoLink())  # type: ignore[arg-type]
+
+    late = make()
+    threading.Timer(0.02, late.set_result, (3,)).start()
+    assert late.result(5) == 3
+    failing = make()
+    threading.Timer(0.02, failing.set_exception, (ValueError("x"),)).start()
+    done, _ = concurrent.futures.wait([failing], timeout=5)
+    assert done == {failing}
+    assert isinstance(failing.exception(), ValueError)
+    with pytest.raises(ValueError, match="x"):
+        failing.result()
+    several = [make() for _ in range(3)]
+    for i, fut in enumerate(several):
+        threading.Timer(0.01 * i, fut.set_result, (i,)).start()
+    assert sorted(f.result() for f in concurrent.futures.as_completed(several, timeout=5)) == [0, 1, 2]
+    cancelled = make()
+    assert cancelled.cancel()
+    assert cancelled.done()
+    with pytest.raises(concurrent.futures.CancelledError):
+        cancelled.result(0)
+    pending = make()
+    with pytest.raises(concurrent.futures.TimeoutError):
+        pending.result(0.01)
+    seen: list[int] = []
+    pending.add_done_callback(lambda f: seen.append(f.result()))
+    pending.set_result(5)
+    pending.add_done_callback(lambda f: seen.append(f.result() + 1))  # already done: runs now
+    assert seen == [5, 6]
+    with pytest.raises(concurrent.futures.InvalidStateError):
+        pending.set_result(6)
