@@ -32,6 +32,7 @@ KEYS = {
     "kvdepot.start_server": "start a local server when none answers (default: true with the lmcache backend)",
     "kvdepot.capacity": "size of a server started on demand, e.g. '16GiB' (default: --kv-offloading-size, else 4GiB)",
     "kvdepot.auth": "shared secret for tcp servers started with --auth-secret-file",
+    "kvdepot.prefault_pool": "map the pool's pages in the background when a worker maps it (default true)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
     "lmcache.mp.port": "LMCache MP compatible: server port",
@@ -72,6 +73,7 @@ class ConnectorConfig:
     start_server: bool = False
     capacity: str | None = None
     auth: str = ""
+    prefault_pool: bool = True
     fail_loads: bool = False
 
     @classmethod
@@ -115,5 +117,6 @@ class ConnectorConfig:
             else lmcache_backend and not address,
             capacity=str(capacity) if capacity else None,
             auth=str(extra.get("kvdepot.auth", "")),
+            prefault_pool=_as_bool("kvdepot.prefault_pool", extra.get("kvdepot.prefault_pool", True)),
             fail_loads=_as_bool("kvdepot.test.fail_loads", extra.get("kvdepot.test.fail_loads", False)),
         )

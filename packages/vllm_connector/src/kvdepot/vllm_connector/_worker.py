@@ -26,10 +26,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvdepot.worker")
 
 
-class _PoolMapping:
-    """The server's shared-memory pool, mapped read-write once per server instance."""
+#: madvise(2) advice that maps a range's pages as if written, without writing (Linux 5.14+).
+_MADV_POPULATE_WRITE = 23
+#: The background prefault maps this much of the pool per system call.
+PREFAULT_STEP = 64 << 20
 
-    def __init__(self, path: str, size: int, server_id: str, layout: KVLayout) -> None:
+
+class _PoolMapping:
+    """The server's shared-memory pool, mapped read-write once per server instance.
+
+    A fresh mapping costs one page fault per 4 KiB page on first use, which makes the
+    first copy into each slot several times slower than memory speed. A daemon thread at
+    the lowest CPU priority maps the pages in the background (`prefault`), so the first
+    pass through the pool does not pay for them on the engine's critical path.
+    """
+
+    def __init__(self, path: str, size: int, server_id: str, layout: KVLayout, *, prefault: bool = True) -> None:
         import torch
 
         from kvdepot.gpu import open_copier
@@ -44,12 +56,42 @@ class _PoolMapping:
         self.size = size
         # One copier per mapping: on CUDA it registers the pool for DMA once.
         self.copier = open_copier(layout, self.tensor)
+        self._stop_prefault = threading.Event()
+        self.prefault: threading.Thread | None = None
+        if prefault:
+            self.prefault = threading.Thread(
+                target=_prefault, args=(self.tensor.data_ptr(), size, self._stop_prefault), daemon=True,
+                name="kvdepot-prefault",
+            )  # fmt: skip
+            self.prefault.start()
 
     def close(self) -> None:
+        self._stop_prefault.set()
+        if self.prefault is not None:
+            self.prefault.join(5)  # one step at most: the range must not be unmapped under it
         self.copier.close()
         del self.tensor
         with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
             self.mmap.close()
+
+
+def _prefault(address: int, size: int, stop: threading.Event) -> None:
+    """Maps the pool's pages into this process, a step at a time, until done or stopped."""
+    import ctypes
+
+    with contextlib.suppress(OSError):  # the lowest priority for this thread only (Linux: per thread)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = mmap.PAGESIZE
+    start = address - address % page
+    end = address + size
+    for at in range(start, end, PREFAULT_STEP):
+        if stop.is_set():
+            return
+        if madvise(at, min(PREFAULT_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
+            log.debug("kvdepot pool prefault stopped: %s", os.strerror(ctypes.get_errno()))
+            return  # an older kernel (EINVAL): pages fault in on first use, as before
 
 
 class WorkerSide:
@@ -66,6 +108,7 @@ class WorkerSide:
         model: str,
         backend_hint: str | None,
         fail_loads: bool = False,
+        prefault_pool: bool = True,
     ) -> None:
         self.client = client
         self.strategy = strategy
@@ -75,6 +118,7 @@ class WorkerSide:
         self.model = model
         self.backend_hint = backend_hint
         self.fail_loads = fail_loads
+        self.prefault_pool = prefault_pool
         self.layout: KVLayout | None = None
         self.chunk_bytes = 0
         self.stats = KVDepotStats()
@@ -139,7 +183,7 @@ class WorkerSide:
         if self._pool is not None and self._pool.server_id == server_id:
             return self._pool
         try:
-            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout)
+            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout, prefault=self.prefault_pool)
         except OSError as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
             return self._pool
