@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kvdepot.gpu._copy import CopyPlan
-from kvdepot.gpu._layout import KVLayout, PlaneGroup, dtype_of_width, width_of
+from kvdepot.gpu._layout import KVLayout, PlaneGroup, _extent, dtype_of_width, width_of
 
 # Rows shorter than this make the per-row copy too short to run at memcpy speed; such
 # layouts keep the per-group path.
@@ -109,7 +109,8 @@ def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows
     """The layout as one row matrix; None where rows would be under `min_row_bytes`, or off the CPU."""
     if layout.device.type != "cpu" or not layout.groups:
         return None
-    starts = [g.source.untyped_storage().data_ptr() + g.offset for g in layout.groups]
+    extents = [_extent(g) for g in layout.groups]  # (storage address, first byte, one past the last)
+    starts = [ptr + first for ptr, first, _ in extents]
     base = min(starts)
     row = 0
     for group, start in zip(layout.groups, starts, strict=True):
@@ -118,7 +119,7 @@ def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows
         row = math.gcd(row, group.seg_stride if group.num_segments > 1 else 0)
     if row < (FLAT_MIN_ROW_BYTES if min_row_bytes is None else min_row_bytes):
         return None
-    end = max(start + _span(g) for g, start in zip(layout.groups, starts, strict=True))
+    end = max(ptr + last for ptr, _, last in extents)
     num_rows = (end - base) // row
     bands: list[Band] = []
     patterns: list[np.ndarray] = []
@@ -135,16 +136,6 @@ def flat_rows(layout: KVLayout, *, min_row_bytes: int | None = None) -> FlatRows
     return FlatRows(row, base, num_rows, tuple(bands), buffer, layout)
 
 
-def _span(group: PlaneGroup) -> int:
-    """Bytes from the group's first byte to one past its last."""
-    return (
-        (group.num_planes - 1) * group.plane_stride
-        + (group.num_blocks - 1) * group.block_stride
-        + (group.num_segments - 1) * group.seg_stride
-        + group.seg_bytes
-    )
-
-
 def _group_pattern(group: PlaneGroup, first_row: int, row: int) -> tuple[np.ndarray, np.ndarray]:
     """([planes, rows per block] rows of block 0, [planes, 1] rows between blocks) of one group."""
     planes = np.arange(group.num_planes, dtype=np.int64)[:, None, None] * (group.plane_stride // row)
@@ -155,13 +146,13 @@ def _group_pattern(group: PlaneGroup, first_row: int, row: int) -> tuple[np.ndar
     return pattern, block_rows
 
 
-def _adjacent(plan: CopyPlan, chunk_bytes: int, skipped: bool) -> list[tuple[int, list[list[int]]]]:
-    """The plan's chunks as (offset, id lists) runs whose slots follow each other in the pool.
+def _adjacent(plan: CopyPlan, chunk_bytes: int, skipped: bool) -> list[tuple[int, list[list[int]], int]]:
+    """The plan's chunks as (offset, id lists, skip) runs whose slots follow each other in the pool.
 
-    With `skipped`, a chunk with leading blocks skipped stands alone (its rows are not one
-    contiguous part of its slot); chunks skipped entirely are left out.
+    With `skipped`, a chunk with leading blocks skipped stands alone, with its skip (its rows
+    are not one contiguous part of its slot); chunks skipped entirely are left out.
     """
-    out: list[tuple[int, list[list[int]]]] = []
+    out: list[tuple[int, list[list[int]], int]] = []
     end: int | None = None
     for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
         if skipped and skip >= len(ids):
@@ -170,7 +161,7 @@ def _adjacent(plan: CopyPlan, chunk_bytes: int, skipped: bool) -> list[tuple[int
         if not alone and out and offset == end:
             out[-1][1].append(ids)
         else:
-            out.append((offset, [ids]))
+            out.append((offset, [ids], skip if alone else 0))
         end = None if alone else offset + len(ids) * chunk_bytes
     return out
 
@@ -185,7 +176,7 @@ def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
     address = pool.data_ptr()
-    for offset, id_lists in _adjacent(plan, block_bytes, skipped=False):
+    for offset, id_lists, _ in _adjacent(plan, block_bytes, skipped=False):
         index = flat.index(id_lists)
         width = width_of(row, 8, flat.base, address + offset)
         dst = pool[offset : offset + index.size * row].view(dtype_of_width(width)).view(index.size, row // width)
@@ -206,9 +197,7 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
     target = flat.items()
     item = np.dtype((np.void, row))
     pool_address = pool_bytes.ctypes.data
-    skip_of = dict(zip(plan.offsets, plan.skips, strict=True))
-    for offset, id_lists in _adjacent(plan, block_bytes, skipped=True):
-        skip = skip_of[offset] if len(id_lists) == 1 else 0
+    for offset, id_lists, skip in _adjacent(plan, block_bytes, skipped=True):
         ids = id_lists[0]
         if not skip:
             rows = flat.index(id_lists)

@@ -287,12 +287,12 @@ class Connection:
     def _enqueue_locked(self, calls: list[Call]) -> None:
         if self.state == "closed":
             for call in calls:
-                self._ready.append((call.future, None, self._closed_error()))
+                self._settle_later(call.future, exc=self._closed_error())
             return
         self._track(calls)
         if self.state == "failed":
             for call in calls:
-                self._ready.append((call.future, None, self._failed_error()))
+                self._settle_later(call.future, exc=self._failed_error())
         elif self.state == "ready":
             if self._queue:
                 self._flush()
@@ -383,7 +383,7 @@ class Connection:
                     address=self.address,
                     request=type(call.body).__name__,
                 )
-                self._ready.append((call.future, None, error))
+                self._settle_later(call.future, exc=error)
         log.info("client_disconnected", address=self.address, failed=sum(not c.internal for c in calls))
 
     def _set_connecting(self) -> None:
@@ -395,6 +395,10 @@ class Connection:
         with self._lock:
             self._on_frames_locked(frames)
         self.settle_ready()
+
+    def _settle_later(self, future: Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+        """Queues a future's outcome (lock held); `settle_ready` applies it once the lock is released."""
+        self._ready.append((future, result, exc))
 
     def settle_ready(self) -> None:
         """Settles the futures of replies read so far; call it without holding the lock.
@@ -442,16 +446,16 @@ class Connection:
                 self._queue.appendleft(call)
                 self.on_connected()
                 return
-            self._ready.append((call.future, None, exc))
+            self._settle_later(call.future, exc=exc)
         elif isinstance(body, REPLY_FOR[type(call.body)]):
-            self._ready.append((call.future, body, None))
+            self._settle_later(call.future, body)
         else:
             error = RemoteProtocolError(
                 f"the server answered {type(call.body).__name__} with {type(body).__name__}",
                 request=type(call.body).__name__,
                 reply=type(body).__name__,
             )
-            self._ready.append((call.future, None, error))
+            self._settle_later(call.future, exc=error)
 
     def _on_internal_reply(self, call: Call, body: Any) -> None:
         _settle(call.future, body)
@@ -470,7 +474,7 @@ class Connection:
             self.state = "failed"
             log.error("client_handshake_refused", address=self.address, code=body.code, message=body.message)
             for call in self._queue:
-                self._ready.append((call.future, None, self._failed_error()))
+                self._settle_later(call.future, exc=self._failed_error())
             self._queue.clear()
             return
         if not isinstance(body, HelloReply):
@@ -542,7 +546,7 @@ class Connection:
                         self.state = "connecting"  # try the handshake again
                         self.on_connected()
                     continue
-                self._ready.append((call.future, None, self._deadline_error(call)))
+                self._settle_later(call.future, exc=self._deadline_error(call))
         if self.state == "ready" and now - self._last_sent >= self.heartbeat_interval:
             self._send_internal(Ping())
 
@@ -575,6 +579,6 @@ class Connection:
         self._queue.clear()
         self._deadlines.clear()
         for call in calls:
-            self._ready.append((call.future, None, self._closed_error()))
+            self._settle_later(call.future, exc=self._closed_error())
         self._loop.remove_timers(self)
         self._link.close()

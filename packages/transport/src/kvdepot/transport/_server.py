@@ -13,12 +13,10 @@ import select
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import structlog
 import zmq
-from zmq.backend import Socket as _BackendSocket
 
 from kvdepot.transport._address import (
     MEMORY_SCHEME,
@@ -38,8 +36,6 @@ log = structlog.get_logger(__name__)
 
 # Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
 _EVENTS = int(zmq.EVENTS)
-# pyzmq's backend getter: ZMQ_EVENTS as a plain int (the public one builds an enum each call).
-get_option: Callable[[Any, int], int] = _BackendSocket.get  # type: ignore[assignment]
 _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
@@ -216,13 +212,13 @@ class ServerEndpoint(_EndpointBase):
 
     def _poll(self, wait: float) -> int:
         sock = self._sock
-        if not get_option(sock, _EVENTS) & _POLLIN:  # sleep only when nothing is queued
+        if not int(sock.getsockopt(_EVENTS)) & _POLLIN:  # sleep only when nothing is queued
             for fd, _ in self._poller.poll(wait * 1000):
                 if fd == self._wake_r:
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
         handled = 0
-        while handled < MAX_MESSAGES_PER_POLL and get_option(sock, _EVENTS) & _POLLIN:
+        while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             msg = sock.recv_multipart(_NOBLOCK)
             handled += 1
             if len(msg) < 2:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import threading
@@ -15,7 +16,6 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.transport._io import IOLoop
 from kvdepot.transport._server import HARD_LIMIT_FACTOR
-from kvdepot.transport._server import get_option as _get
 
 if TYPE_CHECKING:
     from kvdepot.transport._client import Connection
@@ -107,7 +107,7 @@ class ZmqLink:
             # The send may have eaten the fd's edge: make sure pending replies get read.
             waiter = self._waiter
             if waiter is None:
-                if _get(sock, _EVENTS) & _POLLIN:
+                if int(sock.getsockopt(_EVENTS)) & _POLLIN:
                     self._loop.call_soon(self._readable)
             elif waiter != threading.get_ident():
                 self._wake_waiter()  # it reads them; its poll may not see the fd again
@@ -137,7 +137,7 @@ class ZmqLink:
         conn = self._conn
         sock = self._sock
         for _ in range(MAX_RECV_PER_WAKE):
-            if sock is None or not _get(sock, _EVENTS) & _POLLIN:
+            if sock is None or not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return True
             conn._on_frames_locked(sock.recv_multipart(_NOBLOCK))
             sock = self._sock
@@ -167,7 +167,7 @@ class ZmqLink:
             self._waiter = me
             if not nested:
                 self._loop.mute(fd, True)
-        window = (timeout if timeout is not None else float("inf")) if nested else WAIT_ON_CALLER_S
+        window = math.inf if nested else WAIT_ON_CALLER_S
         end = start + (window if timeout is None else min(timeout, window))
         try:
             while True:
@@ -189,10 +189,11 @@ class ZmqLink:
             if not nested:
                 with conn._lock:
                     self._waiter = None
-                    if self._fd == fd:  # else closed meanwhile, and the fd may be another's now
+                    sock = self._sock
+                    if self._fd == fd and sock is not None:  # else closed meanwhile; the fd may be reused
                         self._loop.mute(fd, False)
                         # replies for others (with none in flight, only late ones: they can wait)
-                        if conn._inflight and _get(self._sock, _EVENTS) & _POLLIN:
+                        if conn._inflight and int(sock.getsockopt(_EVENTS)) & _POLLIN:
                             self._loop.call_soon(self._readable)
                     elif wake_fd is not None:
                         os.close(wake_fd)  # close() left it to us

@@ -83,10 +83,8 @@ def _prefault(address: int, size: int, stop: threading.Event) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = mmap.PAGESIZE
-    start = address - address % page
-    end = address + size
-    for at in range(start, end, PREFAULT_STEP):
+    end = address + size  # an mmap starts on a page boundary, as madvise needs
+    for at in range(address, end, PREFAULT_STEP):
         if stop.is_set():
             return
         if madvise(at, min(PREFAULT_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
