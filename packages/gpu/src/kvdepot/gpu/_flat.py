@@ -5,8 +5,9 @@ group and chunk: 32 ops for a model whose layers are separate tensors. When ever
 segment of every layer starts a whole number of `row_bytes` past one base address, all
 the KV storages are rows of a single matrix laid over the address range they span. A
 gather is then one `index_select` of rows into the slot (a memcpy per row, on every
-torch thread) and a scatter one `numpy.put` of the slot's rows (a memcpy per row). The
-row numbers of a chunk come from one numpy expression over a pattern built once.
+torch thread) and a scatter one native row copy with streaming stores (`_rowcopy.c`;
+without it, one `numpy.put`, a memcpy per row). The row numbers of a chunk come from one
+numpy expression over a pattern built once.
 
 The matrix covers the gaps between the storages too; only rows inside the layout's
 blocks are ever named, and `plan_copy` has range-checked every block id before a copy.
@@ -27,6 +28,11 @@ import torch
 from kvdepot.gpu._copy import CopyPlan
 from kvdepot.gpu._layout import KVLayout, PlaneGroup, _extent, dtype_of_width, width_of
 
+try:
+    from kvdepot.gpu import _rowcopy
+except ImportError:  # installed without a C compiler: torch and numpy move the rows
+    _rowcopy = None  # type: ignore[assignment]
+
 # Rows shorter than this make the per-row copy too short to run at memcpy speed; such
 # layouts keep the per-group path.
 FLAT_MIN_ROW_BYTES = 512
@@ -34,6 +40,12 @@ FLAT_MIN_ROW_BYTES = 512
 # FLAT_RUN_MIN_BYTES on average, is one memmove per run (a Python call, ~1 us, each).
 FLAT_RUNS_MAX = 16
 FLAT_RUN_MIN_BYTES = 256 << 10
+# Scatters write rows through the native row copy (`_rowcopy.c`, streaming stores) when
+# it was built, otherwise through numpy.put or memmove.
+FLAT_NATIVE = _rowcopy is not None
+# Gathers use it (prefetched reads) only when torch runs on at most this many threads:
+# torch's index_select reads random rows faster on two threads than one thread can.
+NATIVE_GATHER_MAX_THREADS = 1
 
 
 @attrs.frozen
@@ -171,13 +183,19 @@ def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
     or per run of chunks whose slots follow each other.
 
     torch copies each row with memcpy, on every torch thread (measured at or above one
-    plain memcpy of the same bytes, for runs of consecutive rows too).
+    plain memcpy of the same bytes for long rows, and for runs of consecutive rows). With
+    torch on one thread the native row copy, which prefetches the rows ahead, is faster.
     """
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
     address = pool.data_ptr()
+    native = FLAT_NATIVE and torch.get_num_threads() <= NATIVE_GATHER_MAX_THREADS
     for offset, id_lists, _ in _adjacent(plan, block_bytes, skipped=False):
         index = flat.index(id_lists)
+        if native:
+            slot = address + offset
+            _rowcopy.copy_rows(slot, None, index.size, flat.base, index, flat.num_rows, index.size, row, stream=False)
+            continue
         width = width_of(row, 8, flat.base, address + offset)
         dst = pool[offset : offset + index.size * row].view(dtype_of_width(width)).view(index.size, row // width)
         torch.index_select(flat.words(width), 0, torch.from_numpy(index), out=dst)
@@ -186,22 +204,27 @@ def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
 def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None:
     """Copy each slot's rows into its chunk's blocks past the first `skip` (`pool_bytes`: the pool as numpy).
 
-    Rows that continue each other on both sides are merged into runs; a chunk of a few
+    Chunks whose slots follow each other go together, as one native row copy with
+    streaming stores (no read of each destination line first). Without the native copy,
+    rows that continue each other on both sides are merged into runs; a chunk of a few
     long runs is one `memmove` per run, any other chunk one `numpy.put` of all its rows
-    (a memcpy per row; torch's index_copy_ copies word by word); chunks whose slots
-    follow each other go together. With leading blocks skipped, each plane's kept rows
-    are contiguous in the slot but the planes are not: one `numpy.put` per plane.
+    (a memcpy per row; torch's index_copy_ copies word by word). With leading blocks
+    skipped, each plane's kept rows are contiguous in the slot but the planes are not:
+    one copy per plane.
     """
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
     target = flat.items()
     item = np.dtype((np.void, row))
     pool_address = pool_bytes.ctypes.data
+    base = flat.base
     for offset, id_lists, skip in _adjacent(plan, block_bytes, skipped=True):
         ids = id_lists[0]
         if not skip:
             rows = flat.index(id_lists)
-            if not _copy_runs(flat, rows, pool_address + offset):
+            if FLAT_NATIVE:
+                _rowcopy.copy_rows(base, rows, flat.num_rows, pool_address + offset, None, rows.size, rows.size, row)
+            elif not _copy_runs(flat, rows, pool_address + offset):
                 source = pool_bytes[offset : offset + rows.size * row].view(item)
                 np.put(target, rows, source, mode="clip")  # ids were range-checked by plan_copy
             continue
@@ -214,7 +237,12 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
             plane_rows = band.rows(kept).reshape(band.num_planes, -1)
             for plane in range(band.num_planes):
                 start = at + plane * per_plane + skip * band.rows_per_block
-                np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
+                if FLAT_NATIVE:
+                    kept_rows = plane_rows[plane]
+                    src = pool_address + offset + start * row
+                    _rowcopy.copy_rows(base, kept_rows, flat.num_rows, src, None, kept_rows.size, kept_rows.size, row)
+                else:
+                    np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
             at += band.num_planes * per_plane
 
 
