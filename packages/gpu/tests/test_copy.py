@@ -32,17 +32,20 @@ from kvdepot.gpu.testing import DTYPES, Case, block_bytes, build_case, chunk_byt
 FILL = 0xA5  # pool bytes outside every slot must keep this value
 
 
-@pytest.fixture(autouse=True, params=["runs", "rows", "strided", "flat-native", "flat-put", "flat-runs", "auto"])
+@pytest.fixture(
+    autouse=True, params=["runs", "rows", "strided", "flat-native", "flat-native-1", "flat-put", "flat-runs", "auto"]
+)
 def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run every copy test through each CPU strategy: per plane group, copy_ per run or index ops over
-    rows or strided views; or all layers as one row matrix, copied by the native row copy both ways,
-    or by index_select and then numpy.put or memmove per run."""
+    rows or strided views; or all layers as one row matrix, copied by the native row copy both ways
+    (on torch's threads, or on one), or by index_select and then numpy.put or memmove per run."""
     if request.param.startswith("flat"):
         monkeypatch.setattr(_flat, "FLAT_MIN_ROW_BYTES", 1)  # every test layout qualifies
-        if request.param == "flat-native":
+        if request.param.startswith("flat-native"):
             if not _flat.FLAT_NATIVE:
                 pytest.fail("the native row copy (kvdepot.gpu._rowcopy) was not built")
-            monkeypatch.setattr(_flat, "NATIVE_GATHER_MAX_THREADS", 10**9)
+            if request.param == "flat-native-1":
+                monkeypatch.setattr(_flat, "native_threads", lambda: 1)
             return str(request.param)
         monkeypatch.setattr(_flat, "FLAT_NATIVE", False)
         if request.param == "flat-put":

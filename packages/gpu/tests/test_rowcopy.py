@@ -68,6 +68,36 @@ def test_listed_rows_on_both_sides(row_bytes: int, pairs: list[tuple[int, int]],
     assert np.array_equal(dst, expected)
 
 
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("row_bytes", [24, 4096, 70_000])
+def test_rows_shared_among_threads(row_bytes: int, threads: int) -> None:
+    """Copies of many 64 KiB batches, shared among OpenMP threads: gather, then scatter into other
+    listed rows, give numpy's result (several threads take batches, the last one short)."""
+    count = max(3, (200 * 1024) // row_bytes + 1)  # about 3 batches and a short one
+    total = 2 * count + 5
+    _, src = matrix(total, row_bytes, 14)
+    _, slot = matrix(count, row_bytes, 15)
+    rows = np.random.default_rng(16).permutation(total)[:count].astype(np.int64)
+    rowcopy.copy_rows(slot.ctypes.data, None, count, src.ctypes.data, rows, total, count, row_bytes, False, threads)
+    assert np.array_equal(slot, src[rows])
+    _, back = matrix(total, row_bytes, 17)
+    expected = back.copy()
+    targets = np.random.default_rng(18).permutation(total)[:count].astype(np.int64)
+    expected[targets] = slot
+    rowcopy.copy_rows(back.ctypes.data, targets, total, slot.ctypes.data, None, count, count, row_bytes, True, threads)
+    assert np.array_equal(back, expected)
+
+
+def test_built_with_openmp_and_sharing_torchs_runtime() -> None:
+    """On this project's machines the row copy is built with OpenMP and runs on torch's libgomp:
+    the process maps exactly one OpenMP runtime, so copies use torch's threads."""
+    import torch
+
+    assert rowcopy.OPENMP == 1
+    assert _flat._one_openmp_runtime()
+    assert _flat.native_threads() == torch.get_num_threads()
+
+
 def test_no_list_copies_consecutive_rows() -> None:
     _, src = matrix(8, 100, 6)
     _, dst = matrix(8, 100, 7)
@@ -116,7 +146,8 @@ def test_destination_rows_are_checked_too() -> None:
         ({"src_rows": [0, 1, 2]}, TypeError, ""),
         ({"src_rows": np.zeros(2, dtype=np.int64)}, ValueError, "row lists of 3 and 2 items"),
         ({"count": -1}, ValueError, ">= 0"),
-        ({"row_bytes": 0}, ValueError, "row_bytes > 0"),
+        ({"row_bytes": 0}, ValueError, "row_bytes and threads > 0"),
+        ({"threads": 0}, ValueError, "row_bytes and threads > 0"),
         ({"src": 0}, ValueError, "null address"),
         ({"dst": -1}, (OverflowError, TypeError), ""),
     ],

@@ -4,10 +4,10 @@ The per-group CPU path pays one tensor op (a few microseconds of dispatch each) 
 group and chunk: 32 ops for a model whose layers are separate tensors. When every
 segment of every layer starts a whole number of `row_bytes` past one base address, all
 the KV storages are rows of a single matrix laid over the address range they span. A
-gather is then one `index_select` of rows into the slot (a memcpy per row, on every
-torch thread) and a scatter one native row copy with streaming stores (`_rowcopy.c`;
-without it, one `numpy.put`, a memcpy per row). The row numbers of a chunk come from one
-numpy expression over a pattern built once.
+gather or scatter is then one native row copy per chunk (`_rowcopy.c`: prefetched reads,
+streaming writes, on torch's threads; without it, one `index_select` or `numpy.put`, a
+memcpy per row). The row numbers of a chunk come from one numpy expression over a
+pattern built once.
 
 The matrix covers the gaps between the storages too; only rows inside the layout's
 blocks are ever named, and `plan_copy` has range-checked every block id before a copy.
@@ -17,8 +17,10 @@ The layout's tensors, which the copier holds, keep the memory alive.
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import math
+import os
 from typing import Any
 
 import attrs
@@ -40,12 +42,33 @@ FLAT_MIN_ROW_BYTES = 512
 # FLAT_RUN_MIN_BYTES on average, is one memmove per run (a Python call, ~1 us, each).
 FLAT_RUNS_MAX = 16
 FLAT_RUN_MIN_BYTES = 256 << 10
-# Scatters write rows through the native row copy (`_rowcopy.c`, streaming stores) when
-# it was built, otherwise through numpy.put or memmove.
+# Rows move through the native row copy (`_rowcopy.c`: prefetched reads, streaming
+# writes on scatter, torch's OpenMP threads) when it was built, otherwise through
+# torch.index_select and numpy.put or memmove.
 FLAT_NATIVE = _rowcopy is not None
-# Gathers use it (prefetched reads) only when torch runs on at most this many threads:
-# torch's index_select reads random rows faster on two threads than one thread can.
-NATIVE_GATHER_MAX_THREADS = 1
+
+
+@functools.cache
+def _one_openmp_runtime() -> bool:
+    """Whether this process maps exactly one OpenMP runtime, GNU's: the one torch and the row copy share.
+
+    With a second runtime (an Intel OpenMP preloaded for the engine, say) the row copy's
+    threads would be a separate team competing with torch's for the cores.
+    """
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
+            files = {line.split()[-1] for line in maps}
+    except OSError:
+        return False
+    runtimes = {path for path in files if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp"))}
+    return len(runtimes) == 1 and os.path.basename(runtimes.pop()).startswith("libgomp")
+
+
+def native_threads() -> int:
+    """Threads for one native row copy: torch's intra-op threads when they can be shared, else 1."""
+    if _rowcopy is None or not _rowcopy.OPENMP or not _one_openmp_runtime():
+        return 1
+    return torch.get_num_threads()
 
 
 @attrs.frozen
@@ -182,19 +205,19 @@ def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
     """Copy every layer's rows of each chunk's blocks into its slot: one `index_select` per chunk,
     or per run of chunks whose slots follow each other.
 
-    torch copies each row with memcpy, on every torch thread (measured at or above one
-    plain memcpy of the same bytes for long rows, and for runs of consecutive rows). With
-    torch on one thread the native row copy, which prefetches the rows ahead, is faster.
+    The native row copy prefetches the rows ahead and shares them among torch's
+    threads. Without it, torch's index_select copies each row with memcpy, on every
+    torch thread.
     """
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
     address = pool.data_ptr()
-    native = FLAT_NATIVE and torch.get_num_threads() <= NATIVE_GATHER_MAX_THREADS
+    threads = native_threads() if FLAT_NATIVE else 0
     for offset, id_lists, _ in _adjacent(plan, block_bytes, skipped=False):
         index = flat.index(id_lists)
-        if native:
-            slot = address + offset
-            _rowcopy.copy_rows(slot, None, index.size, flat.base, index, flat.num_rows, index.size, row, stream=False)
+        if threads:
+            n, base = index.size, flat.base
+            _rowcopy.copy_rows(address + offset, None, n, base, index, flat.num_rows, n, row, False, threads)
             continue
         width = width_of(row, 8, flat.base, address + offset)
         dst = pool[offset : offset + index.size * row].view(dtype_of_width(width)).view(index.size, row // width)
@@ -205,7 +228,8 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
     """Copy each slot's rows into its chunk's blocks past the first `skip` (`pool_bytes`: the pool as numpy).
 
     Chunks whose slots follow each other go together, as one native row copy with
-    streaming stores (no read of each destination line first). Without the native copy,
+    streaming stores (no read of each destination line first), on torch's threads.
+    Without the native copy,
     rows that continue each other on both sides are merged into runs; a chunk of a few
     long runs is one `memmove` per run, any other chunk one `numpy.put` of all its rows
     (a memcpy per row; torch's index_copy_ copies word by word). With leading blocks
@@ -218,12 +242,14 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
     item = np.dtype((np.void, row))
     pool_address = pool_bytes.ctypes.data
     base = flat.base
+    threads = native_threads() if FLAT_NATIVE else 0
     for offset, id_lists, skip in _adjacent(plan, block_bytes, skipped=True):
         ids = id_lists[0]
         if not skip:
             rows = flat.index(id_lists)
-            if FLAT_NATIVE:
-                _rowcopy.copy_rows(base, rows, flat.num_rows, pool_address + offset, None, rows.size, rows.size, row)
+            if threads:
+                n = rows.size
+                _rowcopy.copy_rows(base, rows, flat.num_rows, pool_address + offset, None, n, n, row, True, threads)
             elif not _copy_runs(flat, rows, pool_address + offset):
                 source = pool_bytes[offset : offset + rows.size * row].view(item)
                 np.put(target, rows, source, mode="clip")  # ids were range-checked by plan_copy
@@ -237,10 +263,10 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
             plane_rows = band.rows(kept).reshape(band.num_planes, -1)
             for plane in range(band.num_planes):
                 start = at + plane * per_plane + skip * band.rows_per_block
-                if FLAT_NATIVE:
-                    kept_rows = plane_rows[plane]
+                if threads:
+                    kept_rows, n = plane_rows[plane], plane_rows.shape[1]
                     src = pool_address + offset + start * row
-                    _rowcopy.copy_rows(base, kept_rows, flat.num_rows, src, None, kept_rows.size, kept_rows.size, row)
+                    _rowcopy.copy_rows(base, kept_rows, flat.num_rows, src, None, n, n, row, True, threads)
                 else:
                     np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
             at += band.num_planes * per_plane

@@ -13,10 +13,16 @@
  *   - Reads: every listed source row starts in a cold page the hardware prefetcher has
  *     not reached; the lines of the next few rows are prefetched in software while the
  *     current row is copied.
+ *   - Threads: one core keeps too few misses in flight to read rows at random places at
+ *     full speed. With `threads` > 1 the rows are shared out in 64 KiB batches over an
+ *     OpenMP parallel loop. The module links libgomp.so.1, and torch (imported first)
+ *     has already loaded its own libgomp.so.1, so the loader reuses it: these loops run
+ *     on torch's intra-op thread team, which is hot after a forward pass, rather than
+ *     on threads of our own that would compete with it for the cores.
  *
  * The GIL is released while bytes move. Every row number is checked against its matrix
- * before any byte moves. Only the C library and SSE2 (x86-64's baseline) are used;
- * elsewhere rows are copied with memcpy after the same prefetches.
+ * before any byte moves. Only the C library, SSE2 (x86-64's baseline) and OpenMP are
+ * used; without SSE2 rows are copied with memcpy, without OpenMP on one thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -148,8 +154,8 @@ typedef struct {
     int stream;
 } Job;
 
-/* Copy every row of `job`, prefetching listed source rows a few rows ahead. */
-static void copy_job(const Job *job)
+/* Copy rows [lo, hi) of `job`, prefetching listed source rows a few rows ahead. */
+static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 {
     void (*copy)(char *, const char *, size_t) = copy_plain;
 #if KVD_STREAM
@@ -162,12 +168,12 @@ static void copy_job(const Job *job)
     Py_ssize_t ahead = 0;
     if (job->src_rows != NULL) {
         ahead = row_bytes >= PREFETCH_BYTES ? 1 : (Py_ssize_t)(PREFETCH_BYTES / row_bytes);
-        for (Py_ssize_t i = 0; i < ahead && i < job->count; i++) {
+        for (Py_ssize_t i = lo; i < lo + ahead && i < hi; i++) {
             prefetch_row(job->src + (size_t)job->src_rows[i] * row_bytes, row_bytes);
         }
     }
-    for (Py_ssize_t i = 0; i < job->count; i++) {
-        if (ahead && i + ahead < job->count) {
+    for (Py_ssize_t i = lo; i < hi; i++) {
+        if (ahead && i + ahead < hi) {
             prefetch_row(job->src + (size_t)job->src_rows[i + ahead] * row_bytes, row_bytes);
         }
         size_t d = job->dst_rows ? (size_t)job->dst_rows[i] : (size_t)i;
@@ -179,6 +185,29 @@ static void copy_job(const Job *job)
         _mm_sfence(); /* streaming stores are visible to every reader before we return */
     }
 #endif
+}
+
+/* Rows are shared among threads in batches of about this many bytes. */
+#define BATCH_BYTES (64 * 1024)
+
+/* Copy every row of `job`, on `threads` OpenMP threads when the module was built with OpenMP. */
+static void copy_job(const Job *job, int threads)
+{
+#if defined(_OPENMP)
+    Py_ssize_t batch = job->row_bytes >= BATCH_BYTES ? 1 : (Py_ssize_t)(BATCH_BYTES / job->row_bytes);
+    Py_ssize_t batches = (job->count + batch - 1) / batch;
+    if (threads > 1 && batches > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+        for (Py_ssize_t b = 0; b < batches; b++) {
+            Py_ssize_t hi = (b + 1) * batch < job->count ? (b + 1) * batch : job->count;
+            copy_range(job, b * batch, hi);
+        }
+        return;
+    }
+#else
+    (void)threads;
+#endif
+    copy_range(job, 0, job->count);
 }
 
 /* An address: a non-negative int that fits a pointer (PyArg's "K" would wrap -1 around). */
@@ -201,31 +230,33 @@ static int address_arg(PyObject *obj, void *out)
 }
 
 PyDoc_STRVAR(copy_rows_doc,
-             "copy_rows(dst, dst_rows, dst_limit, src, src_rows, src_limit, count, row_bytes, stream=True)\n"
+             "copy_rows(dst, dst_rows, dst_limit, src, src_rows, src_limit, count, row_bytes, stream=True, threads=1)\n"
              "--\n\n"
              "Copy `count` rows of `row_bytes` bytes: row `src_rows[i]` of the matrix at address `src`\n"
              "to row `dst_rows[i]` of the matrix at address `dst`. A row list is None (row i) or a\n"
              "C-contiguous buffer of 64-bit integers with `count` items; every row number must be\n"
              "below its matrix's row count (`dst_limit`, `src_limit`), checked before any byte\n"
              "moves (IndexError). `stream` writes with non-temporal stores where the CPU has them.\n"
+             "`threads` > 1 shares the rows among that many OpenMP threads (if built with OpenMP).\n"
              "The rows must not overlap. The GIL is released while bytes move.");
 
 static PyObject *copy_rows(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
     static char *keywords[] = {"dst",   "dst_rows",  "dst_limit", "src", "src_rows", "src_limit",
-                               "count", "row_bytes", "stream", NULL};
+                               "count", "row_bytes", "stream", "threads", NULL};
     uintptr_t dst_address, src_address;
     long long dst_limit, src_limit;
     Py_ssize_t count, row_bytes;
     PyObject *dst_obj, *src_obj;
-    int stream = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&OLO&OLnn|p:copy_rows", keywords, address_arg, &dst_address,
-                                     &dst_obj, &dst_limit, address_arg, &src_address, &src_obj, &src_limit, &count, &row_bytes, &stream)) {
+    int stream = 1, threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&OLO&OLnn|pi:copy_rows", keywords, address_arg, &dst_address,
+                                     &dst_obj, &dst_limit, address_arg, &src_address, &src_obj, &src_limit, &count,
+                                     &row_bytes, &stream, &threads)) {
         return NULL;
     }
-    if (count < 0 || row_bytes <= 0 || dst_limit < 0 || src_limit < 0) {
-        PyErr_SetString(PyExc_ValueError, "count and the limits must be >= 0, row_bytes > 0");
+    if (count < 0 || row_bytes <= 0 || dst_limit < 0 || src_limit < 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "count and the limits must be >= 0, row_bytes and threads > 0");
         return NULL;
     }
     if ((dst_address == 0 || src_address == 0) && count > 0) {
@@ -248,7 +279,7 @@ static PyObject *copy_rows(PyObject *self, PyObject *args, PyObject *kwargs)
                check_rows(&src_rows, count, src_limit, "src_rows") == 0) {
         Job job = {(char *)dst_address, dst_rows.rows, (const char *)src_address,
                    src_rows.rows, count, (size_t)row_bytes, stream};
-        Py_BEGIN_ALLOW_THREADS copy_job(&job);
+        Py_BEGIN_ALLOW_THREADS copy_job(&job, threads);
         Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
     }
     release(&dst_rows);
@@ -268,7 +299,13 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__rowcopy(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && PyModule_AddIntConstant(m, "STREAMING_STORES", KVD_STREAM) < 0) {
+#if defined(_OPENMP)
+    int openmp = 1;
+#else
+    int openmp = 0;
+#endif
+    if (m != NULL && (PyModule_AddIntConstant(m, "STREAMING_STORES", KVD_STREAM) < 0 ||
+                      PyModule_AddIntConstant(m, "OPENMP", openmp) < 0)) {
         Py_DECREF(m);
         return NULL;
     }

@@ -1,6 +1,7 @@
 from typing import Any
 
 STREAMING_STORES: int
+OPENMP: int
 
 def copy_rows(
     dst: int,
@@ -12,4 +13,5 @@ def copy_rows(
     count: int,
     row_bytes: int,
     stream: bool = True,
+    threads: int = 1,
 ) -> None: ...
