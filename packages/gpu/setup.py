@@ -15,7 +15,7 @@ class BuildRowCopy(build_ext):
     def build_extension(self, ext: Extension) -> None:
         try:
             super().build_extension(ext)
-        except Exception:  # noqa: BLE001 - any compiler or linker failure: retry without OpenMP
+        except Exception:  # any compiler or linker failure: retry without OpenMP
             if OPENMP[0] not in ext.extra_compile_args:
                 raise
             self.warn(f"building {ext.name} with OpenMP failed; building it without (copies on one thread)")
