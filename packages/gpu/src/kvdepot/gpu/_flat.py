@@ -68,7 +68,7 @@ def native_threads() -> int:
     """Threads for one native row copy: torch's intra-op threads when they can be shared, else 1."""
     if _rowcopy is None or not _rowcopy.OPENMP or not _one_openmp_runtime():
         return 1
-    return torch.get_num_threads()
+    return int(torch.get_num_threads())
 
 
 @attrs.frozen
