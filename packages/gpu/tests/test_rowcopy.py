@@ -1,9 +1,10 @@
-"""The native row copy (kvdepot.gpu._rowcopy) against numpy indexing, and its argument checks."""
+"""The native block copy (kvdepot.gpu._rowcopy) against a numpy reference, and its argument checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,159 +15,214 @@ rowcopy = _flat._rowcopy  # None when the install could not compile it: every te
 
 def test_the_extension_is_built() -> None:
     """The install builds it wherever a C compiler exists, as on every machine the tests run on;
-    without it the CPU path silently loses its fast scatter."""
+    without it the CPU path silently falls back to slower copies."""
     assert rowcopy is not None
     assert _flat.FLAT_NATIVE
-
-
-def matrix(rows: int, row_bytes: int, seed: int, *, misalign: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(the whole buffer, a [rows, row_bytes] view starting `misalign` bytes into it) of random bytes."""
-    whole = np.random.default_rng(seed).integers(0, 256, rows * row_bytes + 64, dtype=np.uint8)
-    view = whole[misalign : misalign + rows * row_bytes].reshape(rows, row_bytes)
-    return whole, view
-
-
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "plain"])
-@pytest.mark.parametrize("row_bytes", [1, 3, 15, 16, 17, 63, 64, 65, 200, 4096, 4096 + 24])
-@pytest.mark.parametrize("misalign", [0, 1, 8, 13])
-def test_gather_and_scatter_match_numpy(row_bytes: int, misalign: int, stream: bool) -> None:
-    """Listed rows into consecutive ones (gather) and back into other listed rows (scatter): the
-    bytes equal numpy's indexing, for rows of any length at any alignment; unnamed rows keep theirs."""
-    _, src = matrix(40, row_bytes, 1)
-    dst_whole, dst = matrix(12, row_bytes, 2, misalign=misalign)
-    before = dst_whole.copy()
-    rows = np.array([39, 0, 7, 7, 21, 3, 38, 12, 5], dtype=np.int64)  # a row may be read twice
-    rowcopy.copy_rows(dst.ctypes.data, None, 12, src.ctypes.data, rows, 40, rows.size, row_bytes, stream)
-    assert np.array_equal(dst[: rows.size], src[rows])
-    assert np.array_equal(dst[rows.size :], before[misalign:][: 12 * row_bytes].reshape(12, row_bytes)[rows.size :])
-    assert np.array_equal(dst_whole[:misalign], before[:misalign])
-    assert np.array_equal(dst_whole[misalign + 12 * row_bytes :], before[misalign + 12 * row_bytes :])
-
-    _, back = matrix(30, row_bytes, 3, misalign=misalign)
-    expected = back.copy()
-    targets = np.array([29, 4, 17, 0, 11, 2, 28, 9, 6], dtype=np.int64)
-    expected[targets] = dst[: rows.size]
-    rowcopy.copy_rows(back.ctypes.data, targets, 30, dst.ctypes.data, None, 12, targets.size, row_bytes, stream)
-    assert np.array_equal(back, expected)
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    row_bytes=st.integers(1, 300),
-    pairs=st.lists(st.tuples(st.integers(0, 49), st.integers(0, 49)), max_size=50, unique_by=lambda p: p[1]),
-    stream=st.booleans(),
-)
-def test_listed_rows_on_both_sides(row_bytes: int, pairs: list[tuple[int, int]], stream: bool) -> None:
-    """Row lists on both sides, any lengths: each destination row named once gets its source row."""
-    _, src = matrix(50, row_bytes, 4)
-    _, dst = matrix(50, row_bytes, 5)
-    expected = dst.copy()
-    src_rows = np.array([p[0] for p in pairs], dtype=np.int64)
-    dst_rows = np.array([p[1] for p in pairs], dtype=np.int64)
-    expected[dst_rows] = src[src_rows]
-    rowcopy.copy_rows(dst.ctypes.data, dst_rows, 50, src.ctypes.data, src_rows, 50, len(pairs), row_bytes, stream)
-    assert np.array_equal(dst, expected)
-
-
-@pytest.mark.parametrize("threads", [2, 3, 8])
-@pytest.mark.parametrize("row_bytes", [24, 4096, 70_000])
-def test_rows_shared_among_threads(row_bytes: int, threads: int) -> None:
-    """Copies of many 64 KiB batches, shared among OpenMP threads: gather, then scatter into other
-    listed rows, give numpy's result (several threads take batches, the last one short)."""
-    count = max(3, (200 * 1024) // row_bytes + 1)  # about 3 batches and a short one
-    total = 2 * count + 5
-    _, src = matrix(total, row_bytes, 14)
-    _, slot = matrix(count, row_bytes, 15)
-    rows = np.random.default_rng(16).permutation(total)[:count].astype(np.int64)
-    rowcopy.copy_rows(slot.ctypes.data, None, count, src.ctypes.data, rows, total, count, row_bytes, False, threads)
-    assert np.array_equal(slot, src[rows])
-    _, back = matrix(total, row_bytes, 17)
-    expected = back.copy()
-    targets = np.random.default_rng(18).permutation(total)[:count].astype(np.int64)
-    expected[targets] = slot
-    rowcopy.copy_rows(back.ctypes.data, targets, total, slot.ctypes.data, None, count, count, row_bytes, True, threads)
-    assert np.array_equal(back, expected)
 
 
 def test_built_with_openmp_and_sharing_torchs_runtime() -> None:
     """On this project's machines the row copy is built with OpenMP and runs on torch's libgomp:
     the process maps exactly one OpenMP runtime, so copies use torch's threads."""
-    import torch
-
     assert rowcopy.OPENMP == 1
     assert _flat._one_openmp_runtime()
     assert _flat.native_threads() == torch.get_num_threads()
 
 
-def test_no_list_copies_consecutive_rows() -> None:
-    _, src = matrix(8, 100, 6)
-    _, dst = matrix(8, 100, 7)
-    rowcopy.copy_rows(dst.ctypes.data, None, 8, src.ctypes.data, None, 8, 8, 100)
-    assert np.array_equal(dst, src)
+class Geometry:
+    """A KV row matrix of `planes` planes of `blocks` blocks of `rpb` rows, layer-major or interleaved."""
+
+    def __init__(self, planes: int, blocks: int, rpb: int, *, interleaved: bool) -> None:
+        self.planes, self.blocks, self.rpb = planes, blocks, rpb
+        p = np.arange(planes, dtype=np.int64)[:, None]
+        r = np.arange(rpb, dtype=np.int64)[None, :]
+        if interleaved:  # block-major: every plane's rows of block 0, then of block 1...
+            self.pattern = p * rpb + r
+            self.block_rows = np.full(planes, planes * rpb, dtype=np.int64)
+        else:  # layer-major: all blocks of plane 0, then of plane 1...
+            self.pattern = p * blocks * rpb + r
+            self.block_rows = np.full(planes, rpb, dtype=np.int64)
+        self.kv_rows = planes * blocks * rpb
+
+    def kv_row(self, p: int, block: int, r: int) -> int:
+        return int(self.pattern[p, r] + block * self.block_rows[p])
+
+
+def matrix(rows: int, row_bytes: int, seed: int, *, misalign: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the whole buffer, a [rows, row_bytes] view starting `misalign` bytes into it) of random bytes."""
+    whole = np.random.default_rng(seed).integers(0, 256, rows * row_bytes + 64, dtype=np.uint8)
+    return whole, whole[misalign : misalign + rows * row_bytes].reshape(rows, row_bytes)
+
+
+def reference(g: Geometry, kv: np.ndarray, slot: np.ndarray, ids: list[int], plane_rows: int, *, to_slot: bool) -> None:
+    for p in range(g.planes):
+        for j, block in enumerate(ids):
+            for r in range(g.rpb):
+                s, k = p * plane_rows + j * g.rpb + r, g.kv_row(p, block, r)
+                if to_slot:
+                    slot[s] = kv[k]
+                else:
+                    kv[k] = slot[s]
+
+
+def copy(g: Geometry, kv: np.ndarray, slot: np.ndarray, ids: list[int], plane_rows: int, **kwargs: object) -> None:
+    rowcopy.copy_blocks(
+        kv.ctypes.data, kv.shape[0], slot.ctypes.data, slot.shape[0], ids, g.pattern, g.block_rows, plane_rows,
+        kv.shape[1], **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "plain"])
+@pytest.mark.parametrize("row_bytes", [1, 3, 16, 17, 63, 64, 65, 4096 + 24])
+@pytest.mark.parametrize("misalign", [0, 1, 13])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "interleaved"])
+def test_gather_and_scatter_match_the_reference(
+    row_bytes: int, misalign: int, stream: bool, threads: int, interleaved: bool
+) -> None:
+    """Blocks into a slot (gather) and from a slot into other blocks (scatter), with a gap between the
+    slot's planes: the bytes equal the reference for rows of any length at any alignment, and rows
+    not named (KV rows of other blocks, slot rows in the gaps) keep theirs."""
+    g = Geometry(3, 10, 2, interleaved=interleaved)
+    ids = [7, 0, 9, 3]
+    plane_rows = len(ids) * g.rpb + 1  # one slot row between planes is not written
+    _, kv = matrix(g.kv_rows, row_bytes, 1)
+    _, slot = matrix(3 * plane_rows, row_bytes, 2, misalign=misalign)
+    expected = slot.copy()
+    reference(g, kv, expected, ids, plane_rows, to_slot=True)
+    copy(g, kv, slot, ids, plane_rows, to_slot=True, stream=stream, threads=threads)
+    assert np.array_equal(slot, expected)
+
+    expected_kv = kv.copy()
+    targets = [2, 8, 5, 1]
+    reference(g, expected_kv, slot, targets, plane_rows, to_slot=False)
+    copy(g, kv, slot, targets, plane_rows, to_slot=False, stream=stream, threads=threads)
+    assert np.array_equal(kv, expected_kv)
+    assert not np.array_equal(kv[g.kv_row(0, 2, 0)], kv[g.kv_row(0, 4, 0)])  # block 4 was not written
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    planes=st.integers(1, 4),
+    rpb=st.integers(1, 3),
+    row_bytes=st.integers(1, 200),
+    ids=st.lists(st.integers(0, 11), max_size=12, unique=True),
+    gap=st.integers(0, 2),
+    interleaved=st.booleans(),
+    stream=st.booleans(),
+)
+def test_any_geometry(
+    planes: int, rpb: int, row_bytes: int, ids: list[int], gap: int, interleaved: bool, stream: bool
+) -> None:
+    g = Geometry(planes, 12, rpb, interleaved=interleaved)
+    plane_rows = len(ids) * rpb + gap
+    _, kv = matrix(g.kv_rows, row_bytes, 3)
+    _, slot = matrix(max(1, planes * plane_rows), row_bytes, 4)
+    expected = slot.copy()
+    reference(g, kv, expected, ids, plane_rows, to_slot=True)
+    copy(g, kv, slot, ids, plane_rows, to_slot=True, stream=stream)
+    assert np.array_equal(slot, expected)
+    expected_kv = kv.copy()
+    back = ids[::-1]
+    reference(g, expected_kv, slot, back, plane_rows, to_slot=False)
+    copy(g, kv, slot, back, plane_rows, to_slot=False, stream=stream)
+    assert np.array_equal(kv, expected_kv)
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8])
+@pytest.mark.parametrize("row_bytes", [24, 4096, 70_000])
+def test_rows_shared_among_threads(row_bytes: int, threads: int) -> None:
+    """Copies of several 64 KiB batches and a short one, shared among OpenMP threads, equal the reference."""
+    blocks = max(4, (200 * 1024) // (2 * row_bytes) + 1)
+    g = Geometry(2, 2 * blocks, 1, interleaved=False)
+    ids = np.random.default_rng(5).permutation(2 * blocks)[:blocks].tolist()
+    _, kv = matrix(g.kv_rows, row_bytes, 6)
+    _, slot = matrix(2 * blocks, row_bytes, 7)
+    expected = slot.copy()
+    reference(g, kv, expected, ids, blocks, to_slot=True)
+    copy(g, kv, slot, ids, blocks, to_slot=True, stream=False, threads=threads)
+    assert np.array_equal(slot, expected)
+    expected_kv = kv.copy()
+    targets = np.random.default_rng(8).permutation(2 * blocks)[:blocks].tolist()
+    reference(g, expected_kv, slot, targets, blocks, to_slot=False)
+    copy(g, kv, slot, targets, blocks, to_slot=False, threads=threads)
+    assert np.array_equal(kv, expected_kv)
 
 
 @pytest.mark.parametrize(
-    ("rows", "limit", "message"),
+    ("ids", "message"),
     [
-        ([0, 1, 10], 10, r"src_rows\[2\] = 10 is outside a matrix of 10 rows"),
-        ([0, -1], 10, r"src_rows\[1\] = -1"),
-        ([2**62], 10, "outside"),
+        (
+            [0, 1, 10],
+            r"ids\[2\] = 10: plane 1's rows of that block are outside a matrix of 40 rows",
+        ),
+        ([0, -1], r"ids\[1\] = -1"),
+        ([2**62], "outside"),  # the row number overflows 64 bits
     ],
 )
-def test_rows_out_of_range_move_nothing(rows: list[int], limit: int, message: str) -> None:
-    """Every row number is checked before any byte moves: a bad one late in the list leaves the
-    destination as it was."""
-    _, src = matrix(10, 64, 8)
-    _, dst = matrix(10, 64, 9)
-    before = dst.copy()
-    index = np.array(rows, dtype=np.int64)
-    with pytest.raises(IndexError, match=message):
-        rowcopy.copy_rows(dst.ctypes.data, None, 10, src.ctypes.data, index, limit, index.size, 64)
-    assert np.array_equal(dst, before)
-
-
-def test_destination_rows_are_checked_too() -> None:
-    _, src = matrix(4, 64, 10)
-    _, dst = matrix(4, 64, 11)
-    before = dst.copy()
-    with pytest.raises(IndexError, match=r"dst_rows\[0\] = 4"):
-        rowcopy.copy_rows(dst.ctypes.data, np.array([4], dtype=np.int64), 4, src.ctypes.data, None, 4, 1, 64)
-    with pytest.raises(IndexError, match="5 rows do not fit a matrix of 4"):
-        rowcopy.copy_rows(dst.ctypes.data, None, 4, src.ctypes.data, None, 8, 5, 64)
-    assert np.array_equal(dst, before)
+def test_blocks_out_of_range_move_nothing(ids: list[int], message: str) -> None:
+    """Every block is checked before any byte moves: a bad id late in the list leaves both sides as they were."""
+    g = Geometry(2, 10, 2, interleaved=False)
+    _, kv = matrix(g.kv_rows, 64, 8)
+    _, slot = matrix(2 * len(ids) * 2, 64, 9)
+    kv_before, slot_before = kv.copy(), slot.copy()
+    for to_slot in (True, False):
+        with pytest.raises(IndexError, match=message):
+            copy(g, kv, slot, ids, len(ids) * 2, to_slot=to_slot)
+    assert np.array_equal(kv, kv_before)
+    assert np.array_equal(slot, slot_before)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"src_rows": np.zeros(3, dtype=np.int32)}, TypeError, "64-bit integers"),
-        ({"src_rows": np.zeros(3, dtype=np.float64)}, TypeError, "64-bit integers"),
-        ({"src_rows": np.zeros(6, dtype=np.int64)[::2]}, (TypeError, ValueError, BufferError), ""),
-        ({"src_rows": b"\0" * 24}, TypeError, "64-bit integers"),
-        ({"src_rows": [0, 1, 2]}, TypeError, ""),
-        ({"src_rows": np.zeros(2, dtype=np.int64)}, ValueError, "row lists of 3 and 2 items"),
-        ({"count": -1}, ValueError, ">= 0"),
+        ({"slot_rows": 7}, IndexError, "2 planes of 2 blocks do not fit a slot of 7 rows"),
+        ({"plane_rows": 3}, ValueError, "plane_rows 3 is under the 4 rows of one plane"),
+        ({"ids": [1, 2.0]}, TypeError, r"ids\[1\] must be an int"),
+        ({"ids": [1, "2"]}, TypeError, r"ids\[1\] must be an int"),
+        ({"ids": 5}, TypeError, "ids must be a sequence"),
+        ({"pattern": np.zeros(4, dtype=np.int32)}, TypeError, "pattern must hold 64-bit signed integers"),
+        ({"pattern": np.zeros(8, dtype=np.uint64)}, TypeError, "64-bit signed"),
+        ({"pattern": np.zeros(6, dtype=np.int64)[::2]}, (TypeError, ValueError, BufferError), None),
+        ({"pattern": np.zeros(3, dtype=np.int64)}, ValueError, "pattern of 3 rows does not split into 2 planes"),
+        ({"block_rows": np.zeros(0, dtype=np.int64)}, ValueError, "does not split into 0 planes"),
+        ({"block_rows": np.array([2, -1], dtype=np.int64)}, IndexError, "plane 1"),
+        ({"pattern": np.array([0, 1, -2, 3], dtype=np.int64)}, IndexError, "plane 1"),
         ({"row_bytes": 0}, ValueError, "row_bytes and threads > 0"),
         ({"threads": 0}, ValueError, "row_bytes and threads > 0"),
-        ({"src": 0}, ValueError, "null address"),
-        ({"dst": -1}, (OverflowError, TypeError), ""),
+        ({"kv_rows": -1}, ValueError, "row counts must be >= 0"),
+        ({"slot": 0}, ValueError, "non-null pointer"),
+        ({"kv": -1}, (OverflowError, ValueError), None),
+        ({"kv": 1.5}, TypeError, "an address must be an int"),
     ],
 )
-def test_bad_arguments_are_typed_errors(kwargs: dict[str, object], error: type[Exception], message: str) -> None:
-    _, src = matrix(4, 64, 12)
-    _, dst = matrix(4, 64, 13)
-    before = dst.copy()
+def test_bad_arguments_are_typed_errors(kwargs: dict[str, object], error: type[Exception], message: str | None) -> None:
+    g = Geometry(2, 10, 2, interleaved=False)
+    _, kv = matrix(g.kv_rows, 64, 10)
+    _, slot = matrix(8, 64, 11)
+    kv_before, slot_before = kv.copy(), slot.copy()
     args: dict[str, object] = {
-        "dst": dst.ctypes.data,
-        "dst_rows": None,
-        "dst_limit": 4,
-        "src": src.ctypes.data,
-        "src_rows": np.arange(3, dtype=np.int64),
-        "src_limit": 4,
-        "count": 3,
+        "kv": kv.ctypes.data,
+        "kv_rows": g.kv_rows,
+        "slot": slot.ctypes.data,
+        "slot_rows": 8,
+        "ids": [1, 2],
+        "pattern": g.pattern,
+        "block_rows": g.block_rows,
+        "plane_rows": 4,
         "row_bytes": 64,
+        "to_slot": True,
     }
     args.update(kwargs)
-    with pytest.raises(error, match=message or None):
-        rowcopy.copy_rows(**args)
-    assert np.array_equal(dst, before)
+    with pytest.raises(error, match=message):
+        rowcopy.copy_blocks(**args)
+    assert np.array_equal(kv, kv_before)
+    assert np.array_equal(slot, slot_before)
+
+
+def test_no_blocks_is_a_no_op() -> None:
+    g = Geometry(2, 4, 1, interleaved=True)
+    _, kv = matrix(g.kv_rows, 32, 12)
+    _, slot = matrix(1, 32, 13)
+    before = slot.copy()
+    copy(g, kv, slot, [], 0, to_slot=True)
+    assert np.array_equal(slot, before)

@@ -4,10 +4,10 @@ The per-group CPU path pays one tensor op (a few microseconds of dispatch each) 
 group and chunk: 32 ops for a model whose layers are separate tensors. When every
 segment of every layer starts a whole number of `row_bytes` past one base address, all
 the KV storages are rows of a single matrix laid over the address range they span. A
-gather or scatter is then one native row copy per chunk (`_rowcopy.c`: prefetched reads,
-streaming writes, on torch's threads; without it, one `index_select` or `numpy.put`, a
-memcpy per row). The row numbers of a chunk come from one numpy expression over a
-pattern built once.
+gather or scatter is then one native row copy per chunk (`_rowcopy.c`: row numbers
+computed in C from the block ids and a pattern built once, prefetched reads, streaming
+writes, on torch's threads). Without it, a gather is one `index_select` and a scatter one
+`numpy.put` (a memcpy per row each), over row numbers from one numpy expression.
 
 The matrix covers the gaps between the storages too; only rows inside the layout's
 blocks are ever named, and `plan_copy` has range-checked every block id before a copy.
@@ -42,9 +42,9 @@ FLAT_MIN_ROW_BYTES = 512
 # FLAT_RUN_MIN_BYTES on average, is one memmove per run (a Python call, ~1 us, each).
 FLAT_RUNS_MAX = 16
 FLAT_RUN_MIN_BYTES = 256 << 10
-# Rows move through the native row copy (`_rowcopy.c`: prefetched reads, streaming
-# writes on scatter, torch's OpenMP threads) when it was built, otherwise through
-# torch.index_select and numpy.put or memmove.
+# Blocks move through the native row copy (`_rowcopy.c`: row numbers computed in C,
+# prefetched reads, streaming writes on scatter, torch's OpenMP threads) when it was
+# built, otherwise through torch.index_select and numpy.put or memmove.
 FLAT_NATIVE = _rowcopy is not None
 
 
@@ -201,24 +201,39 @@ def _adjacent(plan: CopyPlan, chunk_bytes: int, skipped: bool) -> list[tuple[int
     return out
 
 
-def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
-    """Copy every layer's rows of each chunk's blocks into its slot: one `index_select` per chunk,
-    or per run of chunks whose slots follow each other.
+def copy_flat_native(flat: FlatRows, pool_address: int, pool_bytes: int, plan: CopyPlan, *, to_slot: bool) -> None:
+    """Gather (`to_slot`) or scatter the plan's chunks through the native row copy: one call per chunk
+    and band, which computes the rows from the block ids, prefetches a gather's rows ahead, writes a
+    scatter with streaming stores and shares the rows among torch's threads."""
+    row, base, num_rows = flat.row_bytes, flat.base, flat.num_rows
+    threads = native_threads()
+    for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
+        kept = ids[skip:] if skip else ids
+        if not kept:
+            continue
+        at = offset  # byte offset of the band's part of the slot
+        for band in flat.bands:
+            per_plane = len(ids) * band.rows_per_block
+            first = at + skip * band.rows_per_block * row  # skipped blocks lead every plane
+            _rowcopy.copy_blocks(
+                base, num_rows, pool_address + first, (pool_bytes - first) // row, kept, band.pattern,
+                band.block_rows, per_plane, row, to_slot, not to_slot, threads,
+            )  # fmt: skip
+            at += band.num_planes * per_plane * row
 
-    The native row copy prefetches the rows ahead and shares them among torch's
-    threads. Without it, torch's index_select copies each row with memcpy, on every
-    torch thread.
-    """
+
+def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
+    """Copy every layer's rows of each chunk's blocks into its slot: one native row copy per chunk,
+    or without it one `index_select` per chunk or run of chunks whose slots follow each other (a
+    memcpy per row, on every torch thread)."""
+    address = pool.data_ptr()
+    if FLAT_NATIVE:
+        copy_flat_native(flat, address, pool.numel(), plan, to_slot=True)
+        return
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
-    address = pool.data_ptr()
-    threads = native_threads() if FLAT_NATIVE else 0
     for offset, id_lists, _ in _adjacent(plan, block_bytes, skipped=False):
         index = flat.index(id_lists)
-        if threads:
-            n, base = index.size, flat.base
-            _rowcopy.copy_rows(address + offset, None, n, base, index, flat.num_rows, n, row, False, threads)
-            continue
         width = width_of(row, 8, flat.base, address + offset)
         dst = pool[offset : offset + index.size * row].view(dtype_of_width(width)).view(index.size, row // width)
         torch.index_select(flat.words(width), 0, torch.from_numpy(index), out=dst)
@@ -227,30 +242,27 @@ def gather_flat(flat: FlatRows, pool: torch.Tensor, plan: CopyPlan) -> None:
 def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None:
     """Copy each slot's rows into its chunk's blocks past the first `skip` (`pool_bytes`: the pool as numpy).
 
-    Chunks whose slots follow each other go together, as one native row copy with
-    streaming stores (no read of each destination line first), on torch's threads.
-    Without the native copy,
-    rows that continue each other on both sides are merged into runs; a chunk of a few
-    long runs is one `memmove` per run, any other chunk one `numpy.put` of all its rows
-    (a memcpy per row; torch's index_copy_ copies word by word). With leading blocks
-    skipped, each plane's kept rows are contiguous in the slot but the planes are not:
-    one copy per plane.
+    One native row copy per chunk, with streaming stores (no read of each destination line
+    first). Without it, chunks whose slots follow each other go together; rows that
+    continue each other on both sides are merged into runs; a chunk of a few long runs is
+    one `memmove` per run, any other chunk one `numpy.put` of all its rows (a memcpy per
+    row; torch's index_copy_ copies word by word). With leading blocks skipped, each
+    plane's kept rows are contiguous in the slot but the planes are not: one `numpy.put`
+    per plane.
     """
+    pool_address = pool_bytes.ctypes.data
+    if FLAT_NATIVE:
+        copy_flat_native(flat, pool_address, pool_bytes.size, plan, to_slot=False)
+        return
     row = flat.row_bytes
     block_bytes = flat.rows_per_block * row
     target = flat.items()
     item = np.dtype((np.void, row))
-    pool_address = pool_bytes.ctypes.data
-    base = flat.base
-    threads = native_threads() if FLAT_NATIVE else 0
     for offset, id_lists, skip in _adjacent(plan, block_bytes, skipped=True):
         ids = id_lists[0]
         if not skip:
             rows = flat.index(id_lists)
-            if threads:
-                n = rows.size
-                _rowcopy.copy_rows(base, rows, flat.num_rows, pool_address + offset, None, n, n, row, True, threads)
-            elif not _copy_runs(flat, rows, pool_address + offset):
+            if not _copy_runs(flat, rows, pool_address + offset):
                 source = pool_bytes[offset : offset + rows.size * row].view(item)
                 np.put(target, rows, source, mode="clip")  # ids were range-checked by plan_copy
             continue
@@ -263,12 +275,7 @@ def scatter_flat(flat: FlatRows, pool_bytes: np.ndarray, plan: CopyPlan) -> None
             plane_rows = band.rows(kept).reshape(band.num_planes, -1)
             for plane in range(band.num_planes):
                 start = at + plane * per_plane + skip * band.rows_per_block
-                if threads:
-                    kept_rows, n = plane_rows[plane], plane_rows.shape[1]
-                    src = pool_address + offset + start * row
-                    _rowcopy.copy_rows(base, kept_rows, flat.num_rows, src, None, n, n, row, True, threads)
-                else:
-                    np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
+                np.put(target, plane_rows[plane], source[start : at + (plane + 1) * per_plane], mode="clip")
             at += band.num_planes * per_plane
 
 

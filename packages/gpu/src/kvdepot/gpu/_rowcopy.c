@@ -1,9 +1,11 @@
 /*
- * kvdepot.gpu._rowcopy: copy rows between two row matrices of host memory.
+ * kvdepot.gpu._rowcopy: copy KV blocks between a KV cache seen as one row matrix and a
+ * pool slot.
  *
- * The CPU copy path (kvdepot.gpu._flat) sees every KV storage as rows of one matrix and
- * moves a chunk as a list of rows. numpy and torch copy each row with memcpy, which
- * loses to one long memcpy when the rows are a few KiB at random addresses:
+ * The CPU copy path (kvdepot.gpu._flat) sees every KV storage as rows of one matrix: row
+ * `pattern[p, r] + block_id * block_rows[p]` holds row `r` of a block in plane (layer) `p`,
+ * and a slot holds a chunk's rows plane by plane. numpy and torch copy each row with
+ * memcpy, which loses to one long memcpy when rows are a few KiB at random addresses:
  *
  *   - Writes: every store to a line that is not cached first reads that line (read for
  *     ownership); a long memcpy avoids it with non-temporal stores, a memcpy per 4 KiB
@@ -20,8 +22,9 @@
  *     on torch's intra-op thread team, which is hot after a forward pass, rather than
  *     on threads of our own that would compete with it for the cores.
  *
- * The GIL is released while bytes move. Every row number is checked against its matrix
- * before any byte moves. Only the C library, SSE2 (x86-64's baseline) and OpenMP are
+ * Row numbers are computed here from the block ids, with no index array built per call
+ * in Python (that cost about 10% of a 2 MiB chunk's copy). The GIL is released while
+ * bytes move. Every row is checked against its matrix before any byte moves. Only the C library, SSE2 (x86-64's baseline) and OpenMP are
  * used; without SSE2 rows are copied with memcpy, without OpenMP on one thread.
  */
 #define PY_SSIZE_T_CLEAN
@@ -82,21 +85,16 @@ static void prefetch_row(const char *row, size_t row_bytes)
 #endif
 }
 
+/* A C-contiguous buffer of 64-bit integers, or an error naming `name`. */
 typedef struct {
     Py_buffer view;
-    const int64_t *rows; /* NULL: row i is row i */
+    const int64_t *items;
     Py_ssize_t count;
-} RowList;
+} Int64s;
 
-/* Take `obj` (None, or a C-contiguous buffer of 64-bit integers) as a list of row numbers. */
-static int row_list(PyObject *obj, const char *name, RowList *out)
+static int int64s(PyObject *obj, const char *name, Int64s *out)
 {
-    out->rows = NULL;
-    out->count = -1;
     out->view.obj = NULL;
-    if (obj == Py_None) {
-        return 0;
-    }
     if (PyObject_GetBuffer(obj, &out->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
         return -1;
     }
@@ -104,57 +102,52 @@ static int row_list(PyObject *obj, const char *name, RowList *out)
     if (*fmt == '<' || *fmt == '=' || *fmt == '@') {
         fmt++;
     }
-    if (out->view.itemsize != 8 || strlen(fmt) != 1 || strchr("qlQL", *fmt) == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s must hold 64-bit integers, not format '%s' of %zd bytes", name,
+    if (out->view.itemsize != 8 || strlen(fmt) != 1 || strchr("ql", *fmt) == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s must hold 64-bit signed integers, not format '%s' of %zd bytes", name,
                      out->view.format ? out->view.format : "B", out->view.itemsize);
         PyBuffer_Release(&out->view);
         out->view.obj = NULL;
         return -1;
     }
-    out->rows = (const int64_t *)out->view.buf;
+    out->items = (const int64_t *)out->view.buf;
     out->count = out->view.len / 8;
     return 0;
 }
 
-static void release(RowList *list)
+static void release(Int64s *ints)
 {
-    if (list->view.obj != NULL) {
-        PyBuffer_Release(&list->view);
+    if (ints->view.obj != NULL) {
+        PyBuffer_Release(&ints->view);
+        ints->view.obj = NULL;
     }
-}
-
-/* Every row number of `list` (or 0..count-1) lies in [0, limit). */
-static int check_rows(const RowList *list, Py_ssize_t count, long long limit, const char *name)
-{
-    if (list->rows == NULL) {
-        if (count > limit) {
-            PyErr_Format(PyExc_IndexError, "%s: %zd rows do not fit a matrix of %lld", name, count, limit);
-            return -1;
-        }
-        return 0;
-    }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        int64_t r = list->rows[i];
-        if (r < 0 || r >= limit) {
-            PyErr_Format(PyExc_IndexError, "%s[%zd] = %lld is outside a matrix of %lld rows", name, i, (long long)r,
-                         limit);
-            return -1;
-        }
-    }
-    return 0;
 }
 
 typedef struct {
-    char *dst;
-    const int64_t *dst_rows; /* NULL: row i is row i */
-    const char *src;
-    const int64_t *src_rows;
-    Py_ssize_t count;
+    const char *kv;          /* row 0 of the KV matrix */
+    char *slot;              /* the slot's first row */
+    const int64_t *ids;      /* block ids, in slot order */
+    Py_ssize_t num_ids;
+    const int64_t *pattern;  /* [planes, rows_per_block]: KV rows of block 0 */
+    const int64_t *block_rows; /* [planes]: KV rows from one block to the next */
+    Py_ssize_t rows_per_block;
+    Py_ssize_t plane_rows;   /* slot rows from one plane to the next */
+    Py_ssize_t count;        /* planes * num_ids * rows_per_block */
     size_t row_bytes;
+    int to_slot;
     int stream;
 } Job;
 
-/* Copy rows [lo, hi) of `job`, prefetching listed source rows a few rows ahead. */
+/* The KV row and the slot row of the job's row `k` (plane-major, then block, then row). */
+static inline void job_rows(const Job *job, Py_ssize_t k, size_t *kv_row, size_t *slot_row)
+{
+    Py_ssize_t per_plane = job->num_ids * job->rows_per_block;
+    Py_ssize_t p = k / per_plane, in_plane = k % per_plane;
+    Py_ssize_t j = in_plane / job->rows_per_block, r = in_plane % job->rows_per_block;
+    *kv_row = (size_t)(job->pattern[p * job->rows_per_block + r] + job->ids[j] * job->block_rows[p]);
+    *slot_row = (size_t)(p * job->plane_rows + in_plane);
+}
+
+/* Copy rows [lo, hi) of `job`; a gather prefetches the KV rows a few rows ahead. */
 static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 {
     void (*copy)(char *, const char *, size_t) = copy_plain;
@@ -163,22 +156,30 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
         copy = copy_stream;
     }
 #endif
-    size_t row_bytes = job->row_bytes;
-    /* Only a listed source is scattered; a contiguous one the hardware prefetcher follows. */
+    size_t row_bytes = job->row_bytes, kv_row, slot_row;
+    /* Only a gather reads scattered rows; a scatter reads the slot, which the hardware
+       prefetcher follows. */
     Py_ssize_t ahead = 0;
-    if (job->src_rows != NULL) {
+    if (job->to_slot) {
         ahead = row_bytes >= PREFETCH_BYTES ? 1 : (Py_ssize_t)(PREFETCH_BYTES / row_bytes);
-        for (Py_ssize_t i = lo; i < lo + ahead && i < hi; i++) {
-            prefetch_row(job->src + (size_t)job->src_rows[i] * row_bytes, row_bytes);
+        for (Py_ssize_t k = lo; k < lo + ahead && k < hi; k++) {
+            job_rows(job, k, &kv_row, &slot_row);
+            prefetch_row(job->kv + kv_row * row_bytes, row_bytes);
         }
     }
-    for (Py_ssize_t i = lo; i < hi; i++) {
-        if (ahead && i + ahead < hi) {
-            prefetch_row(job->src + (size_t)job->src_rows[i + ahead] * row_bytes, row_bytes);
+    for (Py_ssize_t k = lo; k < hi; k++) {
+        if (ahead && k + ahead < hi) {
+            job_rows(job, k + ahead, &kv_row, &slot_row);
+            prefetch_row(job->kv + kv_row * row_bytes, row_bytes);
         }
-        size_t d = job->dst_rows ? (size_t)job->dst_rows[i] : (size_t)i;
-        size_t s = job->src_rows ? (size_t)job->src_rows[i] : (size_t)i;
-        copy(job->dst + d * row_bytes, job->src + s * row_bytes, row_bytes);
+        job_rows(job, k, &kv_row, &slot_row);
+        char *slot = job->slot + slot_row * row_bytes;
+        char *kv = (char *)job->kv + kv_row * row_bytes;
+        if (job->to_slot) {
+            copy(slot, kv, row_bytes);
+        } else {
+            copy(kv, slot, row_bytes);
+        }
     }
 #if KVD_STREAM
     if (job->stream) {
@@ -221,79 +222,161 @@ static int address_arg(PyObject *obj, void *out)
     if (value == (unsigned long long)-1 && PyErr_Occurred()) {
         return 0;
     }
-    if (value > UINTPTR_MAX) {
-        PyErr_SetString(PyExc_OverflowError, "address does not fit a pointer");
+    if (value == 0 || value > UINTPTR_MAX) {
+        PyErr_SetString(PyExc_ValueError, "an address must be a non-null pointer");
         return 0;
     }
     *(uintptr_t *)out = (uintptr_t)value;
     return 1;
 }
 
-PyDoc_STRVAR(copy_rows_doc,
-             "copy_rows(dst, dst_rows, dst_limit, src, src_rows, src_limit, count, row_bytes, stream=True, threads=1)\n"
-             "--\n\n"
-             "Copy `count` rows of `row_bytes` bytes: row `src_rows[i]` of the matrix at address `src`\n"
-             "to row `dst_rows[i]` of the matrix at address `dst`. A row list is None (row i) or a\n"
-             "C-contiguous buffer of 64-bit integers with `count` items; every row number must be\n"
-             "below its matrix's row count (`dst_limit`, `src_limit`), checked before any byte\n"
-             "moves (IndexError). `stream` writes with non-temporal stores where the CPU has them.\n"
-             "`threads` > 1 shares the rows among that many OpenMP threads (if built with OpenMP).\n"
-             "The rows must not overlap. The GIL is released while bytes move.");
+/* Block ids from a sequence of ints, into `*out` (PyMem_Malloc'd; the caller frees it). */
+static int block_ids(PyObject *obj, int64_t **out, Py_ssize_t *count)
+{
+    PyObject *seq = PySequence_Fast(obj, "ids must be a sequence of ints");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int64_t *ids = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(int64_t));
+    if (ids == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (!PyLong_Check(items[j])) {
+            PyErr_Format(PyExc_TypeError, "ids[%zd] must be an int, not %.80s", j, Py_TYPE(items[j])->tp_name);
+            break;
+        }
+        ids[j] = PyLong_AsLongLong(items[j]);
+        if (ids[j] == -1 && PyErr_Occurred()) {
+            break;
+        }
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) {
+        PyMem_Free(ids);
+        return -1;
+    }
+    *out = ids;
+    *count = n;
+    return 0;
+}
 
-static PyObject *copy_rows(PyObject *self, PyObject *args, PyObject *kwargs)
+/* Check that every row of `job` lies inside its matrices, before any byte moves. */
+static int check_job(const Job *job, Py_ssize_t planes, long long kv_rows, long long slot_rows)
+{
+    if (job->plane_rows < job->num_ids * job->rows_per_block) {
+        PyErr_Format(PyExc_ValueError, "plane_rows %zd is under the %zd rows of one plane", job->plane_rows,
+                     job->num_ids * job->rows_per_block);
+        return -1;
+    }
+    if (job->num_ids > 0 && (planes - 1) * job->plane_rows + job->num_ids * job->rows_per_block > slot_rows) {
+        PyErr_Format(PyExc_IndexError, "%zd planes of %zd blocks do not fit a slot of %lld rows", planes, job->num_ids,
+                     slot_rows);
+        return -1;
+    }
+    for (Py_ssize_t p = 0; p < planes; p++) {
+        int64_t step = job->block_rows[p];
+        int64_t low = INT64_MAX, high = INT64_MIN;
+        for (Py_ssize_t r = 0; r < job->rows_per_block; r++) {
+            int64_t row = job->pattern[p * job->rows_per_block + r];
+            low = row < low ? row : low;
+            high = row > high ? row : high;
+        }
+        for (Py_ssize_t j = 0; j < job->num_ids; j++) {
+            int64_t id = job->ids[j], first, last;
+            if (step < 0 || low < 0 || id < 0 || __builtin_mul_overflow(id, step, &first) ||
+                __builtin_add_overflow(first, high, &last) || last >= kv_rows) {
+                PyErr_Format(PyExc_IndexError, "ids[%zd] = %lld: plane %zd's rows of that block are outside a matrix of "
+                             "%lld rows", j, (long long)id, p, kv_rows);
+                return -1;
+            }
+        }
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+             "copy_blocks(kv, kv_rows, slot, slot_rows, ids, pattern, block_rows, plane_rows, row_bytes, to_slot,\n"
+             "            stream=True, threads=1)\n"
+             "--\n\n"
+             "Copy blocks between a KV cache seen as a matrix of `kv_rows` rows of `row_bytes` bytes at\n"
+             "address `kv` and a slot of `slot_rows` rows at address `slot`: gather (`to_slot`) or scatter.\n"
+             "Row r of block ids[j] in plane p is KV row pattern[p, r] + ids[j] * block_rows[p] and slot\n"
+             "row p * plane_rows + j * rows_per_block + r. `ids` is a sequence of ints; `pattern` (planes x\n"
+             "rows_per_block) and `block_rows` (planes) are C-contiguous int64 buffers. Every row is checked\n"
+             "against its matrix before any byte moves (IndexError). `stream` writes with non-temporal\n"
+             "stores where the CPU has them. `threads` > 1 shares the rows among that many OpenMP threads\n"
+             "(when built with OpenMP). The GIL is released while bytes move.");
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *keywords[] = {"dst",   "dst_rows",  "dst_limit", "src", "src_rows", "src_limit",
-                               "count", "row_bytes", "stream", "threads", NULL};
-    uintptr_t dst_address, src_address;
-    long long dst_limit, src_limit;
-    Py_ssize_t count, row_bytes;
-    PyObject *dst_obj, *src_obj;
-    int stream = 1, threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&OLO&OLnn|pi:copy_rows", keywords, address_arg, &dst_address,
-                                     &dst_obj, &dst_limit, address_arg, &src_address, &src_obj, &src_limit, &count,
-                                     &row_bytes, &stream, &threads)) {
+    static char *keywords[] = {"kv",         "kv_rows",   "slot",    "slot_rows", "ids",     "pattern", "block_rows",
+                               "plane_rows", "row_bytes", "to_slot", "stream",    "threads", NULL};
+    uintptr_t kv, slot;
+    long long kv_rows, slot_rows;
+    Py_ssize_t plane_rows, row_bytes;
+    PyObject *ids_obj, *pattern_obj, *block_rows_obj;
+    int to_slot, stream = 1, threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&LO&LOOOnnp|pi:copy_blocks", keywords, address_arg, &kv,
+                                     &kv_rows, address_arg, &slot, &slot_rows, &ids_obj, &pattern_obj,
+                                     &block_rows_obj, &plane_rows, &row_bytes, &to_slot, &stream, &threads)) {
         return NULL;
     }
-    if (count < 0 || row_bytes <= 0 || dst_limit < 0 || src_limit < 0 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "count and the limits must be >= 0, row_bytes and threads > 0");
+    if (kv_rows < 0 || slot_rows < 0 || plane_rows < 0 || row_bytes <= 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "row counts must be >= 0, row_bytes and threads > 0");
         return NULL;
     }
-    if ((dst_address == 0 || src_address == 0) && count > 0) {
-        PyErr_SetString(PyExc_ValueError, "null address");
-        return NULL;
-    }
-    RowList dst_rows, src_rows;
-    if (row_list(dst_obj, "dst_rows", &dst_rows) < 0) {
-        return NULL;
-    }
-    if (row_list(src_obj, "src_rows", &src_rows) < 0) {
-        release(&dst_rows);
-        return NULL;
-    }
+    Int64s pattern = {.view = {.obj = NULL}}, block_rows = {.view = {.obj = NULL}};
+    int64_t *ids = NULL;
+    Py_ssize_t num_ids = 0;
     PyObject *result = NULL;
-    if ((dst_rows.rows && dst_rows.count != count) || (src_rows.rows && src_rows.count != count)) {
-        PyErr_Format(PyExc_ValueError, "row lists of %zd and %zd items for a count of %zd",
-                     dst_rows.rows ? dst_rows.count : count, src_rows.rows ? src_rows.count : count, count);
-    } else if (check_rows(&dst_rows, count, dst_limit, "dst_rows") == 0 &&
-               check_rows(&src_rows, count, src_limit, "src_rows") == 0) {
-        Job job = {(char *)dst_address, dst_rows.rows, (const char *)src_address,
-                   src_rows.rows, count, (size_t)row_bytes, stream};
-        Py_BEGIN_ALLOW_THREADS copy_job(&job, threads);
-        Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+    if (int64s(pattern_obj, "pattern", &pattern) < 0 || int64s(block_rows_obj, "block_rows", &block_rows) < 0 ||
+        block_ids(ids_obj, &ids, &num_ids) < 0) {
+        goto done;
     }
-    release(&dst_rows);
-    release(&src_rows);
+    Py_ssize_t planes = block_rows.count;
+    if (planes < 1 || pattern.count < planes || pattern.count % planes != 0) {
+        PyErr_Format(PyExc_ValueError, "pattern of %zd rows does not split into %zd planes", pattern.count, planes);
+        goto done;
+    }
+    Job job = {
+        .kv = (const char *)kv,
+        .slot = (char *)slot,
+        .ids = ids,
+        .num_ids = num_ids,
+        .pattern = pattern.items,
+        .block_rows = block_rows.items,
+        .rows_per_block = pattern.count / planes,
+        .plane_rows = plane_rows,
+        .count = planes * num_ids * (pattern.count / planes),
+        .row_bytes = (size_t)row_bytes,
+        .to_slot = to_slot,
+        .stream = stream,
+    };
+    if (check_job(&job, planes, kv_rows, slot_rows) < 0) {
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS copy_job(&job, threads);
+    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ids);
+    release(&pattern);
+    release(&block_rows);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"copy_rows", (PyCFunction)(void (*)(void))copy_rows, METH_VARARGS | METH_KEYWORDS, copy_rows_doc},
+    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_VARARGS | METH_KEYWORDS, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvdepot.gpu._rowcopy", "Row copies between host-memory row matrices.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "kvdepot.gpu._rowcopy", "Block copies between a KV cache row matrix and pool slots.", -1, methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__rowcopy(void)
