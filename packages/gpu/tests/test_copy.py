@@ -386,3 +386,16 @@ def test_layers_of_different_sizes(strategy: str) -> None:
         copier.scatter([0], [[0, 1, 11]], skip_blocks=1).wait()
     assert torch.equal(expected([1, 11]), expected([2, 3]))
     assert not torch.equal(expected([0]), expected([9]))
+
+
+def test_describe_names_the_copy_path(strategy: str) -> None:
+    """A copier says how it copies, for the connector's log: the native copy and its threads where it runs."""
+    if strategy not in ("auto", "flat-put"):
+        pytest.skip("checks the default choice and the fallback")
+    layout = KVLayout.from_kv_caches({"l": torch.zeros((8, 4, 16, 64), dtype=torch.float16)}, backend_hint="CPU_ATTN")
+    with open_copier(layout, filled_pool(1 << 16)) as copier:
+        text = copier.describe()
+    if strategy == "auto":
+        assert text == f"cpu: native block copy over one row matrix of 8192-byte rows, {_flat.native_threads()} threads"
+    else:
+        assert "native copy not built" in text

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from kvdepot.gpu import _triton
+from kvdepot.gpu import _flat, _triton
 from kvdepot.gpu._copy import (
     BlockIds,
     CompletedCopy,
@@ -146,6 +146,15 @@ class CpuCopier:
             scatter_cpu(self.layout, self.pool, plan)
         return CompletedCopy()
 
+    def describe(self) -> str:
+        """How copies run, for logs."""
+        if self.flat is None:
+            return "cpu: one tensor op per layer group and chunk"
+        rows = f"one row matrix of {self.flat.row_bytes}-byte rows"
+        if _flat.FLAT_NATIVE:
+            return f"cpu: native block copy over {rows}, {_flat.native_threads()} threads"
+        return f"cpu: index_select / numpy.put over {rows} (native copy not built)"
+
     def close(self) -> None:
         self._closed = True
 
@@ -212,6 +221,10 @@ class CudaCopier:
             )
         self.method: Method = method if method != "auto" or can_zero_copy else "dma"
         self._closed = False
+
+    def describe(self) -> str:
+        """How copies run, for logs."""
+        return f"cuda: {self.method}, pool {'registered for DMA' if self.registered else 'pageable'}"
 
     def gather(
         self,

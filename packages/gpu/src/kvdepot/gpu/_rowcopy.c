@@ -41,7 +41,9 @@
 #endif
 
 /* Software prefetch keeps about this many source bytes in flight ahead of the copy. */
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES (16 * 1024)
+#endif
 #define LINE 64
 
 static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
@@ -188,14 +190,22 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 #endif
 }
 
-/* Rows are shared among threads in batches of about this many bytes. */
-#define BATCH_BYTES (64 * 1024)
+/* Rows are shared among threads in batches of at least this many bytes. */
+#ifndef BATCH_MIN_BYTES
+#define BATCH_MIN_BYTES (64 * 1024)
+#endif
 
-/* Copy every row of `job`, on `threads` OpenMP threads when the module was built with OpenMP. */
+/* Copy every row of `job`, on `threads` OpenMP threads when the module was built with OpenMP.
+   Each thread takes about two batches: long enough that the prefetches ahead of a gather
+   stay in flight (a batch starts with a stall while its first rows arrive; 64 KiB batches
+   measured 5% slower than 1 MiB ones for a 2 MiB gather on 2 threads), short enough that
+   a thread the OS preempts leaves work for the others. */
 static void copy_job(const Job *job, int threads)
 {
 #if defined(_OPENMP)
-    Py_ssize_t batch = job->row_bytes >= BATCH_BYTES ? 1 : (Py_ssize_t)(BATCH_BYTES / job->row_bytes);
+    Py_ssize_t batch = job->row_bytes >= BATCH_MIN_BYTES ? 1 : (Py_ssize_t)(BATCH_MIN_BYTES / job->row_bytes);
+    Py_ssize_t even = (job->count + 2 * threads - 1) / (2 * (Py_ssize_t)threads);
+    batch = even > batch ? even : batch;
     Py_ssize_t batches = (job->count + batch - 1) / batch;
     if (threads > 1 && batches > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)

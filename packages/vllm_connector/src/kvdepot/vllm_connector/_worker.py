@@ -156,13 +156,14 @@ class WorkerSide:
             )
             return
         self._pending = (reply, self.client.server_id or "")
-        self._current_pool()
+        pool = self._current_pool()
         log.info(
-            "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s",
+            "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s, copies: %s",
             self.strategy.rank,
             self.layout.fingerprint(),
             self.chunk_bytes,
             reply.pool.path,
+            pool.copier.describe() if pool is not None else "none (pool not mapped)",
         )
 
     def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
