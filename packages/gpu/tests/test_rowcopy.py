@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -21,10 +23,16 @@ def test_the_extension_is_built() -> None:
 
 
 def test_built_with_openmp_and_sharing_torchs_runtime() -> None:
-    """On this project's machines the row copy is built with OpenMP and runs on torch's libgomp:
-    the process maps exactly one OpenMP runtime, so copies use torch's threads."""
+    """On this project's machines the row copy is built with OpenMP and runs on the libgomp torch
+    loaded (no second runtime is mapped for it), so copies use torch's threads."""
     assert rowcopy.OPENMP == 1
-    assert _flat._one_openmp_runtime()
+    library = rowcopy.openmp_library()
+    assert library is not None
+    assert os.path.realpath(library).startswith(os.path.dirname(os.path.realpath(torch.__file__)))
+    with open("/proc/self/maps") as maps:
+        runtimes = {line.split()[-1] for line in maps if os.path.basename(line.split()[-1]) == "libgomp.so.1"}
+    assert runtimes == {library}
+    assert _flat._shares_torch_openmp()
     assert _flat.native_threads() == torch.get_num_threads()
 
 

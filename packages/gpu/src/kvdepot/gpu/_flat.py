@@ -49,24 +49,24 @@ FLAT_NATIVE = _rowcopy is not None
 
 
 @functools.cache
-def _one_openmp_runtime() -> bool:
-    """Whether this process maps exactly one OpenMP runtime, GNU's: the one torch and the row copy share.
+def _shares_torch_openmp() -> bool:
+    """Whether the row copy's OpenMP loops run on torch's own OpenMP runtime (and so its thread team).
 
-    With a second runtime (an Intel OpenMP preloaded for the engine, say) the row copy's
-    threads would be a separate team competing with torch's for the cores.
+    They do when the runtime the extension resolved lies in torch's package: torch loaded
+    its libgomp.so.1 first and the loader reused it. A runtime from elsewhere (a system
+    libgomp beside a torch that bundles a renamed one, an Intel OpenMP preloaded for the
+    engine) would bring a second team competing with torch's for the cores.
     """
-    try:
-        with open("/proc/self/maps", encoding="ascii", errors="replace") as maps:
-            files = {line.split()[-1] for line in maps}
-    except OSError:
+    ours = _rowcopy.openmp_library() if _rowcopy is not None and _rowcopy.OPENMP else None
+    if ours is None:
         return False
-    runtimes = {path for path in files if os.path.basename(path).startswith(("libgomp", "libiomp", "libomp"))}
-    return len(runtimes) == 1 and os.path.basename(runtimes.pop()).startswith("libgomp")
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    return os.path.realpath(ours).startswith((torch_dir + os.sep, torch_dir + ".libs" + os.sep))
 
 
 def native_threads() -> int:
     """Threads for one native row copy: torch's intra-op threads when they can be shared, else 1."""
-    if _rowcopy is None or not _rowcopy.OPENMP or not _one_openmp_runtime():
+    if not _shares_torch_openmp():
         return 1
     return int(torch.get_num_threads())
 

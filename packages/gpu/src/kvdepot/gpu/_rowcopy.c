@@ -21,6 +21,7 @@
  *     has already loaded its own libgomp.so.1, so the loader reuses it: these loops run
  *     on torch's intra-op thread team, which is hot after a forward pass, rather than
  *     on threads of our own that would compete with it for the cores.
+ *     `openmp_library()` names the runtime the loops resolved to, so the caller can check.
  *
  * Row numbers are computed here from the block ids, with no index array built per call
  * in Python (that cost about 10% of a 2 MiB chunk's copy). The GIL is released while
@@ -32,6 +33,11 @@
 
 #include <stdint.h>
 #include <string.h>
+
+#if defined(_OPENMP)
+#include <dlfcn.h>
+#include <omp.h>
+#endif
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -380,7 +386,24 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(openmp_library_doc, "openmp_library()\n--\n\n"
+                                 "The file of the OpenMP runtime the copies run on, or None without OpenMP.");
+
+static PyObject *openmp_library(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+#if defined(_OPENMP)
+    Dl_info info;
+    if (dladdr((void *)&omp_get_max_threads, &info) && info.dli_fname != NULL) {
+        return PyUnicode_DecodeFSDefault(info.dli_fname);
+    }
+#endif
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"openmp_library", openmp_library, METH_NOARGS, openmp_library_doc},
     {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_VARARGS | METH_KEYWORDS, copy_blocks_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -4,6 +4,7 @@ from typing import Any
 STREAMING_STORES: int
 OPENMP: int
 
+def openmp_library() -> str | None: ...
 def copy_blocks(
     kv: int,
     kv_rows: int,
