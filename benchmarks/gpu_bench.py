@@ -298,6 +298,8 @@ def main() -> int:
         ("CPU 64 blocks x 32 KiB (8 layers), one storage", 8, 1, 16, 64, 64, True, 1),
         ("CPU 64 blocks x 32 KiB (8 layers), one storage, 8 chunks/call", 8, 1, 16, 64, 64, True, 8),
         ("CPU 64 blocks x 32 KiB (8 layers), tensor per layer", 8, 1, 16, 64, 64, False, 1),
+        # vLLM's CPU backend: 128-token blocks, so a layer-block of 1 KV head of 64 is 32 KiB
+        ("CPU 8 blocks x 256 KiB (8 layers, 128-token blocks), one storage", 8, 1, 128, 64, 8, True, 1),
     ]
     for i, case in enumerate(cases, 1):
         log(f"[{i}/{len(cases)}] {case[0]}")
