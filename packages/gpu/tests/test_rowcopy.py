@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -234,3 +237,105 @@ def test_no_blocks_is_a_no_op() -> None:
     before = slot.copy()
     copy(g, kv, slot, [], 0, to_slot=True)
     assert np.array_equal(slot, before)
+
+
+def test_row_counts_that_overflow_are_refused() -> None:
+    """A plane_rows so large that the slot's last row number wraps around 64 bits is refused, not
+    turned into a write before the slot."""
+    g = Geometry(2, 4, 1, interleaved=False)
+    _, kv = matrix(g.kv_rows, 16, 14)
+    whole, slot = matrix(1, 16, 15, misalign=32)
+    before = whole.copy()
+    for plane_rows in (2**63 - 1, 2**62):
+        with pytest.raises((OverflowError, IndexError)):
+            copy(g, kv, slot, [1], plane_rows, to_slot=True)
+    assert np.array_equal(whole, before)
+
+
+def test_more_threads_than_work_or_cores() -> None:
+    """Thread counts far above the batches or the cores are capped (libgomp would otherwise exit the
+    process when it cannot create them)."""
+    g = Geometry(1, 8, 1, interleaved=False)
+    _, kv = matrix(g.kv_rows, 70_000, 16)
+    _, slot = matrix(3, 70_000, 17)
+    expected = slot.copy()
+    reference(g, kv, expected, [5, 0, 7], 3, to_slot=True)
+    copy(g, kv, slot, [5, 0, 7], 3, to_slot=True, threads=100_000)
+    assert np.array_equal(slot, expected)
+
+
+def test_pattern_shape_must_match_the_planes() -> None:
+    g = Geometry(2, 4, 3, interleaved=False)  # pattern [2, 3]
+    _, kv = matrix(g.kv_rows, 8, 18)
+    _, slot = matrix(9, 8, 19)
+    with pytest.raises(ValueError, match="does not split into 3 planes"):
+        rowcopy.copy_blocks(
+            kv.ctypes.data, g.kv_rows, slot.ctypes.data, 9, [1], g.pattern, np.ones(3, dtype=np.int64), 3, 8, True
+        )
+
+
+def test_arrays_changed_by_another_thread_during_a_copy() -> None:
+    """The copy works on its own copy of pattern and block_rows: another thread writing them once the
+    GIL is released cannot send rows outside the matrix or change which rows move."""
+    g = Geometry(2, 512, 1, interleaved=False)
+    ids = list(range(0, 512, 2))
+    _, kv = matrix(g.kv_rows, 4096, 20)
+    _, slot = matrix(2 * len(ids), 4096, 21)
+    expected = slot.copy()
+    reference(g, kv, expected, ids, len(ids), to_slot=True)
+    pattern, original = g.pattern, g.pattern.copy()
+    stop = threading.Event()
+
+    def scribble() -> None:
+        while not stop.is_set():
+            pattern[0, 0] = 1 << 40
+            pattern[0, 0] = original[0, 0]
+
+    writer = threading.Thread(target=scribble)
+    writer.start()
+    try:
+        for _ in range(20):
+            slot[...] = 0
+            try:
+                rowcopy.copy_blocks(
+                    kv.ctypes.data, g.kv_rows, slot.ctypes.data, slot.shape[0], ids, pattern, g.block_rows,
+                    len(ids), 4096, True, False, 2,
+                )  # fmt: skip
+            except IndexError:  # its snapshot held the scribbled value: refused before any byte moved
+                assert not slot.any()
+                continue
+            assert np.array_equal(slot, expected)
+    finally:
+        stop.set()
+        writer.join()
+
+
+def _copy_in_child(queue: Any) -> None:
+    g = Geometry(2, 64, 1, interleaved=False)
+    _, kv = matrix(g.kv_rows, 4096, 22)
+    _, slot = matrix(2 * 32, 4096, 23)
+    expected = slot.copy()
+    reference(g, kv, expected, list(range(32)), 32, to_slot=True)
+    threads = _flat.native_threads()
+    copy(g, kv, slot, list(range(32)), 32, to_slot=True, threads=threads)
+    queue.put((threads, bool(np.array_equal(slot, expected))))
+
+
+def test_a_child_forked_after_threaded_copies_copies_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """libgomp's threads do not survive fork(): a child of a process that ran threaded copies copies
+    on one thread (a parallel region there would wait forever) and finishes."""
+    g = Geometry(2, 64, 1, interleaved=False)
+    _, kv = matrix(g.kv_rows, 4096, 24)
+    _, slot = matrix(2 * 32, 4096, 25)
+    copy(g, kv, slot, list(range(32)), 32, to_slot=True, threads=2)  # this process's team exists now
+    monkeypatch.setattr(_flat, "_ran_threads", True)  # as after a copier's threaded copy
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_copy_in_child, args=(queue,))
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+        pytest.fail("the forked child hung in its copy")
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == (1, True)

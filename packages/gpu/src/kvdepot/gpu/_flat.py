@@ -58,15 +58,30 @@ def _shares_torch_openmp() -> bool:
     engine) would bring a second team competing with torch's for the cores.
     """
     ours = _rowcopy.openmp_library() if _rowcopy is not None and _rowcopy.OPENMP else None
-    if ours is None:
+    if ours is None or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return False
     torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
     return os.path.realpath(ours).startswith((torch_dir + os.sep, torch_dir + ".libs" + os.sep))
 
 
+# libgomp's thread team does not survive fork(): in a child of a process that ran a
+# threaded copy, a parallel region waits forever for threads that are gone (torch's own
+# parallel ops in such a child hang the same way). Copies in such a child use one thread.
+_forked_after_threads = False
+_ran_threads = False
+
+
+def _after_fork_in_child() -> None:
+    global _forked_after_threads  # noqa: PLW0603 - process-wide state, set by the fork hook
+    _forked_after_threads = _forked_after_threads or _ran_threads
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def native_threads() -> int:
     """Threads for one native row copy: torch's intra-op threads when they can be shared, else 1."""
-    if not _shares_torch_openmp():
+    if _forked_after_threads or not _shares_torch_openmp():
         return 1
     return int(torch.get_num_threads())
 
@@ -205,8 +220,10 @@ def copy_flat_native(flat: FlatRows, pool_address: int, pool_bytes: int, plan: C
     """Gather (`to_slot`) or scatter the plan's chunks through the native row copy: one call per chunk
     and band, which computes the rows from the block ids, prefetches a gather's rows ahead, writes a
     scatter with streaming stores and shares the rows among torch's threads."""
+    global _ran_threads  # noqa: PLW0603 - process-wide state read by the fork hook
     row, base, num_rows = flat.row_bytes, flat.base, flat.num_rows
     threads = native_threads()
+    _ran_threads = _ran_threads or threads > 1
     for offset, ids, skip in zip(plan.offsets, plan.block_lists, plan.skips, strict=True):
         kept = ids[skip:] if skip else ids
         if not kept:

@@ -139,7 +139,7 @@ typedef struct {
     const int64_t *block_rows; /* [planes]: KV rows from one block to the next */
     Py_ssize_t rows_per_block;
     Py_ssize_t plane_rows;   /* slot rows from one plane to the next */
-    Py_ssize_t count;        /* planes * num_ids * rows_per_block */
+    Py_ssize_t count;        /* planes * num_ids * rows_per_block, set by check_job */
     size_t row_bytes;
     int to_slot;
     int stream;
@@ -209,11 +209,18 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 static void copy_job(const Job *job, int threads)
 {
 #if defined(_OPENMP)
+    if (threads > omp_get_num_procs()) {
+        threads = omp_get_num_procs(); /* more would only wait; far more, and libgomp exits the process */
+    }
+    Py_ssize_t twice = 2 * (Py_ssize_t)threads;
     Py_ssize_t batch = job->row_bytes >= BATCH_MIN_BYTES ? 1 : (Py_ssize_t)(BATCH_MIN_BYTES / job->row_bytes);
-    Py_ssize_t even = (job->count + 2 * threads - 1) / (2 * (Py_ssize_t)threads);
+    Py_ssize_t even = job->count / twice + (job->count % twice != 0);
     batch = even > batch ? even : batch;
-    Py_ssize_t batches = (job->count + batch - 1) / batch;
-    if (threads > 1 && batches > 1) {
+    Py_ssize_t batches = job->count / batch + (job->count % batch != 0);
+    if ((Py_ssize_t)threads > batches) {
+        threads = (int)batches;
+    }
+    if (threads > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (Py_ssize_t b = 0; b < batches; b++) {
             Py_ssize_t hi = (b + 1) * batch < job->count ? (b + 1) * batch : job->count;
@@ -281,15 +288,21 @@ static int block_ids(PyObject *obj, int64_t **out, Py_ssize_t *count)
     return 0;
 }
 
-/* Check that every row of `job` lies inside its matrices, before any byte moves. */
-static int check_job(const Job *job, Py_ssize_t planes, long long kv_rows, long long slot_rows)
+/* Count the job's rows and check that every one lies inside its matrix, before any byte moves. */
+static int check_job(Job *job, Py_ssize_t planes, long long kv_rows, long long slot_rows)
 {
-    if (job->plane_rows < job->num_ids * job->rows_per_block) {
-        PyErr_Format(PyExc_ValueError, "plane_rows %zd is under the %zd rows of one plane", job->plane_rows,
-                     job->num_ids * job->rows_per_block);
+    Py_ssize_t per_plane, count, span;
+    if (__builtin_mul_overflow(job->num_ids, job->rows_per_block, &per_plane) ||
+        __builtin_mul_overflow(per_plane, planes, &count) ||
+        __builtin_mul_overflow(planes - 1, job->plane_rows, &span) || __builtin_add_overflow(span, per_plane, &span)) {
+        PyErr_SetString(PyExc_OverflowError, "the copy's row numbers overflow 64 bits");
         return -1;
     }
-    if (job->num_ids > 0 && (planes - 1) * job->plane_rows + job->num_ids * job->rows_per_block > slot_rows) {
+    if (job->plane_rows < per_plane) {
+        PyErr_Format(PyExc_ValueError, "plane_rows %zd is under the %zd rows of one plane", job->plane_rows, per_plane);
+        return -1;
+    }
+    if (job->num_ids > 0 && span > slot_rows) {
         PyErr_Format(PyExc_IndexError, "%zd planes of %zd blocks do not fit a slot of %lld rows", planes, job->num_ids,
                      slot_rows);
         return -1;
@@ -312,6 +325,7 @@ static int check_job(const Job *job, Py_ssize_t planes, long long kv_rows, long 
             }
         }
     }
+    job->count = count;
     return 0;
 }
 
@@ -348,32 +362,42 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args, PyObject *kwargs)
         return NULL;
     }
     Int64s pattern = {.view = {.obj = NULL}}, block_rows = {.view = {.obj = NULL}};
-    int64_t *ids = NULL;
-    Py_ssize_t num_ids = 0;
+    int64_t *ids = NULL, *geometry = NULL;
+    Py_ssize_t num_ids = 0, planes = 0;
     PyObject *result = NULL;
     if (int64s(pattern_obj, "pattern", &pattern) < 0 || int64s(block_rows_obj, "block_rows", &block_rows) < 0 ||
         block_ids(ids_obj, &ids, &num_ids) < 0) {
         goto done;
     }
-    Py_ssize_t planes = block_rows.count;
-    if (planes < 1 || pattern.count < planes || pattern.count % planes != 0) {
+    planes = block_rows.count;
+    if (planes < 1 || pattern.count < planes || pattern.count % planes != 0 ||
+        (pattern.view.ndim >= 2 && pattern.view.shape[0] != planes)) {
         PyErr_Format(PyExc_ValueError, "pattern of %zd rows does not split into %zd planes", pattern.count, planes);
         goto done;
     }
+    /* Private copies: another thread may write the caller's arrays once the GIL is released. */
+    geometry = PyMem_Malloc((size_t)(pattern.count + planes) * sizeof(int64_t));
+    if (geometry == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    memcpy(geometry, pattern.items, (size_t)pattern.count * sizeof(int64_t));
+    memcpy(geometry + pattern.count, block_rows.items, (size_t)planes * sizeof(int64_t));
     Job job = {
         .kv = (const char *)kv,
         .slot = (char *)slot,
         .ids = ids,
         .num_ids = num_ids,
-        .pattern = pattern.items,
-        .block_rows = block_rows.items,
+        .pattern = geometry,
+        .block_rows = geometry + pattern.count,
         .rows_per_block = pattern.count / planes,
         .plane_rows = plane_rows,
-        .count = planes * num_ids * (pattern.count / planes),
         .row_bytes = (size_t)row_bytes,
         .to_slot = to_slot,
         .stream = stream,
     };
+    release(&pattern);
+    release(&block_rows);
     if (check_job(&job, planes, kv_rows, slot_rows) < 0) {
         goto done;
     }
@@ -381,6 +405,7 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args, PyObject *kwargs)
     Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
 done:
     PyMem_Free(ids);
+    PyMem_Free(geometry);
     release(&pattern);
     release(&block_rows);
     return result;
