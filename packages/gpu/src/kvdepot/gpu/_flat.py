@@ -25,6 +25,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import structlog
 import torch
 
 from kvdepot.gpu._copy import CopyPlan
@@ -32,7 +33,10 @@ from kvdepot.gpu._layout import KVLayout, PlaneGroup, _extent, dtype_of_width, w
 
 try:
     from kvdepot.gpu import _rowcopy
-except ImportError:  # installed without a C compiler: torch and numpy move the rows
+except ModuleNotFoundError:  # installed without a C compiler: torch and numpy move the rows
+    _rowcopy = None  # type: ignore[assignment]
+except ImportError as exc:  # built, but it does not load here (a missing symbol, say)
+    structlog.get_logger(__name__).warning("kvdepot.gpu native copy unavailable, copying with torch", error=str(exc))
     _rowcopy = None  # type: ignore[assignment]
 
 # Rows shorter than this make the per-row copy too short to run at memcpy speed; such
