@@ -191,27 +191,37 @@ def test_restart_under_load(make_pair: Any) -> None:
         assert not unexpected, unexpected[:3]
 
 
+def run_in_threads(work: Any, count: int, *, timeout: float) -> list[BaseException]:
+    """Run `work(n)` on `count` threads at once; what they raised (assertion failures included)."""
+    errors: list[BaseException] = []
+
+    def guarded(n: int) -> None:
+        try:
+            work(n)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(n,)) for n in range(count)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout)
+    return errors
+
+
 @pytest.mark.parametrize("make_pair", [MemoryPair, ZmqPair], ids=["memory", "ipc"])
 def test_many_threads_one_client(make_pair: Any) -> None:
     """Sixteen threads submitting through one client all get their own replies."""
     with make_pair() as pair:
         pair.start_server(t.DictHandler())
         client = pair.client()
-        errors: list[BaseException] = []
 
         def work(n: int) -> None:
-            try:
-                futs = [client.set_quota(f"{n}-{j}", j) for j in range(100)]
-                for j, f in enumerate(futs):
-                    assert f.result(10).quotas[f"{n}-{j}"] == j
-            except BaseException as exc:
-                errors.append(exc)
+            futs = [client.set_quota(f"{n}-{j}", j) for j in range(100)]
+            for j, f in enumerate(futs):
+                assert f.result(10).quotas[f"{n}-{j}"] == j
 
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(16)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
+        errors = run_in_threads(work, 16, timeout=30)
         assert not errors, errors[:3]
         assert len(client.get_quotas().result(5).quotas) == 1600
 
@@ -330,21 +340,13 @@ def test_waiting_threads_take_each_others_replies(ipc_address: str) -> None:
 
     server = _FakeServer(ipc_address, answer)
     client = t.CacheClient(ipc_address, timeout=10)
-    errors: list[BaseException] = []
 
     def work(n: int) -> None:
-        try:
-            for j in range(20):
-                assert client.set_quota(f"{n}-{j}", 1).result(10).quotas == {f"{n}-{j}": 1}
-        except BaseException as exc:
-            errors.append(exc)
+        for j in range(20):
+            assert client.set_quota(f"{n}-{j}", 1).result(10).quotas == {f"{n}-{j}": 1}
 
     try:
-        threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
+        errors = run_in_threads(work, 8, timeout=60)
         assert not errors, errors[:3]
     finally:
         client.close(end_session=False)

@@ -1,4 +1,4 @@
-"""Every layer's blocks as rows of one matrix: one index op per chunk on CPU, whatever the layout.
+"""Every layer's blocks as rows of one matrix: one copy call per chunk on CPU, whatever the layout.
 
 The per-group CPU path pays one tensor op (a few microseconds of dispatch each) per plane
 group and chunk: 32 ops for a model whose layers are separate tensors. When every

@@ -47,9 +47,7 @@
 #endif
 
 /* Software prefetch keeps about this many source bytes in flight ahead of the copy. */
-#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES (16 * 1024)
-#endif
 #define LINE 64
 
 static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
@@ -197,9 +195,7 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 }
 
 /* Rows are shared among threads in batches of at least this many bytes. */
-#ifndef BATCH_MIN_BYTES
 #define BATCH_MIN_BYTES (64 * 1024)
-#endif
 
 /* Copy every row of `job`, on `threads` OpenMP threads when the module was built with OpenMP.
    Each thread takes about two batches: long enough that the prefetches ahead of a gather
