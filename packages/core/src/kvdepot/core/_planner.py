@@ -23,7 +23,10 @@ class RetrievePlan:
     ``block_ids`` are the blocks of those chunks, ``blocks_per_chunk`` per chunk in
     order. The first ``skip_blocks`` of them already hold the engine's own
     prefix-cache hit (other requests may be reading them) and must not be written.
-    ``keys[r]`` are the chunk keys of KV rank ``r``.
+    ``keys[r]`` are the chunk keys of KV rank ``r``; ``slots[r]`` where rank ``r``'s chunks
+    lie in the pool of server instance ``source``, which leased them under ``lease_ids``.
+    The planner holds those leases until `on_load_done` or `on_load_failed`, even if the
+    request ends first: a lease is never given back while a copy may still read its slots.
     """
 
     req_id: str
@@ -35,6 +38,8 @@ class RetrievePlan:
     skip_blocks: int
     num_tokens: int
     lease_ids: tuple[int, ...]
+    slots: tuple[tuple[int, ...], ...] = ()
+    source: str = ""
 
 
 @attrs.frozen
@@ -59,6 +64,13 @@ class RequestTracker:
     state: RequestState = RequestState.NEW
     hit_chunks: int = 0
     lease_ids: tuple[int, ...] = ()
+    #: The lookup asked from this chunk on; the chunks before it were the engine's own hit.
+    lookup_first: int = 0
+    #: Where the hit chunks lie, per KV rank (from ``lookup_first`` on), in which server
+    #: instance, and when the lookup that found them was sent (the caller's clock).
+    hit_slots: tuple[tuple[int, ...], ...] = ()
+    hit_source: str = ""
+    hit_at: float = 0.0
     engine_hit_tokens: int = 0
     num_external_tokens: int = 0
     #: Tokens whose KV is in the request's blocks once the last scheduled step has run.
@@ -100,6 +112,9 @@ class Planner:
         self._releases: list[int] = []
         # Requests that ended while their lookup was in flight: its lease is released on arrival.
         self._orphans: set[str] = set()
+        # Leases of loads in flight, by request: given back when the load ends, not before,
+        # even if the request itself ends (aborted) while its copy runs.
+        self._loading: dict[str, tuple[int, ...]] = {}
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -116,6 +131,10 @@ class Planner:
             raise UnknownRequestError(
                 f"request {req_id!r} is not tracked; call add_request first", req_id=req_id
             ) from None
+
+    def is_loading(self, req_id: str) -> bool:
+        """True while a load planned for the request has not been reported done or failed."""
+        return req_id in self._loading
 
     def take_releases(self) -> list[int]:
         """Lease ids to release with the server, each exactly once."""
@@ -149,24 +168,46 @@ class Planner:
         self._requests[req_id] = tracker
         return tracker
 
-    def start_lookup(self, req_id: str, all_token_ids: Sequence[int]) -> list[list[bytes]] | None:
-        """Keys to look up, one list per KV rank, or None when the request has no full chunk.
+    def start_lookup(
+        self, req_id: str, all_token_ids: Sequence[int], *, local_tokens: int = 0
+    ) -> list[list[bytes]] | None:
+        """Keys to look up, one list per KV rank, or None when there is nothing to ask.
 
-        With None the request is already looked up with zero hits. A request already looked
-        up may look up again (its hit grew old waiting for blocks); its leases are released.
+        ``local_tokens`` are the tokens the engine's own prefix cache already holds: the
+        chunks they cover are not asked for, and hits count on from there. A request that
+        may load nothing (no full chunk beyond its local hit, leaving one token to compute)
+        gets None and is already looked up with zero hits. A request already looked up may
+        look up again (its hit grew old waiting for blocks); its leases are released.
         """
         tracker = self.get(req_id)
+        _non_negative("local_tokens", local_tokens)
         tracker.move(Event.LOOKUP_SENT)
         self._release(tracker)  # a repeated lookup gives back the leases of the previous one
         tracker.hit_chunks = 0
+        tracker.hit_slots, tracker.hit_source = (), ""
         tracker.chain.update(all_token_ids)
-        if tracker.chain.num_chunks == 0:
+        first = local_tokens // self.chunk_size
+        tracker.lookup_first = first
+        if first >= tracker.chain.num_chunks:
             self.on_lookup_done(req_id, [0], ())
             return None
-        return [list(tracker.chain.keys(rank)) for rank in range(tracker.chain.num_namespaces)]
+        return [list(tracker.chain.keys(rank)[first:]) for rank in range(tracker.chain.num_namespaces)]
 
-    def on_lookup_done(self, req_id: str, hit_chunks: Sequence[int], lease_ids: Sequence[int]) -> None:
-        """Record a lookup reply: hits per KV rank (a chunk is a hit only if every rank has it)."""
+    def on_lookup_done(
+        self,
+        req_id: str,
+        hit_chunks: Sequence[int],
+        lease_ids: Sequence[int],
+        *,
+        slots: Sequence[Sequence[int]] = (),
+        source: str = "",
+        at: float = 0.0,
+    ) -> None:
+        """Record a lookup reply: hits per KV rank (a chunk is a hit only if every rank has it).
+
+        Hits count from the lookup's first chunk; ``slots[r]`` are rank ``r``'s pool offsets
+        of those chunks in server instance ``source``; ``at`` is when the lookup was sent.
+        """
         if req_id in self._orphans:
             self._orphans.discard(req_id)
             self._releases.extend(lease for lease in lease_ids if lease)
@@ -175,8 +216,12 @@ class Planner:
         tracker.move(Event.LOOKUP_DONE)
         hits = min(hit_chunks, default=0)
         _non_negative("hit_chunks", hits)
-        tracker.hit_chunks = min(hits, tracker.chain.num_chunks)
+        hits = min(hits, tracker.chain.num_chunks - tracker.lookup_first, *(len(s) for s in slots))
+        tracker.hit_chunks = tracker.lookup_first + hits if hits > 0 else 0
         tracker.lease_ids = tuple(lease_ids)
+        tracker.hit_slots = tuple(tuple(rank_slots[:hits]) for rank_slots in slots)
+        tracker.hit_source = source
+        tracker.hit_at = at
 
     def num_tokens_to_load(self, req_id: str, engine_hit_tokens: int, num_tokens: int) -> int:
         """Tokens the cache can supply beyond the engine's own prefix-cache hit.
@@ -188,6 +233,8 @@ class Planner:
         tracker.engine_hit_tokens = engine_hit_tokens
         if tracker.state is not RequestState.LOOKED_UP:
             return 0
+        if engine_hit_tokens < tracker.lookup_first * self.chunk_size:
+            return 0  # the engine's own hit shrank since the lookup: the hit is not contiguous
         usable = min(tracker.hit_chunks * self.chunk_size, num_tokens - 1)
         return max(0, usable - engine_hit_tokens)
 
@@ -210,7 +257,6 @@ class Planner:
                 f"{tracker.hit_chunks * self.chunk_size} tokens were hits",
                 req_id=req_id,
             )
-        tracker.move(Event.ALLOCATED_WITH_LOAD)
         bpc = self.blocks_per_chunk
         first = tracker.engine_hit_tokens // self.chunk_size
         end = -(-load_end // self.chunk_size)
@@ -219,6 +265,10 @@ class Planner:
                 f"request {req_id!r} has {len(block_ids)} blocks but loading {end} chunks needs {end * bpc}",
                 req_id=req_id,
             )
+        tracker.move(Event.ALLOCATED_WITH_LOAD)
+        lease_ids, tracker.lease_ids = tracker.lease_ids, ()
+        self._loading[req_id] = lease_ids
+        offset = tracker.lookup_first
         return RetrievePlan(
             req_id=req_id,
             cache_salt=tracker.cache_salt,
@@ -228,7 +278,9 @@ class Planner:
             block_ids=tuple(block_ids[first * bpc : end * bpc]),
             skip_blocks=(tracker.engine_hit_tokens - first * self.chunk_size) // self.block_size,
             num_tokens=num_external_tokens,
-            lease_ids=tracker.lease_ids,
+            lease_ids=lease_ids,
+            slots=tuple(tuple(rank_slots[first - offset : end - offset]) for rank_slots in tracker.hit_slots),
+            source=tracker.hit_source,
         )
 
     def on_scheduled(
@@ -280,18 +332,31 @@ class Planner:
             block_ids=tuple(tracker.block_ids[first * bpc : end * bpc]),
         )
 
+    def _load_ended(self, req_id: str) -> RequestTracker | None:
+        """Gives the load's leases back; the tracker, or None if the request ended meanwhile."""
+        leases = self._loading.pop(req_id, None)
+        tracker = self._requests.get(req_id)
+        if leases is None and tracker is None:
+            raise UnknownRequestError(f"request {req_id!r} has no load in flight", req_id=req_id)
+        self._releases.extend(lease for lease in leases or () if lease)
+        return tracker
+
     def on_load_done(self, req_id: str) -> None:
-        """The chunks of the request's retrieve plan are in its blocks; its leases go back."""
-        tracker = self.get(req_id)
-        tracker.move(Event.LOAD_DONE)
-        self._release(tracker)
+        """The chunks of the request's retrieve plan are in its blocks; its leases go back.
+
+        Also for a request that ended while its load ran: only the leases go back then.
+        """
+        tracker = self._load_ended(req_id)
+        if tracker is not None:
+            tracker.move(Event.LOAD_DONE)
 
     def on_load_failed(self, req_id: str, num_computed_tokens: int) -> None:
         """The load failed; the engine recomputes from ``num_computed_tokens`` (see `recover_load_failures`)."""
-        tracker = self.get(req_id)
         _non_negative("num_computed_tokens", num_computed_tokens)
+        tracker = self._load_ended(req_id)
+        if tracker is None:
+            return
         tracker.move(Event.LOAD_FAILED)
-        self._release(tracker)
         tracker.num_computed_tokens = min(tracker.num_computed_tokens, num_computed_tokens)
         # Recomputed chunks may be stored again; the server skips keys it already has.
         tracker.next_store_chunk = min(tracker.next_store_chunk, tracker.num_computed_tokens // self.chunk_size)
@@ -304,6 +369,7 @@ class Planner:
         self._release(tracker)
         tracker.block_ids = []
         tracker.hit_chunks = tracker.engine_hit_tokens = tracker.num_external_tokens = 0
+        tracker.hit_slots, tracker.hit_source = (), ""
         tracker.num_computed_tokens = 0
 
     def finish(self, req_id: str) -> bool:

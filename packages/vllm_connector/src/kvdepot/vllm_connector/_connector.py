@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._config import ConnectorConfig
+from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
 from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -157,10 +158,17 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             on_reconnect=self._on_reconnect,
         )
         _check_server(self.client, self.config.timeout)
+        self.health = ServerHealth(self.client)
         name = layout_name(vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
-                # A failed load must be recomputed, never turned into a failed request.
+                # A cache miss is never an error: a failed load is recomputed, never turned
+                # into a failed request. Said once, so a user who chose "fail" knows why.
+                log.warning(
+                    "kvdepot sets kv_load_failure_policy=recompute (was %r): a load from a cache that fails is "
+                    "recomputed, never turned into a failed request",
+                    ktc.kv_load_failure_policy,
+                )
                 ktc.kv_load_failure_policy = "recompute"
             namespace = Namespace(model=model_identity(vllm_config), layout=name, kv_world_size=strategy.kv_world_size)
             self._scheduler = SchedulerSide(
@@ -169,10 +177,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 chunk_size=self.config.chunk_size,
                 client=self.client,
                 lookup_timeout=self.config.lookup_timeout,
+                health=self.health,
             )
         else:
             self._worker = WorkerSide(
                 client=self.client,
+                health=self.health,
                 strategy=strategy,
                 chunk_size=self.config.chunk_size,
                 block_size=block_size,
@@ -198,6 +208,15 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # a cache: requests never wait for a store to be delivered
 
     # -- scheduler side ------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._scheduler is not None
@@ -231,6 +250,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None
+        assert isinstance(kv_connector_metadata, KVDepotMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -238,12 +262,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-model copies done in start_load_kv
+        return  # loads are asynchronous: the request waits in vLLM until get_finished reports them
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return  # stores are whole-model copies done in wait_for_save
+        return  # stores are whole-model copies queued in wait_for_save
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
@@ -252,7 +276,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and stores complete inside their step
+        assert self._worker is not None
+        return self._worker.get_finished(finished_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

@@ -15,7 +15,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 @dataclass
 class LoadOp:
-    """Scatter leased chunks into a request's blocks (the first ``skip_blocks`` stay untouched)."""
+    """Scatter leased chunks into a request's blocks (the first ``skip_blocks`` stay untouched).
+
+    The worker copies it on its own thread and reports it in `get_finished` (done or failed);
+    vLLM keeps the request waiting and its blocks out of the prefix cache until then.
+    """
 
     req_id: str
     server_id: str
@@ -37,22 +41,28 @@ class StoreOp:
 
 @dataclass
 class KVDepotMetadata(KVConnectorMetadata):
-    """One engine step's loads and stores, built by the scheduler for every worker."""
+    """One engine step's work for every worker.
+
+    ``held`` are finished requests whose blocks vLLM keeps until every worker reports their
+    stores done (`get_finished`); ``preempted`` are requests whose blocks vLLM took back this
+    step, so their stores must end before the step's forward pass may overwrite them.
+    """
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
+    held: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
 
 
 @dataclass
 class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
-    """Which loads of the step finished and which failed, on any worker."""
+    """Which finished loads failed, on any worker (vLLM reports the finished ones itself)."""
 
-    loaded: set[str] = field(default_factory=set)
     failed: set[str] = field(default_factory=set)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVDepotWorkerMetadata)
-        return KVDepotWorkerMetadata(self.loaded | other.loaded, self.failed | other.failed)
+        return KVDepotWorkerMetadata(self.failed | other.failed)
 
 
 #: Counters reported through vLLM's connector stats (summed over workers and steps).
@@ -60,6 +70,7 @@ STAT_COUNTERS = (
     "lookups",
     "lookup_hit_tokens",
     "lookup_misses_timeout",
+    "lookup_misses_server_down",
     "loaded_tokens",
     "loaded_bytes",
     "load_failures",

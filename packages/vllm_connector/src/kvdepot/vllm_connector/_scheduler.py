@@ -1,7 +1,17 @@
 """The scheduler half of the connector: lookups, planning, and lease bookkeeping.
 
 All accounting is `kvdepot.core.Planner`'s; this half turns vLLM's scheduler calls into
-planner events, batches a step's lookups into one message, and never waits on the server.
+planner events and never waits on the server beyond one bounded moment per step:
+
+- A request is keyed, and its lookup queued, when vLLM admits it (`on_new_request`). The
+  chunks vLLM's own prefix cache already holds are not asked for. The queued lookups of a
+  scheduling pass leave together, as one message, the first time vLLM asks for a match.
+- Hits are loaded asynchronously: the request waits in vLLM's waiting-for-remote-KV state,
+  the worker copies on its own thread, and vLLM adds the blocks to its prefix cache only
+  once every worker has reported the copy. The leases are given back only then.
+- A finished request that planned stores keeps its blocks until every worker's copy of
+  them is done (`request_finished` returns True; the workers report it in `get_finished`).
+- While the server is down or stuck, lookups are misses at once (`ServerHealth`).
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvdepot.core import Namespace, Planner, RequestState
-from kvdepot.transport import LookupItem
+from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
 if TYPE_CHECKING:
@@ -27,18 +37,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvdepot.transport import CacheClient
+    from kvdepot.vllm_connector._health import ServerHealth
 
 log = logging.getLogger("vllm.kvdepot.scheduler")
 
 _RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
-#: A hit older than this (seconds) is looked up again before it is loaded: its leases expire on
-#: the server after a minute (`kvdepot serve --lease-ttl`), and an expired lease's slot may hold
-#: another chunk by then.
+#: A hit older than this (seconds, counted from when its lookup was sent) is looked up again
+#: before it is loaded: its leases expire on the server after a minute (`kvdepot serve
+#: --lease-ttl`), and an expired lease's slot may hold another chunk by then.
 LEASE_REFRESH_S = 20.0
-#: Once per scheduling pass the scheduler gives a pending lookup this long (seconds) to land.
-#: The reply is usually on the socket already, or a round trip away; waiting on the future
-#: reads it on the engine thread, where the transport's I/O thread would first have to win
-#: the GIL from the engine. The scheduler never waits longer than this for the server.
+#: Once per scheduling pass the scheduler gives the pending lookups this long (seconds) to
+#: land. The reply of a local server is usually a round trip (~0.1 ms) away; waiting on the
+#: future reads it on the engine thread, so a hit or a miss costs the request no extra
+#: engine step. The scheduler never waits longer than this for the server.
 LOOKUP_YIELD_S = 0.002
 
 
@@ -67,42 +78,47 @@ def lora_identity(request: Request) -> str | None:
 
 
 @attrs.define
-class _Lookup:
-    """A lookup on its way: sent (or about to be) to one server instance."""
+class _Record:
+    """The connector's one record of a request (the planner's tracker holds the accounting)."""
 
-    future: Future[Any] | None
-    first: int
-    sent_at: float
-    server_id: str
-
-
-@attrs.define
-class _Hit:
-    """What a lookup found: slots per KV rank on one server instance, and when."""
-
-    slots: list[list[int]]
-    server_id: str
-    at: float
+    request: Request
+    #: The lookup in flight: the reply's future once sent, and where this request's items are.
+    lookup: Future[Any] | None = None
+    first_item: int = 0
+    sent_at: float = 0.0
+    server_id: str = ""
+    #: A store was planned: at the end, the blocks stay until the workers' copies are done.
+    stored: bool = False
+    #: A load of this request failed: it is never offered a hit again.
+    load_failed: bool = False
 
 
 class SchedulerSide:
     """Drives the planner from vLLM's scheduler hooks."""
 
     def __init__(
-        self, namespace: Namespace, *, block_size: int, chunk_size: int, client: CacheClient, lookup_timeout: float
+        self,
+        namespace: Namespace,
+        *,
+        block_size: int,
+        chunk_size: int,
+        client: CacheClient,
+        lookup_timeout: float,
+        health: ServerHealth,
     ) -> None:
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.client = client
+        self.health = health
         self.kv_world_size = namespace.kv_world_size
         self.lookup_timeout = lookup_timeout
         self.stats = KVDepotStats()
-        self._requests: dict[str, Request] = {}
+        self.kv_cache_manager: Any = None  # vLLM's, for the local prefix-cache hit at admission
+        self._records: dict[str, _Record] = {}
         self._uncacheable: set[str] = set()
-        # Lookups of this step, sent together by build_connector_meta.
-        self._batch: list[tuple[str, str, list[list[bytes]]]] = []
-        self._lookups: dict[str, _Lookup] = {}
-        self._hits: dict[str, _Hit] = {}
+        # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
+        self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
+        self._held: set[str] = set()
         # The planner sees lease handles unique across server instances; each names the
         # server that granted it, so a lease is never released to a restarted server.
         self._handles = itertools.count(1)
@@ -112,57 +128,47 @@ class SchedulerSide:
 
     # -- vLLM scheduler hooks --------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM admitted the request: key it and queue its lookup."""
+        record = self._track(request)
+        if record is not None and not getattr(request, "skip_reading_prefix_cache", False):
+            self._start_lookup(record, self._local_hit_tokens(request))
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if req_id in self._uncacheable:
-            return 0, False
-        if req_id not in self.planner:
-            digests = request_extra_digests(request)
-            if digests is None:
-                self._uncacheable.add(req_id)
-                return 0, False
-            self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), extra=digests)
-            self._requests[req_id] = request
-        if getattr(request, "skip_reading_prefix_cache", False):
-            return 0, False  # vLLM would not use a hit; the request is still stored
+        record = self._records.get(req_id) or self._track(request)
+        if record is None or record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # a request that skips reading is still stored
         tracker = self.planner.get(req_id)
         if tracker.state in _RUNNING:  # back in the waiting queue: it was preempted
             self.planner.on_preempted(req_id)
-            self._hits.pop(req_id, None)
             self._flush_releases()
-        hit = self._hits.get(req_id)
-        stale = (
-            tracker.state is RequestState.LOOKED_UP and hit is not None and time.monotonic() - hit.at > LEASE_REFRESH_S
-        )
-        if tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale:
-            self._hits.pop(req_id, None)
-            keys = self.planner.start_lookup(req_id, request.all_token_ids)
-            self._flush_releases()
-            if keys is not None:
-                self._batch.append((req_id, tracker.cache_salt, keys))
-                self._lookups[req_id] = _Lookup(None, 0, time.monotonic(), "")
+        stale = tracker.state is RequestState.LOOKED_UP and time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
+        if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale) and not self._start_lookup(
+            record, num_computed_tokens
+        ):
+            return 0, False
+        if tracker.state is RequestState.PREFETCHING:
+            self._send_lookups()
+            if not self._poll_lookup(record):
                 return None, False
-        if tracker.state is RequestState.PREFETCHING and not self._poll_lookup(req_id):
-            return None, False
-        return self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens), False
+        num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
+        return num, num > 0
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         req_id = request.request_id
-        if req_id in self._uncacheable or req_id not in self.planner:
+        if req_id not in self._records:
             return
         tracker = self.planner.get(req_id)
         if tracker.state not in (RequestState.LOOKED_UP, RequestState.NEW, RequestState.PREEMPTED):
-            return  # a second call for the same allocation
+            return  # a request promoted after its load, or after a failed one, is allocated again
         plan = self.planner.on_allocated(req_id, block_ids, num_external_tokens)
-        hit = self._hits.pop(req_id, None)
         if plan is not None:
-            assert hit is not None
-            end = plan.first_chunk + plan.num_chunks
             self._loads.append(
                 LoadOp(
                     req_id=req_id,
-                    server_id=hit.server_id,
-                    slots=[rank_slots[plan.first_chunk : end] for rank_slots in hit.slots],
+                    server_id=plan.source,
+                    slots=[list(rank_slots) for rank_slots in plan.slots],
                     block_ids=list(plan.block_ids),
                     skip_blocks=plan.skip_blocks,
                     num_tokens=plan.num_tokens,
@@ -173,8 +179,9 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
         self._send_lookups()
-        meta = KVDepotMetadata(loads=self._loads)
-        self._loads = []
+        preempted = set(scheduler_output.preempted_req_ids or ())
+        meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted)
+        self._loads, self._held = [], set()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), new.block_ids[0], replace=True)
@@ -185,7 +192,7 @@ class SchedulerSide:
             self._plan_store(
                 meta, req_id, scheduled.get(req_id, 0), new_blocks[0] if new_blocks else [], replace=resumed
             )
-        for req_id in scheduler_output.preempted_req_ids or ():
+        for req_id in preempted:
             if req_id in self.planner and self.planner.get(req_id).state in _RUNNING:
                 self.planner.on_preempted(req_id)
         self._flush_releases()
@@ -193,51 +200,102 @@ class SchedulerSide:
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         worker_meta = output.kv_connector_worker_meta
-        if isinstance(worker_meta, KVDepotWorkerMetadata):
-            for req_id in worker_meta.failed:
-                request = self._requests.get(req_id)
-                if request is not None and self._waiting_for_load(req_id):
-                    self.planner.on_load_failed(req_id, request.num_computed_tokens)
-                    self.stats.add("load_failures")
-            for req_id in worker_meta.loaded - worker_meta.failed:
-                if self._waiting_for_load(req_id):
-                    self.planner.on_load_done(req_id)
+        failed = worker_meta.failed if isinstance(worker_meta, KVDepotWorkerMetadata) else set()
+        # vLLM lists a load here once every worker has finished it, failed or not; it has
+        # already cut a failed request's computed tokens back to its first failed block.
+        for req_id in output.finished_recving or ():
+            if not self.planner.is_loading(req_id):
+                continue
+            record = self._records.get(req_id)
+            if req_id in failed:
+                self.stats.add("load_failures")
+                if record is not None:
+                    record.load_failed = True
+                computed = record.request.num_computed_tokens if record is not None else 0
+                self.planner.on_load_failed(req_id, computed)
+            else:
+                self.planner.on_load_done(req_id)
         self._flush_releases()
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         req_id = request.request_id
         self._uncacheable.discard(req_id)
-        self._requests.pop(req_id, None)
-        self._hits.pop(req_id, None)
-        self._batch = [item for item in self._batch if item[0] != req_id]
-        pending = self._lookups.pop(req_id, None)
-        ended = self.planner.abort(req_id) if _was_aborted(request) else self.planner.finish(req_id)
-        if ended and pending is not None:
-            # The lookup is still out: whatever leases its reply brings are released on arrival.
+        record = self._records.pop(req_id, None)
+        if record is None:
+            return False, None
+        prefetching = self.planner.get(req_id).state is RequestState.PREFETCHING
+        self._queued = [item for item in self._queued if item[0] != req_id]
+        if _was_aborted(request):
+            self.planner.abort(req_id)
+        else:
+            self.planner.finish(req_id)
+        if prefetching:
+            # The lookup is queued or out: whatever leases its reply brings go back on arrival.
             self.planner.on_lookup_done(req_id, [0], ())
-            self._release_on_arrival(pending)
+            self._release_on_arrival(record)
         self._flush_releases()
-        # Stores finish inside the step that planned them (wait_for_save), so blocks can go at once.
-        return False, None
+        # A request still loading holds its blocks through vLLM until the load is reported;
+        # otherwise, if it planned stores, its blocks wait for the workers to copy them.
+        hold = record.stored and not self.planner.is_loading(req_id)
+        if hold:
+            self._held.add(req_id)
+        return hold, None
 
     def shutdown(self) -> None:
-        for req_id in list(self._requests):
+        for req_id in list(self._records):
             self.planner.abort(req_id)
         self._flush_releases()
 
     # -- internals --------------------------------------------------------------------
 
-    def _waiting_for_load(self, req_id: str) -> bool:
-        return req_id in self.planner and self.planner.get(req_id).state is RequestState.WAITING_FOR_LOAD
+    def _track(self, request: Request) -> _Record | None:
+        """The request's record, created on first sight; None if it cannot be cached."""
+        req_id = request.request_id
+        if req_id in self._uncacheable:
+            return None
+        digests = request_extra_digests(request)
+        if digests is None:
+            self._uncacheable.add(req_id)
+            return None
+        self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), extra=digests)
+        record = self._records[req_id] = _Record(request)
+        return record
+
+    def _local_hit_tokens(self, request: Request) -> int:
+        """Tokens vLLM's own prefix cache holds for the request now (0 if unknown)."""
+        manager = self.kv_cache_manager
+        if manager is None or not getattr(manager, "enable_caching", False):
+            return 0
+        try:
+            hit: int = manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1]
+        except Exception:  # a vLLM whose internals differ: ask for every chunk
+            return 0
+        return hit
+
+    def _start_lookup(self, record: _Record, local_tokens: int) -> bool:
+        """Queue a lookup of the chunks past the local hit; False if the server is not usable."""
+        if not self.health.usable():
+            self.stats.add("lookup_misses_server_down")
+            return False
+        req_id = record.request.request_id
+        keys = self.planner.start_lookup(req_id, record.request.all_token_ids, local_tokens=local_tokens)
+        self._flush_releases()  # a repeated lookup gives back the old leases
+        if keys is not None:
+            record.lookup, record.sent_at = None, time.monotonic()
+            self._queued.append((req_id, self.planner.get(req_id).cache_salt, keys))
+        return True
 
     def _plan_store(
         self, meta: KVDepotMetadata, req_id: str, num_tokens: int, block_ids: list[int], *, replace: bool
     ) -> None:
-        if req_id not in self.planner or self.planner.get(req_id).state not in _RUNNING:
+        record = self._records.get(req_id)
+        if record is None or self.planner.get(req_id).state not in _RUNNING:
             return
-        request = self._requests[req_id]
-        plan = self.planner.on_scheduled(req_id, num_tokens, request.all_token_ids, block_ids, replace_blocks=replace)
+        plan = self.planner.on_scheduled(
+            req_id, num_tokens, record.request.all_token_ids, block_ids, replace_blocks=replace
+        )
         if plan is not None:
+            record.stored = True
             meta.stores.append(
                 StoreOp(
                     req_id=req_id,
@@ -248,60 +306,61 @@ class SchedulerSide:
             )
 
     def _send_lookups(self) -> None:
-        if not self._batch:
+        """Sends every queued lookup as one message."""
+        if not self._queued:
             return
-        batch, self._batch = self._batch, []
-        items = [LookupItem(salt=salt, keys=rank_keys) for _req, salt, keys in batch for rank_keys in keys]
+        queued, self._queued = self._queued, []
+        items = [LookupItem(salt=salt, keys=rank_keys) for _req, salt, keys in queued for rank_keys in keys]
         server_id = self.client.server_id or ""
         try:
             future: Future[Any] = self.client.lookup(items)
-        except Exception as exc:  # the server is unreachable: every lookup is a miss
-            log.warning("kvdepot lookup could not be sent, counting %d requests as misses: %s", len(batch), exc)
+        except Exception as exc:  # the client is closed: every lookup is a miss
+            log.warning("kvdepot lookup could not be sent, counting %d requests as misses: %s", len(queued), exc)
             future = Future()
             future.set_exception(exc)
-        for index, (req_id, _salt, _keys) in enumerate(batch):
-            lookup = self._lookups[req_id]
-            lookup.future, lookup.first, lookup.server_id = future, index * self.kv_world_size, server_id
+        for index, (req_id, _salt, _keys) in enumerate(queued):
+            record = self._records[req_id]
+            record.lookup, record.first_item, record.server_id = future, index * self.kv_world_size, server_id
 
-    def _poll_lookup(self, req_id: str) -> bool:
+    def _poll_lookup(self, record: _Record) -> bool:
         """Apply the lookup reply if it is in; True once the request is looked up."""
-        lookup = self._lookups[req_id]
-        if lookup.future is not None and not lookup.future.done() and not self._yielded:
+        req_id, future = record.request.request_id, record.lookup
+        assert future is not None
+        if not future.done() and not self._yielded:
             self._yielded = True
             with contextlib.suppress(TimeoutError):
-                lookup.future.exception(timeout=LOOKUP_YIELD_S)  # reads the reply on this thread
-        if lookup.future is None or not lookup.future.done():
-            if time.monotonic() - lookup.sent_at < self.lookup_timeout:
+                future.exception(timeout=LOOKUP_YIELD_S)  # reads the reply on this thread
+        if not future.done():
+            if time.monotonic() - record.sent_at < self.lookup_timeout:
                 return False
             log.warning("kvdepot lookup for %s took over %.1fs; counting it as a miss", req_id, self.lookup_timeout)
+            self.health.report_timeout()
             self.stats.add("lookup_misses_timeout")
-            del self._lookups[req_id]
-            self._release_on_arrival(lookup)
+            self._release_on_arrival(record)
             self.planner.on_lookup_done(req_id, [0], ())
             return True
-        del self._lookups[req_id]
+        record.lookup = None
         hits, handles, slots = [0], [], []
         try:
-            results = lookup.future.result().results[lookup.first : lookup.first + self.kv_world_size]
+            results = future.result().results[record.first_item : record.first_item + self.kv_world_size]
         except Exception as exc:
+            if isinstance(exc, DeadlineExceededError):
+                self.health.report_timeout()
             log.warning("kvdepot lookup for %s failed, counting it as a miss: %s", req_id, exc)
             results = []
         # The slots are only meaningful in the pool of the server that answered: if the
         # client reconnected to another instance meanwhile, the reply counts as a miss.
-        same_server = bool(lookup.server_id) and lookup.server_id == self.client.server_id
+        same_server = bool(record.server_id) and record.server_id == self.client.server_id
         if len(results) == self.kv_world_size and same_server:
             hits = [r.num_hits for r in results]
-            handles = [self._handle(lookup.server_id, r.lease_id) for r in results]
+            handles = [self._handle(record.server_id, r.lease_id) for r in results]
             slots = [[s.offset for s in r.slots] for r in results]
-        self.planner.on_lookup_done(req_id, hits, handles)
+        self.planner.on_lookup_done(req_id, hits, handles, slots=slots, source=record.server_id, at=record.sent_at)
         tracker = self.planner.get(req_id)
         self.stats.add("lookups")
-        self.stats.add("lookup_seconds_sum", time.monotonic() - lookup.sent_at)
-        self.stats.add("lookup_hit_tokens", tracker.hit_chunks * self.planner.chunk_size)
-        if tracker.hit_chunks:
-            self._hits[req_id] = _Hit(
-                [rank_slots[: tracker.hit_chunks] for rank_slots in slots], lookup.server_id, time.monotonic()
-            )
+        self.stats.add("lookup_seconds_sum", time.monotonic() - record.sent_at)
+        hit_chunks = tracker.hit_chunks - tracker.lookup_first if tracker.hit_chunks else 0
+        self.stats.add("lookup_hit_tokens", hit_chunks * self.planner.chunk_size)
         return True
 
     def _handle(self, server_id: str, lease_id: int) -> int:
@@ -312,9 +371,10 @@ class SchedulerSide:
             self._leases[handle] = (server_id, lease_id)
         return handle
 
-    def _release_on_arrival(self, lookup: _Lookup) -> None:
+    def _release_on_arrival(self, record: _Record) -> None:
         """Release whatever leases a reply we no longer wait for brings when it arrives."""
-        future, first, world, server_id = lookup.future, lookup.first, self.kv_world_size, lookup.server_id
+        future, first, world, server_id = record.lookup, record.first_item, self.kv_world_size, record.server_id
+        record.lookup = None
         if future is None:
             return
 

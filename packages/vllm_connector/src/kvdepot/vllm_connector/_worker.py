@@ -1,8 +1,19 @@
 """The worker half of the connector: maps the pool, and moves blocks in and out of it.
 
-Loads run in `start_load_kv` (before the forward pass when the step has one), stores in
-`wait_for_save` (after it). Both finish inside the step, so vLLM never frees or reads a
-block a copy still uses. A failed load is reported, never hidden.
+Every copy runs on one copy thread of the worker's own, in the order the steps asked for
+them, while the engine goes on with its next steps:
+
+- A load (`start_load_kv`) writes blocks of a request that vLLM keeps waiting, and that no
+  other request can see, until `get_finished` reports the load done or failed.
+- A store (`wait_for_save`, after the forward pass wrote the blocks) reserves slots, copies
+  and commits. Its blocks cannot change under it: a running request's full blocks are never
+  rewritten, a finished request's blocks are held until its stores are reported done, and a
+  preempted request's stores are waited for before the step may reuse its blocks
+  (`handle_preemptions`).
+- The pool is mapped, and remapped after a server restart, on the copy thread only, so no
+  copy ever runs on a mapping that is being closed.
+
+A failed load is reported, never hidden.
 """
 
 from __future__ import annotations
@@ -12,9 +23,11 @@ import logging
 import mmap
 import os
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import ParallelStrategy
+from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
 if TYPE_CHECKING:
@@ -22,6 +35,7 @@ if TYPE_CHECKING:
 
     from kvdepot.gpu import KVLayout
     from kvdepot.transport import CacheClient, HelloReply, RegisterReply
+    from kvdepot.vllm_connector._health import ServerHealth
 
 log = logging.getLogger("vllm.kvdepot.worker")
 
@@ -99,6 +113,7 @@ class WorkerSide:
         self,
         *,
         client: CacheClient,
+        health: ServerHealth,
         strategy: ParallelStrategy,
         chunk_size: int,
         block_size: int,
@@ -109,6 +124,7 @@ class WorkerSide:
         prefault_pool: bool = True,
     ) -> None:
         self.client = client
+        self.health = health
         self.strategy = strategy
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // block_size
@@ -119,17 +135,19 @@ class WorkerSide:
         self.prefault_pool = prefault_pool
         self.layout: KVLayout | None = None
         self.chunk_bytes = 0
-        self.stats = KVDepotStats()
+        self._stats = KVDepotStats()
+        self._stats_lock = threading.Lock()
         self._pool: _PoolMapping | None = None
-        # A re-registration reply from the transport's I/O thread, mapped by the engine's
-        # thread at the start of its next copy (never while a copy may use the old mapping).
+        # A re-registration reply from the transport's I/O thread, mapped by the copy thread
+        # before its next copy (never while a copy may use the old mapping).
         self._lock = threading.Lock()
         self._pending: tuple[RegisterReply, str] | None = None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-copy")
+        # Engine thread only: copies in flight, and finished requests whose blocks we hold.
+        self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
+        self._stores: dict[str, list[Future[None]]] = {}
+        self._held: set[str] = set()
         self._failed_blocks: set[int] = set()
-        # Loads of the current step that failed: their requests' stores (and any store over a
-        # failed block) are dropped. Reset by start_load_kv, which vLLM calls every step.
-        self._step_failed: set[str] = set()
-        self._step_failed_blocks: set[int] = set()
         self._step_meta = KVDepotWorkerMetadata()
 
     # -- set-up ---------------------------------------------------------------------
@@ -156,7 +174,7 @@ class WorkerSide:
             )
             return
         self._pending = (reply, self.client.server_id or "")
-        pool = self._current_pool()
+        pool = self._copier.submit(self._current_pool).result()
         log.info(
             "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s, copies: %s",
             self.strategy.rank,
@@ -173,7 +191,7 @@ class WorkerSide:
                 self._pending = (register, hello.server_id)
 
     def _current_pool(self) -> _PoolMapping | None:
-        """The mapped pool, first switching to a newly registered one (engine thread only)."""
+        """The mapped pool, first switching to a newly registered one (copy thread only)."""
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is None or self.layout is None:
@@ -191,27 +209,54 @@ class WorkerSide:
             old.close()
         return pool
 
-    # -- loads ------------------------------------------------------------------------
+    def _add(self, name: str, value: float = 1) -> None:
+        with self._stats_lock:
+            self._stats.add(name, value)
+
+    # -- the engine's step ------------------------------------------------------------
+
+    def handle_preemptions(self, meta: KVDepotMetadata) -> None:
+        """Before the step reuses preempted requests' blocks, their stores must have read them."""
+        for req_id in meta.preempted:
+            for future in self._stores.pop(req_id, ()):
+                future.exception()  # waits; a failure was logged by the copy itself
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
-        self._step_failed = set()
-        self._step_failed_blocks = set()
-        pool = self._current_pool()
+        self._held |= meta.held
         for op in meta.loads:
-            try:
-                self._load(op, pool)
-            except Exception as exc:
-                log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", op.req_id, exc)
-                failed = op.block_ids[op.skip_blocks :]
-                self._step_failed.add(op.req_id)
-                self._step_failed_blocks.update(failed)
-                self._step_meta.failed.add(op.req_id)
-                self._failed_blocks.update(failed)
-                self.stats.add("load_failures")
-            else:
-                self._step_meta.loaded.add(op.req_id)
+            self._loads[op.req_id] = (op, self._copier.submit(self._load, op))
 
-    def _load(self, op: LoadOp, pool: _PoolMapping | None) -> None:
+    def wait_for_save(self, meta: KVDepotMetadata) -> None:
+        if not meta.stores or not self.strategy.stores:
+            return
+        future = self._copier.submit(self._store_all, meta.stores)
+        for op in meta.stores:
+            self._stores.setdefault(op.req_id, []).append(future)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(held requests whose stores are done, loads done or failed) since the last call."""
+        recving: set[str] = set()
+        for req_id, (op, future) in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[req_id]
+            recving.add(req_id)
+            exc = future.exception()
+            if exc is not None:
+                log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
+                self._failed_blocks.update(op.block_ids[op.skip_blocks :])
+                self._step_meta.failed.add(req_id)
+                self._add("load_failures")
+        for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
+            del self._stores[req_id]
+        sending = {req_id for req_id in self._held if req_id not in self._stores}
+        self._held -= sending
+        return sending or None, recving or None
+
+    # -- on the copy thread ------------------------------------------------------------
+
+    def _load(self, op: LoadOp) -> None:
+        pool = self._current_pool()
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
         if self.layout is None or pool is None:
@@ -226,79 +271,72 @@ class WorkerSide:
             raise RuntimeError("a slot lies outside the mapped pool")
         blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(len(slots))]
         pool.copier.scatter(slots, blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
-        self.stats.add("loaded_tokens", op.num_tokens)
-        self.stats.add("loaded_bytes", len(slots) * self.chunk_bytes)
+        self._add("loaded_tokens", op.num_tokens)
+        self._add("loaded_bytes", len(slots) * self.chunk_bytes)
 
-    # -- stores -------------------------------------------------------------------------
-
-    def wait_for_save(self, meta: KVDepotMetadata) -> None:
-        if not meta.stores or not self.strategy.stores:
-            return
+    def _store_all(self, ops: list[StoreOp]) -> None:
+        """Reserve one step's chunks in one message, then copy and commit each request's."""
         pool = self._current_pool()
-        if self.layout is None or pool is None or self.client.server_id != pool.server_id:
-            self.stats.add("store_skipped", len(meta.stores))
+        if self.layout is None or pool is None or self.client.server_id != pool.server_id or not self.health.usable():
+            self._add("store_skipped", len(ops))
             return
-        failed, failed_blocks = self._step_failed, self._step_failed_blocks
-        ops = [
-            op
-            for op in meta.stores
-            if op.req_id not in failed and not (failed_blocks and failed_blocks.intersection(op.block_ids))
-        ]
-        self.stats.add("store_skipped", len(meta.stores) - len(ops))
         rank = self.strategy.kv_rank
         with self.client.batch() as batch:
             futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops]
-        commits = []
         for op, future in zip(ops, futures, strict=True):
             # Each reply on its own: a failed reserve skips only its own store, and every
             # reservation that was granted is committed or aborted, never left to expire.
             try:
                 reply = future.result()
             except Exception as exc:
+                if isinstance(exc, DeadlineExceededError):
+                    self.health.report_timeout()
                 log.warning("kvdepot store of %s skipped, the server did not reserve: %s", op.req_id, exc)
-                self.stats.add("store_skipped")
+                self._add("store_skipped")
                 continue
-            commits.append(self._store(op, reply, pool))
-        for future in commits:
-            try:
-                if future is not None:
-                    future.result()
-            except Exception as exc:
-                log.warning("kvdepot commit failed; the chunks stay invisible and expire: %s", exc)
+            self._store(op, reply, pool)
 
-    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> Any:
+    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> None:
         if not reply.slots:
-            return None
-        assert self.layout is not None
+            return
         bpc = self.blocks_per_chunk
         blocks = [op.block_ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
         try:
             pool.copier.gather(blocks, [s.offset for s in reply.slots], slot_size=self.chunk_bytes).wait()
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
-            return self.client.abort(reply.reservation_id)
-        self.stats.add("stored_chunks", len(reply.slots))
-        self.stats.add("stored_bytes", len(reply.slots) * self.chunk_bytes)
-        return self.client.commit(reply.reservation_id)
+            self.client.abort(reply.reservation_id).add_done_callback(_log_failure)
+            return
+        self._add("stored_chunks", len(reply.slots))
+        self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
+        # The blocks are copied: nothing waits for the commit's reply.
+        self.client.commit(reply.reservation_id).add_done_callback(_log_failure)
 
     # -- step results -------------------------------------------------------------------
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
         meta, self._step_meta = self._step_meta, KVDepotWorkerMetadata()
-        return meta if (meta.loaded or meta.failed) else None
+        return meta if meta.failed else None
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
         return out
 
     def take_stats(self) -> KVDepotStats | None:
-        if self.stats.is_empty():
-            return None
-        out, self.stats = self.stats, KVDepotStats()
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            out, self._stats = self._stats, KVDepotStats()
         return out
 
     def shutdown(self) -> None:
+        self._copier.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+
+def _log_failure(future: Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", future.exception())
