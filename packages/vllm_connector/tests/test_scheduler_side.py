@@ -1,4 +1,4 @@
-"""The connector's scheduler half against a fake client: leases, batching, timeouts, failures.
+"""The connector's scheduler half against a fake client: admission lookups, async loads, leases, outages.
 
 A unit test: the client is a test double that records what would go to the server and lets the
 test decide when and how replies arrive. The end-to-end tests in tests/vllm use a real server.
@@ -18,6 +18,7 @@ from vllm.v1.request import RequestStatus
 
 from kvdepot.core import Namespace, RequestState
 from kvdepot.transport import LookupReply, LookupResult, Slot
+from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._meta import KVDepotWorkerMetadata
 from kvdepot.vllm_connector._scheduler import SchedulerSide
 
@@ -25,20 +26,26 @@ BLOCK, CHUNK = 4, 8
 
 
 class FakeClient:
-    """Records lookups and releases; replies are resolved by the test."""
+    """Records lookups and releases; replies are resolved by the test (or at once, with ``answer``)."""
 
     server_id = "server-1"
+    address = "ipc:///fake"
 
-    def __init__(self, fail: bool = False) -> None:
+    def __init__(self, fail: bool = False, answer=None) -> None:
         self.lookups: list[tuple[list, Future]] = []
         self.released: list[int] = []
+        self.pings = 0
         self.fail = fail
+        self.answer = answer
+        self.connected = True
 
     def lookup(self, items):
         if self.fail:
             raise ConnectionError("no server")
         future: Future = Future()
         self.lookups.append((list(items), future))
+        if self.answer is not None:
+            future.set_result(self.answer(items))
         return future
 
     def release(self, leases):
@@ -46,6 +53,21 @@ class FakeClient:
         done: Future = Future()
         done.set_result(None)
         return done
+
+    def ping(self):
+        self.pings += 1
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+class FakeCacheManager:
+    """vLLM's KV cache manager as the scheduler side reads it: a local prefix hit of ``hit`` tokens."""
+
+    enable_caching = True
+
+    def __init__(self, hit: int) -> None:
+        self.coordinator = SimpleNamespace(find_longest_cache_hit=lambda hashes, max_len: ((), min(hit, max_len), 0))
 
 
 def request(req_id: str, n: int, **kw) -> SimpleNamespace:
@@ -60,6 +82,7 @@ def request(req_id: str, n: int, **kw) -> SimpleNamespace:
         prompt_embeds=kw.get("prompt_embeds"),
         status=RequestStatus.WAITING,
         num_computed_tokens=0,
+        block_hashes=[],
     )
 
 
@@ -84,46 +107,140 @@ def output(new=(), cached=(), scheduled=None, preempted=None) -> SimpleNamespace
 
 def side(client: FakeClient, timeout: float = 5.0) -> SchedulerSide:
     return SchedulerSide(
-        Namespace(model="m"), block_size=BLOCK, chunk_size=CHUNK, client=client, lookup_timeout=timeout
+        Namespace(model="m"),
+        block_size=BLOCK,
+        chunk_size=CHUNK,
+        client=client,
+        lookup_timeout=timeout,
+        health=ServerHealth(client, probe_interval=0.0),
     )
 
 
-def test_lookups_of_a_step_go_in_one_message():
-    """Two requests asking in one step share one Lookup message, sent at build_connector_meta."""
+def finished(*, recving=(), failed=()) -> SimpleNamespace:
+    """vLLM's connector output once every worker reported these loads (``failed`` among them)."""
+    return SimpleNamespace(finished_recving=set(recving), kv_connector_worker_meta=KVDepotWorkerMetadata(set(failed)))
+
+
+def looked_up(s: SchedulerSide, client: FakeClient, req, *hits_and_leases) -> tuple:
+    """Admit ``req``, answer its lookup, and return what vLLM is told."""
+    s.on_new_request(req)
+    s.get_num_new_matched_tokens(req, 0)
+    client.lookups[-1][1].set_result(reply(*hits_and_leases))
+    return s.get_num_new_matched_tokens(req, 0)
+
+
+def test_lookups_of_admitted_requests_go_in_one_message():
+    """Requests admitted together are looked up in one message, sent when vLLM first asks for a match."""
     client = FakeClient()
     s = side(client)
     a, b = request("a", 20), request("b", 12)
-    assert s.get_num_new_matched_tokens(a, 0) == (None, False)
-    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
+    s.on_new_request(a)
+    s.on_new_request(b)
     assert client.lookups == []
-    s.build_connector_meta(output())
+    assert s.get_num_new_matched_tokens(a, 0) == (None, False)  # not answered within the bounded yield
+    assert s.get_num_new_matched_tokens(b, 0) == (None, False)
     assert len(client.lookups) == 1
     items, future = client.lookups[0]
     assert [len(item.keys) for item in items] == [2, 1]
     future.set_result(reply((2, 11), (0, 0)))
-    assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+    assert s.get_num_new_matched_tokens(a, 0) == (16, True)  # loaded asynchronously
     assert s.get_num_new_matched_tokens(b, 0) == (0, False)
 
 
-def test_full_load_then_release_once():
-    """A hit is planned for loading, and its lease is released once the workers report the load done."""
+def test_an_answered_lookup_costs_no_engine_step():
+    """When the server answers within the yield, vLLM gets the hit (or the miss) on its first ask."""
+    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    s = side(client)
+    a = request("a", 20)
+    s.on_new_request(a)
+    assert s.get_num_new_matched_tokens(a, 0) == (16, True)
+
+
+def test_no_lookup_for_chunks_vllms_prefix_cache_holds():
+    """Chunks the engine's own prefix cache holds are not asked for; a fully covered request sends nothing."""
+    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    s = side(client)
+    s.kv_cache_manager = FakeCacheManager(hit=16)
+    covered = request("covered", 20)
+    s.on_new_request(covered)
+    assert s.get_num_new_matched_tokens(covered, 16) == (0, False)
+    assert client.lookups == []
+    s.kv_cache_manager = FakeCacheManager(hit=8)
+    half = request("half", 20)
+    s.on_new_request(half)
+    assert s.get_num_new_matched_tokens(half, 8) == (8, True)
+    ((items, _future),) = client.lookups
+    assert [len(item.keys) for item in items] == [1]  # only the second chunk
+    s.update_state_after_alloc(half, [1, 2, 3, 4, 5], 8)
+    meta = s.build_connector_meta(output())
+    assert meta.loads[0].slots == [[0]]  # the slot of the one chunk asked for
+    assert meta.loads[0].block_ids == [3, 4]
+
+
+def test_a_local_hit_that_shrank_makes_the_hit_unusable():
+    """A lookup sent past a local hit that vLLM no longer has cannot be loaded: the gap is not in the cache."""
+    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    s = side(client)
+    s.kv_cache_manager = FakeCacheManager(hit=8)
+    a = request("a", 20)
+    s.on_new_request(a)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 0)
+    assert client.released == [3]
+
+
+def test_load_lease_is_released_once_every_worker_reported_the_load():
+    """A hit is loaded asynchronously; its lease goes back when vLLM reports the load finished, not before."""
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
-    s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
-    client.lookups[0][1].set_result(reply((2, 11)))
-    assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+    assert looked_up(s, client, a, (2, 11)) == (16, True)
     s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 16)
-    meta = s.build_connector_meta(output(new=[("a", [1, 2, 3, 4, 5])], scheduled={"a": 4}))
+    meta = s.build_connector_meta(output())
     assert [op.req_id for op in meta.loads] == ["a"]
     assert meta.loads[0].slots == [[0, 64]]
     assert meta.loads[0].server_id == "server-1"
+    s.update_connector_output(finished())
     assert client.released == []
-    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVDepotWorkerMetadata(loaded={"a"})))
+    s.update_connector_output(finished(recving={"a"}))
     assert client.released == [11]
-    s.request_finished(a)
+    assert s.planner.get("a").state is RequestState.READY
+    assert s.request_finished(a) == (False, None)
     assert client.released == [11]
+
+
+def test_abort_while_loading_keeps_the_lease_until_the_copy_ends():
+    """A request aborted while its load is copying keeps its lease until the workers report the copy."""
+    client = FakeClient()
+    s = side(client)
+    a = request("a", 20)
+    looked_up(s, client, a, (2, 11))
+    s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 16)
+    s.build_connector_meta(output())
+    a.status = RequestStatus.FINISHED_ABORTED
+    assert s.request_finished(a) == (False, None)  # vLLM itself holds the blocks of a loading request
+    assert client.released == []
+    s.update_connector_output(finished(recving={"a"}))
+    assert client.released == [11]
+    assert not s.planner.is_loading("a")
+
+
+def test_a_finished_request_with_stores_holds_its_blocks():
+    """A request that planned stores keeps its blocks at the end; the next step tells the workers."""
+    client = FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items]))
+    s = side(client)
+    a, b = request("a", 20), request("b", 4)
+    for r in (a, b):
+        s.on_new_request(r)
+        assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(a, list(range(5)), 0)
+    s.update_state_after_alloc(b, [9], 0)
+    meta = s.build_connector_meta(output(new=[("a", list(range(5))), ("b", [9])], scheduled={"a": 20, "b": 4}))
+    assert [op.req_id for op in meta.stores] == ["a"]
+    assert s.request_finished(a) == (True, None)
+    assert s.request_finished(b) == (False, None)  # nothing stored: its blocks go at once
+    assert s.build_connector_meta(output()).held == {"a"}
+    assert s.build_connector_meta(output()).held == set()
 
 
 def test_finish_with_lookup_in_flight_releases_the_late_lease():
@@ -131,8 +248,8 @@ def test_finish_with_lookup_in_flight_releases_the_late_lease():
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
+    s.on_new_request(a)
     s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
     a.status = RequestStatus.FINISHED_ABORTED
     s.request_finished(a)
     assert client.released == []
@@ -146,7 +263,7 @@ def test_finish_before_the_lookup_was_sent():
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
-    s.get_num_new_matched_tokens(a, 0)
+    s.on_new_request(a)
     a.status = RequestStatus.FINISHED_ABORTED
     s.request_finished(a)
     s.build_connector_meta(output())
@@ -154,48 +271,77 @@ def test_finish_before_the_lookup_was_sent():
     assert len(s.planner) == 0
 
 
-def test_timeout_is_a_miss_and_the_late_lease_is_released():
-    """A lookup that takes too long counts as a miss; a lease in its late reply is still released."""
+def test_timeout_is_a_miss_and_later_requests_do_not_wait():
+    """A lookup that takes too long is a miss; until a ping succeeds, later requests are misses at once."""
     client = FakeClient()
     s = side(client, timeout=0.01)
     a = request("a", 20)
+    s.on_new_request(a)
     s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
     time.sleep(0.02)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
     client.lookups[0][1].set_result(reply((2, 31)))
-    assert client.released == [31]
+    assert client.released == [31]  # the late reply's lease still goes back
     assert s.stats.data["lookup_misses_timeout"] == 1
+    # The server is suspect: the next request sends nothing and is a miss at once.
+    s.health._probe_sent = time.monotonic() + 60  # hold the probe back for this part
+    b = request("b", 20)
+    s.on_new_request(b)
+    assert s.get_num_new_matched_tokens(b, 0) == (0, False)
+    assert len(client.lookups) == 1
+    assert s.stats.data["lookup_misses_server_down"] >= 1
+    # A successful ping ends it: the next request is looked up again.
+    s.health._probe_sent = 0.0
+    assert not s.health.usable()  # sends the ping, which the fake answers at once
+    assert client.pings == 1
+    c = request("c", 20)
+    s.on_new_request(c)
+    s.get_num_new_matched_tokens(c, 0)
+    assert len(client.lookups) == 2
 
 
-def test_unreachable_server_is_a_miss():
+def test_disconnected_server_is_a_miss_without_a_message():
+    """While the client has no connection, requests are misses at once and nothing is sent."""
+    client = FakeClient()
+    client.connected = False
+    s = side(client)
+    a = request("a", 20)
+    s.on_new_request(a)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, list(range(5)), 0)
+    s.build_connector_meta(output())
+    assert client.lookups == []
+
+
+def test_unsendable_lookup_is_a_miss():
     """When the lookup cannot even be sent, the request goes on as a miss."""
     s = side(FakeClient(fail=True))
     a = request("a", 20)
-    s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
+    s.on_new_request(a)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
 
 
-def test_failed_load_releases_and_recomputes_from_vllms_count():
-    """A load reported failed releases its lease and rolls the planner back to vLLM's computed tokens."""
+@pytest.mark.parametrize("local_hit", [0, 8])
+def test_failed_load_releases_and_recomputes_from_vllms_count(local_hit):
+    """A failed load releases its lease and rolls back; the request, re-admitted with nothing valid (and
+    perhaps a local hit another request computed meanwhile), is never offered a hit again and stores
+    every chunk it computes."""
     client = FakeClient()
     s = side(client)
     a = request("a", 24)
-    s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
-    client.lookups[0][1].set_result(reply((3, 41)))
-    assert s.get_num_new_matched_tokens(a, 0) == (23, False)
+    assert looked_up(s, client, a, (3, 41)) == (23, True)
     s.update_state_after_alloc(a, list(range(6)), 23)
-    s.build_connector_meta(output(new=[("a", list(range(6)))], scheduled={"a": 1}))
-    a.num_computed_tokens = 4  # vLLM truncated at the first failed block
-    s.update_connector_output(SimpleNamespace(kv_connector_worker_meta=KVDepotWorkerMetadata(failed={"a"})))
+    s.build_connector_meta(output())
+    a.num_computed_tokens = 0  # vLLM truncated at the first failed block, the first one
+    s.update_connector_output(finished(recving={"a"}, failed={"a"}))
     assert client.released == [41]
-    tracker = s.planner.get("a")
-    assert tracker.state is RequestState.READY
-    assert tracker.num_computed_tokens == 4
-    meta = s.build_connector_meta(output(cached=[("a", None)], scheduled={"a": 20}))
+    assert s.planner.get("a").state is RequestState.READY
+    # vLLM freed the blocks and admits the request again.
+    assert s.get_num_new_matched_tokens(a, local_hit) == (0, False)
+    s.update_state_after_alloc(a, list(range(10, 16)), 0)
+    meta = s.build_connector_meta(output(new=[("a", list(range(10, 16)))], scheduled={"a": 24 - local_hit}))
     assert [(op.req_id, len(op.keys[0])) for op in meta.stores] == [("a", 3)]
+    assert len(client.lookups) == 1
 
 
 def test_preempted_request_looks_up_again():
@@ -203,17 +349,14 @@ def test_preempted_request_looks_up_again():
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
-    s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
-    client.lookups[0][1].set_result(reply((0, 0)))
-    s.get_num_new_matched_tokens(a, 0)
+    assert looked_up(s, client, a, (0, 0)) == (0, False)
     s.update_state_after_alloc(a, list(range(5)), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
     assert len(meta.stores) == 1
-    s.build_connector_meta(output(preempted={"a"}))
+    meta = s.build_connector_meta(output(preempted={"a"}))
+    assert meta.preempted == {"a"}
     assert s.planner.get("a").state is RequestState.PREEMPTED
     assert s.get_num_new_matched_tokens(a, 0) == (None, False)
-    s.build_connector_meta(output())
     assert len(client.lookups) == 2
 
 
@@ -222,6 +365,7 @@ def test_prompt_embeds_are_not_cached():
     client = FakeClient()
     s = side(client)
     e = request("e", 20, prompt_embeds=object())
+    s.on_new_request(e)
     assert s.get_num_new_matched_tokens(e, 0) == (0, False)
     s.update_state_after_alloc(e, list(range(5)), 0)
     meta = s.build_connector_meta(output(new=[("e", list(range(5)))], scheduled={"e": 20}))
@@ -235,11 +379,11 @@ def test_a_server_restart_drops_the_old_instances_leases(restart):
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
+    s.on_new_request(a)
     s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
     client.lookups[0][1].set_result(reply((2, 5)))
     if restart == "after_the_hit":
-        assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+        assert s.get_num_new_matched_tokens(a, 0) == (16, True)
     client.server_id = "server-2"  # the client reconnected to a restarted server
     if restart == "before_the_reply_is_read":
         assert s.get_num_new_matched_tokens(a, 0) == (0, False)
@@ -254,14 +398,10 @@ def test_an_old_hit_is_looked_up_again(monkeypatch):
     client = FakeClient()
     s = side(client)
     a = request("a", 20)
-    s.get_num_new_matched_tokens(a, 0)
-    s.build_connector_meta(output())
-    client.lookups[0][1].set_result(reply((2, 5)))
-    assert s.get_num_new_matched_tokens(a, 0) == (16, False)
+    assert looked_up(s, client, a, (2, 5)) == (16, True)
     monkeypatch.setattr(_scheduler, "LEASE_REFRESH_S", 0.0)
     assert s.get_num_new_matched_tokens(a, 0) == (None, False)
     assert client.released == [5]
-    s.build_connector_meta(output())
     assert len(client.lookups) == 2
 
 
@@ -271,6 +411,7 @@ def test_skip_reading_prefix_cache_is_stored_but_not_looked_up():
     s = side(client)
     a = request("a", 20)
     a.skip_reading_prefix_cache = True
+    s.on_new_request(a)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
     s.update_state_after_alloc(a, list(range(5)), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))

@@ -223,14 +223,18 @@ class Planner:
         tracker.hit_source = source
         tracker.hit_at = at
 
+    def on_engine_hit(self, req_id: str, engine_hit_tokens: int) -> None:
+        """The engine's own prefix cache holds ``engine_hit_tokens`` of the request (counted as computed)."""
+        _non_negative("engine_hit_tokens", engine_hit_tokens)
+        self.get(req_id).engine_hit_tokens = engine_hit_tokens
+
     def num_tokens_to_load(self, req_id: str, engine_hit_tokens: int, num_tokens: int) -> int:
         """Tokens the cache can supply beyond the engine's own prefix-cache hit.
 
         At least one token of the request is always left for the engine to compute.
         """
+        self.on_engine_hit(req_id, engine_hit_tokens)
         tracker = self.get(req_id)
-        _non_negative("engine_hit_tokens", engine_hit_tokens)
-        tracker.engine_hit_tokens = engine_hit_tokens
         if tracker.state is not RequestState.LOOKED_UP:
             return 0
         if engine_hit_tokens < tracker.lookup_first * self.chunk_size:

@@ -34,6 +34,7 @@ KEYS = {
     "kvdepot.auth": "shared secret for tcp servers started with --auth-secret-file",
     "kvdepot.prefault_pool": "map the pool's pages in the background when a worker maps it (default true)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
+    "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
     "lmcache.mp.port": "LMCache MP compatible: server port",
     "lmcache.mp.mq_timeout": "LMCache MP compatible: same as kvdepot.timeout",
@@ -75,6 +76,7 @@ class ConnectorConfig:
     auth: str = ""
     prefault_pool: bool = True
     fail_loads: bool = False
+    load_delay: float = 0.0
 
     @classmethod
     def from_extra_config(
@@ -119,4 +121,7 @@ class ConnectorConfig:
             auth=str(extra.get("kvdepot.auth", "")),
             prefault_pool=_as_bool("kvdepot.prefault_pool", extra.get("kvdepot.prefault_pool", True)),
             fail_loads=_as_bool("kvdepot.test.fail_loads", extra.get("kvdepot.test.fail_loads", False)),
+            load_delay=_as_float("kvdepot.test.load_delay", extra["kvdepot.test.load_delay"])
+            if "kvdepot.test.load_delay" in extra
+            else 0.0,
         )

@@ -190,6 +190,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 model=str(vllm_config.model_config.model),
                 backend_hint=_backend_name(vllm_config),
                 fail_loads=self.config.fail_loads,
+                load_delay=self.config.load_delay,
                 prefault_pool=self.config.prefault_pool,
             )
         log.info(

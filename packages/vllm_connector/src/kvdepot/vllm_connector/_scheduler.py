@@ -137,12 +137,16 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         record = self._records.get(req_id) or self._track(request)
-        if record is None or record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
-            return 0, False  # a request that skips reading is still stored
+        if record is None:
+            return 0, False
         tracker = self.planner.get(req_id)
-        if tracker.state in _RUNNING:  # back in the waiting queue: it was preempted
+        if tracker.state in _RUNNING:  # back in the waiting queue: preempted, or after a failed load
             self.planner.on_preempted(req_id)
             self._flush_releases()
+        # Whatever kvdepot adds, the engine's own hit counts as computed for store planning.
+        self.planner.on_engine_hit(req_id, num_computed_tokens)
+        if record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False  # a request that skips reading is still stored
         stale = tracker.state is RequestState.LOOKED_UP and time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
         if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale) and not self._start_lookup(
             record, num_computed_tokens

