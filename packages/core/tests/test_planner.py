@@ -314,3 +314,57 @@ def test_looking_up_again_releases_the_old_leases():
     assert p.num_tokens_to_load("r", 0, 24) == 8
     p.finish("r")
     assert p.take_releases() == [8]
+
+
+def test_lookup_starts_past_the_engines_own_hit_and_the_plan_carries_slots():
+    """Chunks the engine holds are not asked for; hits count on from there, and the plan says where they lie."""
+    p = planner()
+    tokens = list(range(30))
+    p.add_request("r")
+    keys = p.start_lookup("r", tokens, local_tokens=8)
+    assert [len(k) for k in keys] == [2]  # chunks 1 and 2 of 3
+    p.on_lookup_done("r", [2], (7,), slots=[[100, 200]], source="server-a", at=5.0)
+    assert p.get("r").hit_chunks == 3
+    assert p.get("r").hit_at == 5.0
+    load = p.num_tokens_to_load("r", 8, 30)
+    assert load == 16
+    plan = p.on_allocated("r", list(range(8)), load)
+    assert (plan.first_chunk, plan.num_chunks, plan.skip_blocks) == (1, 2, 0)
+    assert plan.slots == ((100, 200),)
+    assert plan.source == "server-a"
+    assert plan.lease_ids == (7,)
+    assert p.is_loading("r")
+
+
+def test_nothing_to_ask_when_the_engine_holds_every_full_chunk():
+    """A request whose full chunks the engine already holds is looked up with zero hits, no message."""
+    p = planner()
+    p.add_request("r")
+    assert p.start_lookup("r", list(range(20)), local_tokens=16) is None
+    assert p.get("r").state is RequestState.LOOKED_UP
+    assert p.num_tokens_to_load("r", 16, 20) == 0
+
+
+def test_a_hit_that_no_longer_continues_the_engines_hit_is_not_loaded():
+    """If the engine's own hit shrank below the lookup's first chunk, the hit is not contiguous: load nothing."""
+    p = planner()
+    p.add_request("r")
+    p.start_lookup("r", list(range(30)), local_tokens=8)
+    p.on_lookup_done("r", [2], (7,), slots=[[100, 200]])
+    assert p.num_tokens_to_load("r", 0, 30) == 0
+    assert p.on_allocated("r", list(range(8)), 0) is None
+    assert p.take_releases() == [7]
+
+
+def test_abort_during_a_load_holds_its_lease_until_the_load_ends():
+    """A request aborted while its load runs gives its lease back only when the load is reported."""
+    p = planner()
+    admitted(p, "r", list(range(16)), hits=2)
+    assert p.abort("r") is True
+    assert p.take_releases() == []
+    assert p.is_loading("r")
+    p.on_load_failed("r", 0)
+    assert p.take_releases() == [7]
+    assert not p.is_loading("r")
+    with pytest.raises(UnknownRequestError):
+        p.on_load_done("r")

@@ -280,7 +280,11 @@ class WorkerSide:
         self._add("loaded_bytes", len(slots) * self.chunk_bytes)
 
     def _store_all(self, ops: list[StoreOp]) -> None:
-        """Reserve one step's chunks in one message, then copy and commit each request's."""
+        """Reserve one step's chunks in one message, copy each request's, and commit them.
+
+        Returns once the commits are answered, so a store reported done (`get_finished`) is
+        visible to lookups; only the copy thread waits for that.
+        """
         pool = self._current_pool()
         if self.layout is None or pool is None or self.client.server_id != pool.server_id or not self.health.usable():
             self._add("store_skipped", len(ops))
@@ -288,34 +292,42 @@ class WorkerSide:
         rank = self.strategy.kv_rank
         with self.client.batch() as batch:
             futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops]
+        answers = []
         for op, future in zip(ops, futures, strict=True):
             # Each reply on its own: a failed reserve skips only its own store, and every
             # reservation that was granted is committed or aborted, never left to expire.
             try:
                 reply = future.result()
             except Exception as exc:
-                if isinstance(exc, DeadlineExceededError):
-                    self.health.report_timeout()
+                self._server_failed(exc)
                 log.warning("kvdepot store of %s skipped, the server did not reserve: %s", op.req_id, exc)
                 self._add("store_skipped")
                 continue
-            self._store(op, reply, pool)
+            if reply.slots:
+                answers.append(self._store(op, reply, pool))
+        for answer in answers:
+            try:
+                answer.result()
+            except Exception as exc:
+                self._server_failed(exc)
+                log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", exc)
 
-    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> None:
-        if not reply.slots:
-            return
+    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> Future[Any]:
+        """Copy the reserved chunks into their slots; the future of the commit (or of the abort)."""
         bpc = self.blocks_per_chunk
         blocks = [op.block_ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
         try:
             pool.copier.gather(blocks, [s.offset for s in reply.slots], slot_size=self.chunk_bytes).wait()
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
-            self.client.abort(reply.reservation_id).add_done_callback(_log_failure)
-            return
+            return self.client.abort(reply.reservation_id)
         self._add("stored_chunks", len(reply.slots))
         self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
-        # The blocks are copied: nothing waits for the commit's reply.
-        self.client.commit(reply.reservation_id).add_done_callback(_log_failure)
+        return self.client.commit(reply.reservation_id)
+
+    def _server_failed(self, exc: BaseException) -> None:
+        if isinstance(exc, DeadlineExceededError):
+            self.health.report_timeout()
 
     # -- step results -------------------------------------------------------------------
 
@@ -340,8 +352,3 @@ class WorkerSide:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-
-def _log_failure(future: Future[Any]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", future.exception())

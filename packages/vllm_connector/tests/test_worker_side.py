@@ -1,0 +1,145 @@
+"""The worker half on its copy thread, against a real server process and its shared-memory pool.
+
+Loads and stores are queued by the step's hooks and run on the worker's copy thread; the step
+learns of them only through `get_finished` (and the failed blocks of a load in the same pass).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvdepot.server
+from kvdepot.core import ParallelStrategy
+from kvdepot.transport import CacheClient
+from kvdepot.vllm_connector._health import ServerHealth
+from kvdepot.vllm_connector._meta import KVDepotMetadata, LoadOp, StoreOp
+from kvdepot.vllm_connector._worker import WorkerSide
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+BLOCK, CHUNK = 16, 32
+KEY = bytes(range(32))
+
+
+@pytest.fixture
+def server() -> Iterator[kvdepot.server.ServerProcess]:
+    workdir = Path(f"/tmp/kvd-ws-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    workdir.mkdir(mode=0o700)
+    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="16MiB") as proc:
+        yield proc
+
+
+@pytest.fixture
+def client(server: kvdepot.server.ServerProcess) -> Iterator[CacheClient]:
+    with CacheClient(server.address, timeout=5.0) as c:
+        yield c
+
+
+def make_worker(client: CacheClient, kv: torch.Tensor, **kw: object) -> WorkerSide:
+    worker = WorkerSide(
+        client=client,
+        health=ServerHealth(client),
+        strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
+        chunk_size=CHUNK,
+        block_size=BLOCK,
+        layout_name="test-layout",
+        model="m",
+        backend_hint=None,
+        prefault_pool=False,
+        **kw,  # type: ignore[arg-type]
+    )
+    worker.register_kv_caches({"layers.0": kv})
+    return worker
+
+
+def finished(worker: WorkerSide, want: str, *, sending: bool, timeout: float = 10.0) -> None:
+    """Step (as vLLM does, with empty metadata) until ``want`` is reported finished."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done_sending, done_recving = worker.get_finished(set())
+        if want in ((done_sending if sending else done_recving) or set()):
+            return
+        worker.start_load_kv(KVDepotMetadata())
+        time.sleep(0.01)
+    raise AssertionError(f"{want} was not reported finished")
+
+
+def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> None:
+    """A held request is reported only once its store is committed; a load is reported once copied."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    try:
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.start_load_kv(KVDepotMetadata(held={"a"}))  # "a" finished; vLLM holds its blocks
+        finished(worker, "a", sending=True)
+        hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
+        assert hit.num_hits == 1
+        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [5, 6], 0, CHUNK)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == set()
+        assert torch.equal(kv[5:7], kv[1:3])
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
+    """A load that fails is reported finished, with its blocks as failed in the same pass."""
+    worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), fail_loads=True)
+    try:
+        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 1, CHUNK)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == {6}  # the first block was the engine's own hit
+        meta = worker.take_worker_meta()
+        assert meta is not None
+        assert meta.failed == {"b"}
+    finally:
+        worker.shutdown()
+
+
+def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
+    """Before a step may reuse a preempted request's blocks, its queued store has read them."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    gate = threading.Event()
+    try:
+        worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        returned = threading.Event()
+        waiter = threading.Thread(
+            target=lambda: (worker.handle_preemptions(KVDepotMetadata(preempted={"a"})), returned.set())
+        )
+        waiter.start()
+        assert not returned.wait(0.3)
+        gate.set()
+        assert returned.wait(10)
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
+def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient) -> None:
+    """After a timeout the worker skips stores without a message until a ping succeeds."""
+    worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)))
+    try:
+        worker.health.report_timeout()
+        worker.health._probe_sent = time.monotonic() + 60  # no probe in this test
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.start_load_kv(KVDepotMetadata(held={"a"}))
+        finished(worker, "a", sending=True)
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
+        stats = worker.take_stats()
+        assert stats is not None
+        assert stats.data["store_skipped"] == 1
+    finally:
+        worker.shutdown()
