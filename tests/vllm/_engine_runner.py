@@ -16,14 +16,18 @@ The spec (JSON object):
                       before the engine ever schedules it
   cache_salts         optional list (one per prompt) of cache_salt strings or null
   collect_metrics     true: also return vLLM's metrics snapshot (counters and gauges)
+  reset_after         {prompt index (as a string): perturb}: after that prompt (sequential runs), scale
+                      every weight by `PERTURB_SCALE` if perturb is true (new weights, as an RL weight
+                      sync loads), then call reset_prefix_cache(reset_connector=True)
   drain               true (default): after each sequential prompt and at the end, keep stepping an
                       in-process engine while its scheduler still holds finished requests (delayed
                       block frees, finished ids not yet sent to the worker)
 
 The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
 prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
-came), engine_start_s, run_s, drain_steps, metrics, error (a traceback string, or null). Greedy sampling, with
-`ignore_eos`, so every finished prompt yields exactly max_tokens tokens.
+came), engine_start_s, run_s, drain_steps, metrics, resets (what each reset returned), error (a
+traceback string, or null). Greedy sampling, with `ignore_eos`, so every finished prompt yields
+exactly max_tokens tokens.
 """
 
 from __future__ import annotations
@@ -48,8 +52,12 @@ DEFAULT_ENGINE_KWARGS: dict[str, Any] = {
     "seed": 0,
 }
 # A bound on engine steps per prompt, so a stuck engine (e.g. a lookup never answered) ends the
-# run with an error instead of hanging until the harness kills it.
+# run with an error instead of hanging until the harness kills it. Steps that produce nothing
+# (every request waits for a load) are bounded in time instead: they take microseconds, and a
+# load on a busy machine may take seconds.
 MAX_STEPS_PER_PROMPT = 10_000
+MAX_IDLE_S = 120.0
+IDLE_STEP_SLEEP_S = 0.0005
 # After the last output, an in-process engine is stepped until its scheduler holds nothing more
 # (requests whose blocks a connector still holds, finished ids not yet sent to the worker), so
 # that `get_finished` and `update_connector_output` run as they would in a serving engine.
@@ -57,6 +65,16 @@ MAX_STEPS_PER_PROMPT = 10_000
 MAX_DRAIN_STEPS = 2_000
 MAX_DRAIN_S = 30.0
 DRAIN_IDLE_SLEEP_S = 0.005
+# New weights for `reset_after`: every parameter scaled by this, enough to change greedy output.
+PERTURB_SCALE = 1.05
+
+
+def _perturb(model: Any) -> None:
+    import torch
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(PERTURB_SCALE)
 
 
 def _metrics_snapshot(llm: Any) -> dict[str, float]:
@@ -83,6 +101,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     salts: list[str | None] = spec.get("cache_salts") or [None] * len(prompts)
     collect_metrics = bool(spec.get("collect_metrics", False))
     drain_enabled = bool(spec.get("drain", True))
+    resets = {int(k): bool(v) for k, v in (spec.get("reset_after") or {}).items()}
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
@@ -101,6 +120,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             "run_s": None,
             "drain_steps": 0,
             "metrics": None,
+            "resets": [],
             "error": None,
         }
     )
@@ -131,12 +151,17 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             engine.abort_request([request_id])
 
     def drive(limit: int) -> None:
-        steps = 0
+        steps, idle_s = 0, 0.0
         while engine.has_unfinished_requests():
-            steps += 1
-            if steps > limit:
-                raise RuntimeError(f"engine did not finish within {limit} steps")
+            started = time.perf_counter()
             outputs = engine.step()
+            if outputs:
+                steps += 1
+            else:  # every request waits (a load): count time, not steps
+                time.sleep(IDLE_STEP_SLEEP_S)
+                idle_s += time.perf_counter() - started
+            if steps > limit or idle_s > MAX_IDLE_S:
+                raise RuntimeError(f"engine did not finish within {limit} steps and {MAX_IDLE_S:.0f} s idle")
             now = time.perf_counter()
             for output in outputs:
                 index = index_of[output.request_id]
@@ -177,6 +202,10 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             add(index)
             drive(MAX_STEPS_PER_PROMPT)
             drain()
+            if index in resets:
+                if resets[index]:
+                    llm.apply_model(_perturb)
+                result["resets"].append(llm.reset_prefix_cache(reset_connector=True))
     else:
         for index in range(len(prompts)):
             add(index)

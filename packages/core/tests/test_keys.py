@@ -139,6 +139,7 @@ FIELD_CHANGES = {
     "lora": "adapter",
     "cache_salt": "salt",
     "extra": (b"\x02" * 32,),
+    "epoch": "after-reset",
 }
 
 
@@ -151,6 +152,31 @@ def test_every_namespace_field_changes_every_key(field):
     a, b = chunk_keys(base, tokens, 16), chunk_keys(changed, tokens, 16)
     assert len(a) == 4
     assert all(x != y for x, y in zip(a, b, strict=True))
+
+
+_texts = st.text(max_size=12)
+_namespaces = st.builds(
+    Namespace,
+    model=_texts,
+    layout=_texts,
+    kv_world_size=st.just(4),
+    kv_rank=st.integers(0, 3),
+    lora=_texts,
+    cache_salt=_texts,
+    extra=st.lists(st.binary(min_size=32, max_size=32), max_size=2).map(tuple),
+    epoch=_texts,
+)
+
+
+@given(a=_namespaces, b=_namespaces)
+def test_namespaces_share_keys_exactly_when_equal(a, b):
+    """Any difference in model, weights, layout, rank, LoRA, salt, digests or epoch gives other keys; equal
+    namespaces, built anywhere, give equal keys."""
+    tokens = list(range(32))
+    same = chunk_keys(a, tokens, 16) == chunk_keys(b, tokens, 16)
+    assert same == (a == b)
+    rebuilt = Namespace(**{f.name: getattr(a, f.name) for f in attrs.fields(Namespace) if f.init})
+    assert chunk_keys(rebuilt, tokens, 16) == chunk_keys(a, tokens, 16)
 
 
 def test_multi_namespace_chain_matches_single():

@@ -368,3 +368,31 @@ def test_abort_during_a_load_holds_its_lease_until_the_load_ends():
     assert not p.is_loading("r")
     with pytest.raises(UnknownRequestError):
         p.on_load_done("r")
+
+
+def test_a_new_epoch_rekeys_every_request_and_drops_old_hits():
+    """After a cache reset no key of the old epoch is used: hits are dropped, late replies are misses,
+    and every chunk is stored again under the new keys."""
+    p = planner()
+    tokens = list(range(24))
+    p.add_request("hit")
+    p.start_lookup("hit", tokens)
+    p.on_lookup_done("hit", [3], (7,), slots=[[1, 2, 3]])
+    p.add_request("asking")
+    old_keys = p.start_lookup("asking", tokens)
+    p.add_request("stored")
+    p.start_lookup("stored", tokens)
+    p.on_lookup_done("stored", [0], ())
+    p.on_allocated("stored", list(range(6)), 0)
+    assert p.on_scheduled("stored", 24, tokens).num_chunks == 3
+    p.new_epoch("e1")
+    assert p.take_releases() == [7]
+    assert p.num_tokens_to_load("hit", 0, 24) == 0
+    p.on_lookup_done("asking", [3], (8,), slots=[[1, 2, 3]])  # the reply to a lookup of the old epoch
+    assert p.take_releases() == [8]
+    assert p.num_tokens_to_load("asking", 0, 24) == 0
+    plan = p.on_scheduled("stored", 1, [*tokens, 1])
+    assert (plan.first_chunk, plan.num_chunks) == (0, 3)
+    assert plan.keys[0] != tuple(old_keys[0])
+    p.add_request("new")
+    assert p.start_lookup("new", tokens) != old_keys

@@ -64,7 +64,8 @@ class Namespace:
 
     Two requests share chunks only when every field is equal. ``extra`` holds
     digests of inputs that token ids do not capture (multimodal inputs, prompt
-    embeddings); order matters.
+    embeddings); order matters. ``epoch`` is empty until an engine resets its cache
+    (`Planner.new_epoch`); after that no key of the old epoch can be produced.
     """
 
     model: str
@@ -74,6 +75,7 @@ class Namespace:
     lora: str = ""
     cache_salt: str = ""
     extra: tuple[bytes, ...] = attrs.field(default=(), converter=_to_digests)
+    epoch: str = ""
     seed: bytes = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
@@ -97,6 +99,8 @@ class Namespace:
             _field(b"extra", struct.pack("<I", len(self.extra))),
         ]
         parts.extend(_field(b"digest", d) for d in self.extra)
+        if self.epoch:  # absent when empty, so keys of namespaces without one keep their golden values
+            parts.append(_field(b"epoch", self.epoch.encode()))
         return hashlib.sha256(b"".join(parts)).digest()
 
     def for_rank(self, kv_rank: int) -> Namespace:

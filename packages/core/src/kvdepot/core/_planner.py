@@ -61,11 +61,15 @@ class RequestTracker:
     req_id: str
     cache_salt: str
     chain: KeyChain
+    #: What scopes the request's keys besides the planner's namespace: (salt, LoRA, digests).
+    space: tuple[str, str, tuple[bytes, ...]] = ("", "", ())
     state: RequestState = RequestState.NEW
     hit_chunks: int = 0
     lease_ids: tuple[int, ...] = ()
     #: The lookup asked from this chunk on; the chunks before it were the engine's own hit.
     lookup_first: int = 0
+    #: The epoch the lookup's keys were made in: a reply from an older epoch is no hit.
+    lookup_epoch: str = ""
     #: Where the hit chunks lie, per KV rank (from ``lookup_first`` on), in which server
     #: instance, and when the lookup that found them was sent (the caller's clock).
     hit_slots: tuple[tuple[int, ...], ...] = ()
@@ -81,6 +85,11 @@ class RequestTracker:
 
     def move(self, event: Event) -> None:
         self.state = next_state(self.req_id, self.state, event)
+
+
+#: Key spaces (salt, LoRA adapter, multimodal digests) whose namespaces are kept ready; past
+#: this many the cache starts over, so a stream of distinct salts cannot grow it without bound.
+MAX_KEY_SPACES = 4096
 
 
 def _non_negative(name: str, value: int) -> None:
@@ -145,13 +154,31 @@ class Planner:
         self._releases.extend(lease for lease in tracker.lease_ids if lease)
         tracker.lease_ids = ()
 
-    def _namespaces(self, cache_salt: str, lora: str, extra: tuple[bytes, ...]) -> list[Namespace]:
-        spaces = self._spaces.get((cache_salt, lora, extra))
+    def _namespaces(self, space: tuple[str, str, tuple[bytes, ...]]) -> list[Namespace]:
+        spaces = self._spaces.get(space)
         if spaces is None:
+            cache_salt, lora, extra = space
             base = attrs.evolve(self.namespace, cache_salt=cache_salt, lora=lora, extra=extra, kv_rank=0)
             spaces = [base.for_rank(rank) for rank in range(base.kv_world_size)]
-            self._spaces[cache_salt, lora, extra] = spaces
+            if len(self._spaces) >= MAX_KEY_SPACES:
+                self._spaces.clear()
+            self._spaces[space] = spaces
         return spaces
+
+    def new_epoch(self, epoch: str) -> None:
+        """From now on every key is in ``epoch``: nothing stored before can be a hit, nor stored again.
+
+        For a cache reset (new weights). Every tracked request is keyed anew; hits and leases
+        found under the old epoch are dropped (a load already in flight keeps its lease).
+        """
+        self.namespace = attrs.evolve(self.namespace, epoch=epoch)
+        self._spaces.clear()
+        for tracker in self._requests.values():
+            tracker.chain = KeyChain(self._namespaces(tracker.space), self.chunk_size)
+            self._release(tracker)
+            tracker.hit_chunks = 0
+            tracker.hit_slots, tracker.hit_source = (), ""
+            tracker.next_store_chunk = 0
 
     # -- scheduler events ----------------------------------------------------------
 
@@ -162,9 +189,9 @@ class Planner:
         if req_id in self._requests:
             raise InvalidArgumentError(f"request {req_id!r} is already tracked", req_id=req_id)
         self._orphans.discard(req_id)
-        salt = cache_salt or ""
-        chain = KeyChain(self._namespaces(salt, lora or "", tuple(extra)), self.chunk_size)
-        tracker = RequestTracker(req_id=req_id, cache_salt=salt, chain=chain)
+        space = (cache_salt or "", lora or "", tuple(extra))
+        chain = KeyChain(self._namespaces(space), self.chunk_size)
+        tracker = RequestTracker(req_id=req_id, cache_salt=space[0], chain=chain, space=space)
         self._requests[req_id] = tracker
         return tracker
 
@@ -188,6 +215,7 @@ class Planner:
         tracker.chain.update(all_token_ids)
         first = local_tokens // self.chunk_size
         tracker.lookup_first = first
+        tracker.lookup_epoch = self.namespace.epoch
         if first >= tracker.chain.num_chunks:
             self.on_lookup_done(req_id, [0], ())
             return None
@@ -214,6 +242,9 @@ class Planner:
             return
         tracker = self.get(req_id)
         tracker.move(Event.LOOKUP_DONE)
+        if tracker.lookup_epoch != self.namespace.epoch:  # asked before a cache reset
+            self._releases.extend(lease for lease in lease_ids if lease)
+            hit_chunks, lease_ids, slots = (0,), (), ()
         hits = min(hit_chunks, default=0)
         _non_negative("hit_chunks", hits)
         hits = min(hits, tracker.chain.num_chunks - tracker.lookup_first, *(len(s) for s in slots))

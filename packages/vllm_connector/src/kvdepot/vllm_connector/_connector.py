@@ -23,6 +23,7 @@ from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._config import ConnectorConfig
 from kvdepot.vllm_connector._health import ServerHealth
+from kvdepot.vllm_connector._identity import model_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
 from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
@@ -94,18 +95,6 @@ def layout_name(vllm_config: VllmConfig) -> str:
     )
 
 
-def model_identity(vllm_config: VllmConfig) -> str:
-    """The model as the KV bytes see it: name, revision, quantization and config overrides."""
-    model = vllm_config.model_config
-    parts = [
-        str(model.model),
-        str(getattr(model, "revision", None) or ""),
-        str(getattr(model, "quantization", None) or ""),
-        repr(getattr(model, "hf_overrides", None) or ""),
-    ]
-    return "|".join(parts)
-
-
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     """Stores computed KV chunks in a kvdepot server and loads hits instead of recomputing."""
 
@@ -131,6 +120,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             lmcache_backend=getattr(cache, "kv_offloading_backend", None) == "lmcache",
             offloading_gib=getattr(cache, "kv_offloading_size", None),
         )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            if getattr(parallel, name, 1) > 1:
+                raise ConnectorConfigError(
+                    f"kvdepot does not support {name} > 1 yet (got {getattr(parallel, name)}): its chunks would "
+                    f"map to the wrong blocks. Run with {name}=1, or without the kvdepot connector.",
+                    setting=name,
+                )
         block_size = cache.block_size
         if self.config.chunk_size % block_size:
             raise ConnectorConfigError(
@@ -287,6 +283,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_worker_meta() if self._worker is not None else None
 
     # -- both ----------------------------------------------------------------------------
+
+    def reset_cache(self) -> bool:
+        """After it, no request of this engine can hit anything stored before (new weights)."""
+        return self._scheduler.reset() if self._scheduler is not None else True
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         if self._worker is not None:

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import secrets
 import threading
 import time
 from concurrent.futures import Future
@@ -29,6 +30,7 @@ import attrs
 
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import DeadlineExceededError, LookupItem
+from kvdepot.vllm_connector._identity import lora_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
 if TYPE_CHECKING:
@@ -67,14 +69,6 @@ def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
         text = f"{feature.identifier}|{getattr(pos, 'offset', '')}|{getattr(pos, 'length', '')}"
         digests.append(hashlib.sha256(text.encode()).digest())
     return tuple(digests)
-
-
-def lora_identity(request: Request) -> str | None:
-    """The LoRA adapter as name, id and path, so two adapters with one name never share keys."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return None
-    return f"{lora.lora_name}|{getattr(lora, 'lora_int_id', '')}|{getattr(lora, 'lora_path', '')}"
 
 
 @attrs.define
@@ -244,6 +238,13 @@ class SchedulerSide:
         if hold:
             self._held.add(req_id)
         return hold, None
+
+    def reset(self) -> bool:
+        """Make everything stored before unreachable from this engine (new weights): a fresh epoch."""
+        self.planner.new_epoch(secrets.token_hex(16))
+        self._flush_releases()
+        log.info("kvdepot cache reset: this engine's keys start a new epoch; nothing stored before can be a hit")
+        return True
 
     def shutdown(self) -> None:
         for req_id in list(self._records):

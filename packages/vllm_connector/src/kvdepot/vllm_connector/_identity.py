@@ -1,0 +1,91 @@
+"""What the KV bytes depend on besides token ids: the model's and the LoRA adapter's weights.
+
+A model in a local directory is named by a fingerprint of its files, not by its path: the
+config and tokenizer files whole, and each weight file by its name, its size and SHA-256 of
+samples of its bytes (the first, middle and last MiB). So
+
+- a directory whose weights are replaced (a `current` symlink moved, a fine-tune written over
+  the old files) gets new keys: nothing stored from the old weights is a hit;
+- two engines serving the same files from different paths share chunks.
+
+Hashing whole multi-GB files at every engine start would cost seconds; a fine-tune changes
+every tensor, so the samples change with it. A model named on a hub is named by its id and
+revision. The fingerprint is computed once per process and path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+#: Bytes hashed at each of the three places sampled in a weight file.
+SAMPLE_BYTES = 1 << 20
+#: Files hashed whole: small, and they change what the weights mean.
+_WHOLE_FILES = frozenset(
+    {
+        "config.json",
+        "generation_config.json",
+        "adapter_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
+)
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".npz")
+
+
+def _sample_digest(path: Path, size: int) -> bytes:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for at in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+            f.seek(at)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.digest()
+
+
+@functools.lru_cache(maxsize=64)
+def directory_fingerprint(directory: str) -> str:
+    """A hex digest of the weights and config in ``directory`` (see the module's docstring)."""
+    digest = hashlib.sha256(b"kvdepot/weights/v1")
+    root = Path(directory)
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        name = path.relative_to(root).as_posix()
+        if path.name in _WHOLE_FILES or name.endswith(".index.json"):
+            digest.update(b"whole\0" + name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+        elif path.name.endswith(_WEIGHT_SUFFIXES):
+            size = path.stat().st_size
+            digest.update(b"weights\0" + name.encode() + b"\0" + str(size).encode() + _sample_digest(path, size))
+    return digest.hexdigest()
+
+
+def model_identity(vllm_config: VllmConfig) -> str:
+    """The model as the KV bytes see it: its weights, quantization and config overrides."""
+    model = vllm_config.model_config
+    name = str(model.model)
+    if os.path.isdir(name):
+        weights = f"dir:{directory_fingerprint(os.path.realpath(name))}"
+    else:
+        weights = f"hub:{name}@{getattr(model, 'revision', None) or ''}"
+    parts = [
+        weights,
+        str(getattr(model, "quantization", None) or ""),
+        repr(getattr(model, "hf_overrides", None) or ""),
+    ]
+    return "|".join(parts)
+
+
+def lora_identity(request: Any) -> str | None:
+    """The LoRA adapter by name and the fingerprint of its files (its path and id when not a directory)."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    path = str(getattr(lora, "lora_path", "") or "")
+    if path and os.path.isdir(path):
+        return f"{lora.lora_name}|dir:{directory_fingerprint(os.path.realpath(path))}"
+    return f"{lora.lora_name}|{getattr(lora, 'lora_int_id', '')}|{path}"
