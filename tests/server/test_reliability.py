@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvdepot.server import PoolMapping
-from kvdepot.transport import CacheClient, DeadlineExceededError, TransportBrokenError
+from kvdepot.transport import CacheClient, DeadlineExceededError, StalePoolError, TransportBrokenError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -205,3 +205,36 @@ def test_load_keeps_capacity_returns_leases_and_rss_flat(serve, workers):
     assert peak_used > stats.capacity_bytes // 2
     growth = server.rss() - rss_before
     assert growth < 16 << 20, f"server RSS grew by {growth} bytes under load"
+
+
+def test_a_commit_from_before_a_restart_publishes_nothing(serve, workdir):
+    """A client's commit for a reservation of the instance before a restart is refused (and ids differ
+    across instances): it can never publish another client's unwritten reservation of the new instance."""
+    server = serve(*SMALL_POOL)
+    with CacheClient(server.address, timeout=2.0) as stale:
+        stale.register("test-layout", 256, CHUNK).result(T)
+        old_id = stale.hello().result(T).server_id
+        old = stale.reserve("s", [key("s", 1)], CHUNK, server_id=old_id).result(T)
+        server.stop(signal.SIGKILL)
+        restarted = serve(*SMALL_POOL)
+        with CacheClient(restarted.address, timeout=2.0) as other:
+            other.register("test-layout", 256, CHUNK).result(T)
+            new_id = other.hello().result(T).server_id
+            fresh = other.reserve("s", [key("s", 2)], CHUNK, server_id=new_id).result(T)
+            assert fresh.reservation_id != old.reservation_id  # ids do not start again at a restart
+            deadline = time.monotonic() + 20
+            while True:  # the stale client reconnects by itself, then its old commit arrives
+                try:
+                    stale.commit(old.reservation_id, server_id=old_id).result(2.0)
+                except StalePoolError:
+                    break
+                except (DeadlineExceededError, TransportBrokenError):
+                    assert time.monotonic() < deadline, "the client never reconnected"
+                    time.sleep(0.2)
+                    continue
+                raise AssertionError("a commit for the old instance was accepted")
+            (hit,) = other.lookup([("s", [key("s", 2)])]).result(T).results
+            assert hit.num_hits == 0  # the other client's reservation is still unwritten and unpublished
+            with pytest.raises(Exception, match="reservation"):  # no instance named: the id is unknown here
+                stale.commit(old.reservation_id).result(T)
+            assert other.commit(fresh.reservation_id, server_id=new_id).result(T).committed == 1

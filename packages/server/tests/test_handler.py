@@ -125,3 +125,42 @@ def test_gone_connection_of_a_client_still_connected_keeps_its_session(server):
         assert server.index.stats().reservations == 1
         server.handler.peer_gone(PeerInfo("someone-else"))
         assert server.index.stats().reservations == 1
+
+
+def test_a_layout_name_held_with_other_bytes_is_refused(server, client):
+    """A second layout fingerprint (or chunk size) under a layout name already held is a typed error;
+    the server keeps serving the first, and equal or unfingerprinted registrations still pass."""
+    from kvdepot.transport import LayoutConflictError
+
+    client.register("layout", 256, CHUNK, fingerprint="cpu-attn-v1").result(T)
+    with CacheClient(server.address, timeout=T) as other:
+        with pytest.raises(LayoutConflictError, match="held here with fingerprint"):
+            other.register("layout", 256, CHUNK, fingerprint="flash-attn-v1").result(T)
+        with pytest.raises(LayoutConflictError):
+            other.register("layout", 256, 2 * CHUNK, fingerprint="cpu-attn-v1").result(T)
+        assert other.register("layout", 256, CHUNK, fingerprint="cpu-attn-v1").result(T).pool.size > 0
+        assert other.register("other-layout", 256, CHUNK, fingerprint="flash-attn-v1").result(T).pool.size > 0
+    res = client.reserve("", [key(1)], CHUNK).result(T)
+    assert client.commit(res.reservation_id).result(T).committed == 1
+
+
+@pytest.mark.parametrize("request_name", ["commit", "abort", "release"])
+def test_a_request_for_another_server_instance_is_refused(server, client, request_name):
+    """A commit, abort or release naming another instance (one before a restart) is refused and changes
+    nothing; named for this instance it goes through."""
+    from kvdepot.transport import StalePoolError
+
+    this = client.hello().result(T).server_id
+    client.register("layout", 256, CHUNK).result(T)
+    res = client.reserve("", [key(1)], CHUNK).result(T)
+    if request_name == "release":
+        client.commit(res.reservation_id, server_id=this).result(T)
+        (hit,) = client.lookup([("", [key(1)])]).result(T).results
+        call = lambda server_id: client.release([hit.lease_id], server_id=server_id)  # noqa: E731
+    else:
+        call = lambda server_id: getattr(client, request_name)(res.reservation_id, server_id=server_id)  # noqa: E731
+    with pytest.raises(StalePoolError, match="restarted"):
+        call("an-old-instance").result(T)
+    call(this).result(T)
+    (after,) = client.lookup([("", [key(1)])]).result(T).results
+    assert after.num_hits == (0 if request_name == "abort" else 1)

@@ -48,7 +48,8 @@ class FakeClient:
             future.set_result(self.answer(items))
         return future
 
-    def release(self, leases):
+    def release(self, leases, *, server_id):
+        assert server_id == self.server_id  # a release always names the instance that granted it
         self.released.extend(leases)
         done: Future = Future()
         done.set_result(None)

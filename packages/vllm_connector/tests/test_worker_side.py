@@ -81,12 +81,27 @@ def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> N
         finished(worker, "a", sending=True)
         hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
         assert hit.num_hits == 1
-        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [5, 6], 0, CHUNK)
+        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [5, 6], 0, CHUNK, hit.slots[0].length)
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == set()
         assert torch.equal(kv[5:7], kv[1:3])
         client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+def test_a_slot_of_another_length_is_a_failed_load(client: CacheClient) -> None:
+    """A slot whose length is not this worker's chunk size (another layout's chunk) is never copied."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    try:
+        before = kv.clone()
+        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 0, CHUNK, worker.chunk_bytes // 2)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == {5, 6}
+        assert torch.equal(kv, before)
     finally:
         worker.shutdown()
 

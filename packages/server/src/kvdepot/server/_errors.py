@@ -42,6 +42,12 @@ class StalePoolError(ServerError):
     code = "stale_pool"
 
 
+class LayoutConflictError(ServerError):
+    """A Register named a layout the server already holds with other bytes."""
+
+    code = "layout_conflict"
+
+
 class TooManyError(ServerError):
     """A client holds more leases or reservations than the server allows one client."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._errors import StalePoolError
+from kvdepot.server._errors import LayoutConflictError, StalePoolError
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
@@ -57,6 +57,11 @@ from kvdepot.transport import (
 log = structlog.get_logger(__name__)
 
 
+#: Layout names whose fingerprints the server remembers. Past this many it starts over, so a
+#: stream of names cannot grow its memory; a conflict is then caught again once both re-register.
+MAX_LAYOUTS = 4096
+
+
 class CacheHandler:
     """Answers every request of the kvdepot protocol from a `ChunkIndex` and its pool."""
 
@@ -71,6 +76,8 @@ class CacheHandler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.index = index
+        # layout name -> (fingerprint, chunk bytes) of the first client that registered it
+        self.layouts: dict[str, tuple[str, int]] = {}
         self.pool_info = PoolInfo(kind="shm_file", path=pool_path, size=pool_size)
         self.chunk_size = chunk_size
         self.server_id = server_id
@@ -125,7 +132,22 @@ class CacheHandler:
         return HelloReply(protocol_version=PROTOCOL_VERSION, server_version=__version__, server_id=self.server_id)
 
     def _register(self, client: str, body: Register, now: float) -> ReplyBody:
+        held = self.layouts.get(body.layout)
+        if body.fingerprint and held is not None and held != (body.fingerprint, body.chunk_bytes):
+            raise LayoutConflictError(
+                f"layout {body.layout!r} is held here with fingerprint {held[0]!r} and {held[1]} bytes per chunk; "
+                f"this client has {body.fingerprint!r} and {body.chunk_bytes}: their chunks would mix bytes of "
+                "different layouts. Give one of them another layout name (another model, backend or KV layout "
+                "setting), or another server",
+                layout=body.layout,
+                expected=held[0],
+                got=body.fingerprint,
+            )
         slot_size = self.index.register(client, body.chunk_bytes, now)
+        if body.fingerprint and held is None:
+            if len(self.layouts) >= MAX_LAYOUTS:
+                self.layouts.clear()  # bounded: a stream of layout names cannot grow it without limit
+            self.layouts[body.layout] = (body.fingerprint, body.chunk_bytes)
         log.info(
             "client_registered",
             peer=client,
@@ -148,14 +170,20 @@ class CacheHandler:
             ]
         )
 
-    def _reserve(self, client: str, body: Reserve, now: float) -> ReplyBody:
+    def _same_instance(self, body: Reserve | Commit | Abort | Release) -> None:
+        """Refuses a request meant for another instance of this server (one before a restart)."""
         if body.server_id and body.server_id != self.server_id:
+            what = type(body).__name__.lower()
             raise StalePoolError(
-                f"this reserve is for the pool of server {body.server_id}, but this is server {self.server_id}; "
-                "map the pool from the Register reply of this server first",
+                f"this {what} is for server {body.server_id}, but this is server {self.server_id}: the server "
+                "restarted, and what the old one granted died with it; map the pool from the Register reply "
+                "of this server first",
                 expected=self.server_id,
                 got=body.server_id,
             )
+
+    def _reserve(self, client: str, body: Reserve, now: float) -> ReplyBody:
+        self._same_instance(body)
         out = self.index.reserve(client, body.salt, body.keys, body.chunk_bytes, now)
         return ReserveReply(
             reservation_id=out.reservation_id,
@@ -165,12 +193,15 @@ class CacheHandler:
         )
 
     def _commit(self, client: str, body: Commit, now: float) -> ReplyBody:
+        self._same_instance(body)
         return CommitReply(committed=self.index.commit(client, body.reservation_id, body.indices, now))
 
     def _abort(self, client: str, body: Abort, now: float) -> ReplyBody:
+        self._same_instance(body)
         return AbortReply(freed=self.index.abort(client, body.reservation_id))
 
     def _release(self, client: str, body: Release, now: float) -> ReplyBody:
+        self._same_instance(body)
         return ReleaseReply(released=self.index.release(client, body.lease_ids))
 
     def _end_session(self, client: str, body: EndSession, now: float) -> ReplyBody:

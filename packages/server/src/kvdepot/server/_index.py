@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import secrets
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -136,7 +137,9 @@ class ChunkIndex:
         # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
         self._page_pinned: list[int] = [0] * allocator.num_pages
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, kind, id); kind 0 lease, 1 reservation
-        self._next_id = 1
+        # Reservation and lease ids start at a random point, so ids of one server instance are
+        # not those of the instance before a restart (clients also name the instance they mean).
+        self._next_id = 1 + secrets.randbits(48)
         self._chunks = 0
         self._pending = 0
         self._leased_chunks = 0

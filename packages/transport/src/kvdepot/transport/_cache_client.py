@@ -91,9 +91,14 @@ class _Operations:
         kv_world_size: int = 1,
         kv_rank: int = 0,
         model: str = "",
+        fingerprint: str = "",
     ) -> Future[RegisterReply]:
-        """Declares this client's KV layout; the client repeats it by itself after a server restart."""
-        return self._call(Register(layout, chunk_size, chunk_bytes, kv_world_size, kv_rank, model))
+        """Declares this client's KV layout; the client repeats it by itself after a server restart.
+
+        With ``fingerprint``, a server that holds ``layout`` with another fingerprint or chunk size
+        refuses with `LayoutConflictError`.
+        """
+        return self._call(Register(layout, chunk_size, chunk_bytes, kv_world_size, kv_rank, model, fingerprint))
 
     def lookup(self, items: Iterable[LookupInput]) -> Future[LookupReply]:
         """Longest committed prefix (and a lease on it) for each item: LookupItem or (salt, keys)."""
@@ -108,17 +113,23 @@ class _Operations:
         """
         return self._call(Reserve(salt, keys if isinstance(keys, list) else list(keys), chunk_bytes, server_id))
 
-    def commit(self, reservation_id: int, indices: Sequence[int] | None = None) -> Future[CommitReply]:
-        """Makes the reserved chunks (or only `indices` of them) visible to lookups."""
-        return self._call(Commit(reservation_id, None if indices is None else list(indices)))
+    def commit(
+        self, reservation_id: int, indices: Sequence[int] | None = None, *, server_id: str = ""
+    ) -> Future[CommitReply]:
+        """Makes the reserved chunks (or only `indices` of them) visible to lookups.
 
-    def abort(self, reservation_id: int) -> Future[AbortReply]:
+        With `server_id` (the instance that granted the reservation), another instance refuses
+        with `StalePoolError`; so do `abort` and `release`.
+        """
+        return self._call(Commit(reservation_id, None if indices is None else list(indices), server_id))
+
+    def abort(self, reservation_id: int, *, server_id: str = "") -> Future[AbortReply]:
         """Gives back the uncommitted slots of a reservation."""
-        return self._call(Abort(reservation_id))
+        return self._call(Abort(reservation_id, server_id))
 
-    def release(self, lease_ids: Sequence[int]) -> Future[ReleaseReply]:
+    def release(self, lease_ids: Sequence[int], *, server_id: str = "") -> Future[ReleaseReply]:
         """Ends leases taken by lookups."""
-        return self._call(Release(list(lease_ids)))
+        return self._call(Release(list(lease_ids), server_id))
 
     def end_session(self) -> Future[EndSessionReply]:
         """Tells the server to reclaim this client's leases and reservations now."""

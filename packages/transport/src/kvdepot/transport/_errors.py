@@ -26,6 +26,7 @@ CODE_INVALID_ARGUMENT = "invalid_argument"
 CODE_POOL_FULL = "pool_full"
 CODE_INTERNAL = "internal"
 CODE_STALE_POOL = "stale_pool"
+CODE_LAYOUT_CONFLICT = "layout_conflict"
 
 
 class TransportError(KVDepotError):
@@ -133,6 +134,12 @@ class StalePoolError(RemoteError):
     code = CODE_STALE_POOL
 
 
+class LayoutConflictError(RemoteError):
+    """A registration's layout name is already held with other bytes (fingerprint or chunk size)."""
+
+    code = CODE_LAYOUT_CONFLICT
+
+
 class InternalServerError(RemoteError):
     """The server failed while handling the request; its log has the traceback."""
 
@@ -154,6 +161,7 @@ ERROR_CLASSES: dict[str, type[RemoteError]] = {
         RemoteInvalidArgumentError,
         PoolFullError,
         StalePoolError,
+        LayoutConflictError,
         InternalServerError,
     )
 }

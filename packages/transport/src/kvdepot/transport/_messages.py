@@ -20,7 +20,7 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: Register.fingerprint; server_id on Commit, Abort and Release
 
 # Bounds that keep a peer's numbers from driving large allocations. The frame-size bound in
 # the codec is the real limit; these catch nonsense early with a precise message.
@@ -79,6 +79,9 @@ class Register(_Body, frozen=True, tag="register"):
     kv_world_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] = 1
     kv_rank: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
     model: Name = ""
+    #: What the bytes of a chunk are, as the client measured its KV cache (empty: not checked).
+    #: A server refuses a Register whose layout name it already holds with another fingerprint.
+    fingerprint: Name = ""
 
 
 class LookupItem(_Inner, frozen=True):
@@ -107,22 +110,29 @@ class Reserve(_Body, frozen=True, tag="reserve"):
 
 
 class Commit(_Body, frozen=True, tag="commit"):
-    """Makes reserved chunks visible to lookups; `indices=None` commits all of them."""
+    """Makes reserved chunks visible to lookups; `indices=None` commits all of them.
+
+    `server_id` (as in `Reserve`) names the instance that granted the reservation: after a
+    restart ids start again, and a commit for the old instance must not publish a new one's.
+    """
 
     reservation_id: Id
     indices: Indices | None = None
+    server_id: Name = ""
 
 
 class Abort(_Body, frozen=True, tag="abort"):
-    """Gives back every uncommitted slot of a reservation."""
+    """Gives back every uncommitted slot of a reservation (`server_id` as in `Commit`)."""
 
     reservation_id: Id
+    server_id: Name = ""
 
 
 class Release(_Body, frozen=True, tag="release"):
-    """Ends leases taken by lookups, so their chunks may be evicted again."""
+    """Ends leases taken by lookups, so their chunks may be evicted again (`server_id` as in `Commit`)."""
 
     lease_ids: Ids
+    server_id: Name = ""
 
 
 class EndSession(_Body, frozen=True, tag="end_session"):

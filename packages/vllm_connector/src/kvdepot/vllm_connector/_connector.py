@@ -8,6 +8,7 @@ through `kvdepot.transport.CacheClient`.
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -74,10 +75,19 @@ class ConnectorConfigError(KVDepotError, ValueError):
 
 
 def layout_name(vllm_config: VllmConfig) -> str:
-    """The KV layout as both halves can derive it from the config alone (part of every key)."""
+    """The KV layout as both halves derive it from the config alone (part of every key).
+
+    Everything a user or an upgrade can change about a block's bytes: device, dtypes, shape,
+    parallel layout, the attention backend asked for, vLLM's KV-cache layout setting and
+    vLLM's version. What the worker then measures on its tensors goes to the server as the
+    layout's fingerprint, and the server refuses a second fingerprint under one name.
+    """
     from vllm.platforms import current_platform
 
+    import vllm
+
     model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
     return "|".join(
         str(part)
         for part in (
@@ -91,6 +101,9 @@ def layout_name(vllm_config: VllmConfig) -> str:
             f"mla{int(model.use_mla)}",
             f"tp{parallel.tensor_parallel_size}",
             f"pp{parallel.pipeline_parallel_size}",
+            f"attn={getattr(backend, 'name', backend) or 'auto'}",
+            f"kvlayout={os.environ.get('VLLM_KV_CACHE_LAYOUT') or 'auto'}",
+            f"vllm={getattr(vllm, '__version__', '')}",
         )
     )
 

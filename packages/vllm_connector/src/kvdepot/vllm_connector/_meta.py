@@ -27,6 +27,7 @@ class LoadOp:
     block_ids: list[int]  # blocks_per_chunk blocks per chunk, in order
     skip_blocks: int
     num_tokens: int
+    slot_bytes: int = 0  # each slot's length, as the server said: checked against the worker's chunk size
 
 
 @dataclass

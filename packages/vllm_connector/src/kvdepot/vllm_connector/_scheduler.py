@@ -81,6 +81,8 @@ class _Record:
     first_item: int = 0
     sent_at: float = 0.0
     server_id: str = ""
+    #: The length of the hit's slots (the server's word; the worker checks it against its chunks).
+    slot_bytes: int = 0
     #: A store was planned: at the end, the blocks stay until the workers' copies are done.
     stored: bool = False
     #: A load of this request failed: it is never offered a hit again.
@@ -170,6 +172,7 @@ class SchedulerSide:
                     block_ids=list(plan.block_ids),
                     skip_blocks=plan.skip_blocks,
                     num_tokens=plan.num_tokens,
+                    slot_bytes=self._records[req_id].slot_bytes,
                 )
             )
         self._flush_releases()
@@ -356,10 +359,13 @@ class SchedulerSide:
         # The slots are only meaningful in the pool of the server that answered: if the
         # client reconnected to another instance meanwhile, the reply counts as a miss.
         same_server = bool(record.server_id) and record.server_id == self.client.server_id
+        lengths = {s.length for r in results for s in r.slots}
         if len(results) == self.kv_world_size and same_server:
-            hits = [r.num_hits for r in results]
             handles = [self._handle(record.server_id, r.lease_id) for r in results]
-            slots = [[s.offset for s in r.slots] for r in results]
+            if len(lengths) <= 1:  # slots of mixed lengths cannot all be this layout's chunks: a miss
+                hits = [r.num_hits for r in results]
+                slots = [[s.offset for s in r.slots] for r in results]
+                record.slot_bytes = lengths.pop() if lengths else 0
         self.planner.on_lookup_done(req_id, hits, handles, slots=slots, source=record.server_id, at=record.sent_at)
         tracker = self.planner.get(req_id)
         self.stats.add("lookups")
@@ -389,7 +395,7 @@ class SchedulerSide:
             except Exception:
                 return
             if leases and server_id == self.client.server_id:
-                self._send_release(leases)
+                self._send_release(leases, server_id)
 
         future.add_done_callback(release)
 
@@ -402,12 +408,12 @@ class SchedulerSide:
             owned = [self._leases.pop(h) for h in handles if h in self._leases]
         # Leases of a server instance that is gone died with it; never release them elsewhere.
         leases = [lease for server_id, lease in owned if server_id == current]
-        if leases:
-            self._send_release(leases)
+        if leases and current:
+            self._send_release(leases, current)
 
-    def _send_release(self, leases: list[int]) -> None:
+    def _send_release(self, leases: list[int], server_id: str) -> None:
         try:
-            self.client.release(leases)
+            self.client.release(leases, server_id=server_id)
         except Exception as exc:  # the server expires them by itself
             log.warning("kvdepot could not release %d leases (they will expire): %s", len(leases), exc)
 

@@ -168,6 +168,7 @@ class WorkerSide:
                 self.strategy.kv_world_size,
                 self.strategy.kv_rank,
                 self.model,
+                fingerprint=self.layout.fingerprint(),
             ).result()
         except Exception as exc:
             log.warning(
@@ -268,6 +269,8 @@ class WorkerSide:
             raise RuntimeError("the pool is not mapped")
         if not op.server_id or op.server_id != pool.server_id:
             raise RuntimeError(f"the lease is from server {op.server_id!r}, the mapped pool from {pool.server_id!r}")
+        if op.slot_bytes != self.chunk_bytes:
+            raise RuntimeError(f"the slots hold {op.slot_bytes} bytes, this worker's chunks are {self.chunk_bytes}")
         slots = op.slots[self.strategy.kv_rank]
         bpc = self.blocks_per_chunk
         if len(slots) * bpc != len(op.block_ids):
@@ -320,10 +323,10 @@ class WorkerSide:
             pool.copier.gather(blocks, [s.offset for s in reply.slots], slot_size=self.chunk_bytes).wait()
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
-            return self.client.abort(reply.reservation_id)
+            return self.client.abort(reply.reservation_id, server_id=pool.server_id)
         self._add("stored_chunks", len(reply.slots))
         self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
-        return self.client.commit(reply.reservation_id)
+        return self.client.commit(reply.reservation_id, server_id=pool.server_id)
 
     def _server_failed(self, exc: BaseException) -> None:
         if isinstance(exc, DeadlineExceededError):
