@@ -117,6 +117,11 @@ def side(client: FakeClient, timeout: float = 5.0) -> SchedulerSide:
     )
 
 
+def answering_client() -> FakeClient:
+    """A server that answers at once and holds every chunk asked for (lease 3)."""
+    return FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+
+
 def finished(*, recving=(), failed=()) -> SimpleNamespace:
     """vLLM's connector output once every worker reported these loads (``failed`` among them)."""
     return SimpleNamespace(finished_recving=set(recving), kv_connector_worker_meta=KVDepotWorkerMetadata(set(failed)))
@@ -150,7 +155,7 @@ def test_lookups_of_admitted_requests_go_in_one_message():
 
 def test_an_answered_lookup_costs_no_engine_step():
     """When the server answers within the yield, vLLM gets the hit (or the miss) on its first ask."""
-    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    client = answering_client()
     s = side(client)
     a = request("a", 20)
     s.on_new_request(a)
@@ -159,7 +164,7 @@ def test_an_answered_lookup_costs_no_engine_step():
 
 def test_no_lookup_for_chunks_vllms_prefix_cache_holds():
     """Chunks the engine's own prefix cache holds are not asked for; a fully covered request sends nothing."""
-    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    client = answering_client()
     s = side(client)
     s.kv_cache_manager = FakeCacheManager(hit=16)
     covered = request("covered", 20)
@@ -180,7 +185,7 @@ def test_no_lookup_for_chunks_vllms_prefix_cache_holds():
 
 def test_a_local_hit_that_shrank_makes_the_hit_unusable():
     """A lookup sent past a local hit that vLLM no longer has cannot be loaded: the gap is not in the cache."""
-    client = FakeClient(answer=lambda items: reply(*[(len(i.keys), 3) for i in items]))
+    client = answering_client()
     s = side(client)
     s.kv_cache_manager = FakeCacheManager(hit=8)
     a = request("a", 20)
