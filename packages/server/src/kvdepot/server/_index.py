@@ -137,9 +137,7 @@ class ChunkIndex:
         # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
         self._page_pinned: list[int] = [0] * allocator.num_pages
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, kind, id); kind 0 lease, 1 reservation
-        # Reservation and lease ids start at a random point, so ids of one server instance are
-        # not those of the instance before a restart (clients also name the instance they mean).
-        self._next_id = 1 + secrets.randbits(48)
+        self._next_id = 1 + secrets.randbits(48)  # ids differ from those of the instance before a restart
         self._chunks = 0
         self._pending = 0
         self._leased_chunks = 0
