@@ -341,6 +341,7 @@ def test_failed_load_releases_and_recomputes_from_vllms_count(local_hit):
     a.num_computed_tokens = 0  # vLLM truncated at the first failed block, the first one
     s.update_connector_output(finished(recving={"a"}, failed={"a"}))
     assert client.released == [41]
+    assert s.stats.data["load_failures"] == 1
     assert s.planner.get("a").state is RequestState.READY
     # vLLM freed the blocks and admits the request again.
     assert s.get_num_new_matched_tokens(a, local_hit) == (0, False)

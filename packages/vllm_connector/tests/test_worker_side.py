@@ -117,6 +117,8 @@ def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
         meta = worker.take_worker_meta()
         assert meta is not None
         assert meta.failed == {"b"}
+        stats = worker.take_stats()  # a failure is counted once, on the scheduler side, not per rank
+        assert stats is None or stats.data.get("load_failures", 0) == 0
     finally:
         worker.shutdown()
 

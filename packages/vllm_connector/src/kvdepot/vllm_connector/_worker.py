@@ -249,8 +249,7 @@ class WorkerSide:
             if exc is not None:
                 log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
                 self._failed_blocks.update(op.block_ids[op.skip_blocks :])
-                self._step_meta.failed.add(req_id)
-                self._add("load_failures")
+                self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
         for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
             del self._stores[req_id]
         sending = {req_id for req_id in self._held if req_id not in self._stores}
