@@ -23,6 +23,7 @@ import msgspec
 import structlog
 import zmq
 
+from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server import PoolMapping
 from kvdepot.transport import (
     PROTOCOL_VERSION,
@@ -194,7 +195,7 @@ def main() -> None:
     parser.add_argument("--keys", type=int, default=64)
     parser.add_argument("--salts", type=int, default=2)
     parser.add_argument("--salt", default="tenant-0")
-    parser.add_argument("--chunk-bytes", type=int, default=64 * 1024)
+    parser.add_argument("--chunk-bytes", type=int, default=64 * 1024 - SLOT_HEADER_BYTES)  # 64 KiB slots
     parser.add_argument("--slow-writes", action="store_true")
     parser.add_argument("--frames", type=int, default=1000)
     args = parser.parse_args()

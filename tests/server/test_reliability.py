@@ -10,12 +10,14 @@ import time
 
 import pytest
 
+from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server import PoolMapping
 from kvdepot.transport import CacheClient, DeadlineExceededError, StalePoolError, TransportBrokenError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-CHUNK = 64 * 1024
+SLOT = 64 * 1024  # a slot holds the chunk and its header
+CHUNK = SLOT - SLOT_HEADER_BYTES
 SMALL_POOL = ["--capacity", "4MiB", "--page-size", "1MiB"]  # 64 chunks of 64 KiB
 T = 5.0
 
@@ -108,9 +110,9 @@ def test_client_killed_mid_store_and_mid_retrieve_is_reclaimed(serve, workers, w
             holder.wait(10)
             stats = wait_until(lambda: (s := server.stats()).leases == 0 and s.reservations == 0 and s, timeout=15)
             assert stats, "the killed client's leases and reservations were not reclaimed"
-            assert stats.used_bytes == 8 * CHUNK
+            assert stats.used_bytes == 8 * SLOT
             # The whole pool can be filled again: nothing leaked.
-            free_chunks = (stats.capacity_bytes - stats.used_bytes) // CHUNK
+            free_chunks = (stats.capacity_bytes - stats.used_bytes) // SLOT
             filled = sum(
                 store(client, pool, "fill", [key("fill", i) for i in range(start, start + 8)], 1)
                 for start in range(0, free_chunks, 8)

@@ -215,3 +215,45 @@ def test_extra_must_be_bytes():
     """Extra digests must be bytes so they encode the same everywhere."""
     with pytest.raises(InvalidArgumentError):
         Namespace(model="m", extra=("text",))  # type: ignore[arg-type]
+
+
+_digests = st.binary(min_size=32, max_size=32)
+
+
+@given(
+    position=st.integers(0, 63),
+    digest=_digests,
+    other=_digests,
+    tokens=st.lists(st.integers(0, 2**32 - 1), min_size=64, max_size=64),
+)
+def test_a_mark_changes_the_keys_from_its_chunk_on_and_no_earlier(position, digest, other, tokens):
+    """A multimodal input keys only the chunks at and after its position: the text before it is
+    shared with a request without it or with another input there, and every later key differs."""
+    ns = Namespace(model="m")
+    plain = chunk_keys(ns, tokens, 16)
+    marked = chunk_keys(ns, tokens, 16, [(position, digest)])
+    first = position // 16
+    assert marked[:first] == plain[:first]
+    assert all(a != b for a, b in zip(marked[first:], plain[first:], strict=True))
+    another = chunk_keys(ns, tokens, 16, [(position, other)])
+    assert (another[first:] == marked[first:]) == (other == digest)
+    if position + 16 < 64:  # the same input one chunk later leaves this chunk shared
+        later = chunk_keys(ns, tokens, 16, [(position + 16, digest)])
+        assert later[first] == plain[first] != marked[first]
+
+
+def test_marks_are_hashed_incrementally_like_tokens():
+    """A chain updated token by token with marks gives the one-shot keys."""
+    marks = [(5, b"\x01" * 32), (21, b"\x02" * 32), (22, b"\x03" * 32)]
+    tokens = list(range(48))
+    chain = KeyChain(Namespace(model="m"), 8, marks)
+    for end in range(1, 49):
+        chain.update(tokens[:end])
+    assert chain.keys() == chunk_keys(Namespace(model="m"), tokens, 8, marks)
+
+
+@pytest.mark.parametrize("mark", [(-1, b"\x01" * 32), (0, b"short"), (True, b"\x01" * 32), ("0", b"\x01" * 32)])
+def test_bad_marks_raise_typed_error(mark):
+    """A mark needs a non-negative int position and a 32-byte digest."""
+    with pytest.raises(InvalidArgumentError):
+        KeyChain(Namespace(model="m"), 8, [mark])

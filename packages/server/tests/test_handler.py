@@ -83,7 +83,7 @@ def test_stats_and_quotas_round_trip(server, client):
     stats = client.stats().result(T)
     assert stats.capacity_bytes == server.allocator.capacity
     assert stats.chunks == 1
-    assert stats.salt_bytes == {"t": 1024}
+    assert stats.salt_bytes == {"t": server.allocator.slot_size(CHUNK)}
     assert stats.extra["quota:t"] == 8192
     assert client.clear("t").result(T).removed == 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server import (
     ChunkIndex,
     NotRegisteredError,
@@ -13,7 +14,8 @@ from kvdepot.server import (
 )
 
 PAGE = 4096
-CHUNK = 1024  # four slots per page
+SLOT = 1024  # four slots per page
+CHUNK = SLOT - SLOT_HEADER_BYTES  # a slot holds its header and the chunk
 
 
 def make_index(pages: int = 2, **kwargs) -> ChunkIndex:
@@ -39,12 +41,12 @@ def test_reserved_chunk_is_invisible_until_commit():
     """Lookups do not see a pending chunk; after commit they do, at the reserved slot."""
     index = make_index()
     out = index.reserve("a", "", [k(1)], CHUNK, 0.0)
-    assert out.slots == [(0, 0, CHUNK)]
+    assert out.slots == [(0, SLOT_HEADER_BYTES, CHUNK)]  # the chunk's bytes, after its header
     assert not out.full
     assert index.lookup("b", [("", [k(1)])], 0.0)[0].num_hits == 0
     assert index.commit("a", out.reservation_id, None, 0.0) == 1
     hit = index.lookup("b", [("", [k(1)])], 0.0)[0]
-    assert (hit.num_hits, hit.slots) == (1, [(0, CHUNK)])
+    assert (hit.num_hits, hit.slots) == (1, [(SLOT_HEADER_BYTES, CHUNK)])
     index.check()
 
 
@@ -260,12 +262,12 @@ def test_quota_evicts_own_chunks_first():
     """A salt at its quota evicts its own oldest chunk, never another salt's."""
     index = make_index(pages=2)
     store(index, [k(1)], salt="other")
-    index.set_quota("t", 2 * CHUNK)
+    index.set_quota("t", 2 * SLOT)
     store(index, [k(1), k(2)], salt="t")
     out = store(index, [k(3)], salt="t")
     assert not out.full
     stats = index.stats()
-    assert stats.per_salt["t"].bytes == 2 * CHUNK
+    assert stats.per_salt["t"].bytes == 2 * SLOT
     assert index.lookup("a", [("t", [k(1)])], 0.0)[0].num_hits == 0
     assert index.lookup("a", [("other", [k(1)])], 0.0)[0].num_hits == 1
     index.check()
@@ -275,7 +277,7 @@ def test_lowering_a_quota_evicts_down_to_it():
     """Setting a quota below current use evicts the salt's unleased chunks down to the quota."""
     index = make_index(pages=2)
     store(index, [k(i) for i in range(4)], salt="t")
-    assert index.set_quota("t", CHUNK) == {"t": CHUNK}
+    assert index.set_quota("t", SLOT) == {"t": SLOT}
     assert index.stats().per_salt["t"].chunks == 1
     assert index.set_quota("t", None) == {}
 
@@ -367,7 +369,7 @@ def test_per_client_lease_limit(monkeypatch):
 
 def test_one_client_cannot_fill_the_pool_with_pending_slots():
     """A client's uncommitted reservations stop at its share of the pool; others can still store."""
-    index = ChunkIndex(SlabAllocator(2 * PAGE, PAGE), max_client_pending_bytes=3 * CHUNK)
+    index = ChunkIndex(SlabAllocator(2 * PAGE, PAGE), max_client_pending_bytes=3 * SLOT)
     index.register("a", CHUNK, 0.0)
     index.register("b", CHUNK, 0.0)
     out = index.reserve("a", "", [k(i) for i in range(8)], CHUNK, 0.0)

@@ -13,8 +13,8 @@ from kvdepot.server._metrics import MAX_PEER_LABELS, BadFrameCounter, Metrics, M
 def test_metrics_text_has_figures_and_bad_frames_per_peer():
     """A scrape shows capacity, use, per-salt bytes and bad frames per peer."""
     index = ChunkIndex(SlabAllocator(8 * 4096, 4096))
-    index.register("a", 1000, 0.0)
-    out = index.reserve("a", "tenant", [b"k" * 32], 1000, 0.0)
+    index.register("a", 960, 0.0)
+    out = index.reserve("a", "tenant", [b"k" * 32], 960, 0.0)  # a slot of 1024 with its header
     index.commit("a", out.reservation_id, None, 0.0)
     bad = BadFrameCounter()
     bad.add("peer-1")

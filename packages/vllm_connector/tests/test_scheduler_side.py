@@ -424,3 +424,26 @@ def test_skip_reading_prefix_cache_is_stored_but_not_looked_up():
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
     assert client.lookups == []
     assert len(meta.stores) == 1
+
+
+def test_a_multimodal_input_keys_only_the_chunks_from_its_position_on():
+    """Two requests with the same text prefix and different images at token 12 share the first
+    chunk's key (tokens 0..7) and nothing from the image's chunk on; the same image shares all."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def with_image(req_id: str, identifier: str) -> SimpleNamespace:
+        req = request(req_id, 33)
+        req.mm_features = [MultiModalFeatureSpec(None, "image", identifier, PlaceholderRange(offset=12, length=8))]
+        return req
+
+    client = FakeClient()
+    s = side(client)
+    for req in (with_image("a", "cat"), with_image("b", "dog"), with_image("c", "cat"), request("d", 33)):
+        s.on_new_request(req)
+    s.get_num_new_matched_tokens(request("a", 33), 0)  # sends the queued lookups
+    keys = {req_id: item.keys for req_id, item in zip("abcd", client.lookups[-1][0], strict=True)}
+    assert len(keys["a"]) == 4
+    assert keys["a"][0] == keys["b"][0] == keys["d"][0]  # text before the image is shared
+    assert all(x != y for x, y in zip(keys["a"][1:], keys["b"][1:], strict=True))
+    assert all(x != y for x, y in zip(keys["a"][1:], keys["d"][1:], strict=True))
+    assert keys["a"] == keys["c"]

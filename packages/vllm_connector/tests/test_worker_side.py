@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -59,6 +60,20 @@ def make_worker(client: CacheClient, kv: torch.Tensor, **kw: object) -> WorkerSi
     return worker
 
 
+def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], block_ids: list[int]) -> LoadOp:
+    """The load of a lookup's hit into ``block_ids``, as the scheduler side plans it."""
+    slots = [slot.offset for slot in hit.slots]
+    tokens = len(keys) * CHUNK
+    return LoadOp(req_id, client.server_id or "", [slots], block_ids, 0, tokens, hit.slots[0].length, "", [keys])
+
+
+def store(worker: WorkerSide, req_id: str, keys: list[bytes], block_ids: list[int]) -> None:
+    """Store ``block_ids`` under ``keys`` through the copy thread, and wait until it is committed."""
+    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], block_ids)]))
+    worker.start_load_kv(KVDepotMetadata(held={req_id}))
+    finished(worker, req_id, sending=True)
+
+
 def finished(worker: WorkerSide, want: str, *, sending: bool, timeout: float = 10.0) -> None:
     """Step (as vLLM does, with empty metadata) until ``want`` is reported finished."""
     deadline = time.monotonic() + timeout
@@ -81,7 +96,7 @@ def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> N
         finished(worker, "a", sending=True)
         hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
         assert hit.num_hits == 1
-        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [5, 6], 0, CHUNK, hit.slots[0].length)
+        load = leased_load(client, "b", hit, [KEY], [5, 6])
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == set()
@@ -158,5 +173,63 @@ def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient
         stats = worker.take_stats()
         assert stats is not None
         assert stats.data["store_skipped"] == 1
+    finally:
+        worker.shutdown()
+
+
+def test_a_slot_reused_between_lookup_and_load_is_a_failed_load(client: CacheClient) -> None:
+    """A lease that was given up (late or expired) names a slot now holding another chunk: nothing
+    is copied from it, its blocks are reported failed, and the chunk before it is loaded."""
+    kv = torch.randn((16, 2, BLOCK, 64))
+    other = bytes(range(1, 33))
+    worker = make_worker(client, kv)
+    try:
+        store(worker, "a", [KEY, other], [1, 2, 3, 4])
+        hit = client.lookup([("", [KEY, other])]).result(5).results[0]
+        assert hit.num_hits == 2
+        client.release([hit.lease_id]).result(5)  # as if the lease expired before the load
+        slot = hit.slots[1].offset
+        client.clear().result(5)  # drops both chunks; the next store takes their slots again
+        reused = client.lookup([("", [KEY])]).result(5).results[0]
+        assert reused.num_hits == 0
+        store(worker, "c", [KEY, bytes(32)], [1, 2, 9, 10])  # another chunk lands in the second slot
+        assert client.lookup([("", [bytes(32)])]).result(5).results[0].slots[0].offset == slot
+        before = kv.clone()
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY, other], [5, 6, 7, 8])]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == {7, 8}
+        assert torch.equal(kv[5:7], kv[1:3])  # the first slot still held its chunk (stored again)
+        assert torch.equal(kv[7:9], before[7:9])  # nothing was copied from the reused slot
+    finally:
+        worker.shutdown()
+
+
+def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheClient) -> None:
+    """The header is read again after the copy: a slot the server hands to another store during
+    the copy fails the load, though it named the right chunk when the copy began."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    try:
+        store(worker, "a", [KEY], [1, 2])
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        pool = worker._copier.submit(worker._current_pool).result()
+        assert pool is not None
+        scatter = pool.copier.scatter
+
+        def scatter_while_the_slot_is_reused(*args: Any, **kwargs: Any) -> Any:
+            copy = scatter(*args, **kwargs)
+            client.release([hit.lease_id]).result(5)  # the lease expires mid-copy ...
+            client.clear().result(5)
+            again = client.reserve("", [bytes(32)], worker.chunk_bytes).result(5)  # ... and the slot is reused
+            assert again.slots[0].offset == hit.slots[0].offset
+            return copy
+
+        pool.copier.scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == {5, 6}
+        meta = worker.take_worker_meta()
+        assert meta is not None
+        assert meta.failed == {"b"}
     finally:
         worker.shutdown()

@@ -14,12 +14,21 @@ from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace
 from kvdepot.core._parallel import ParallelStrategy
 from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
 from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
+from kvdepot.core._slots import (
+    SLOT_GENERATION_OFFSET,
+    SLOT_HEADER_BYTES,
+    pack_slot_header,
+    slot_digest,
+    slot_header_holds,
+)
 from kvdepot.core._state import TRANSITIONS, Event, RequestState
 from kvdepot.core._version import __version__
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "KEY_SIZE",
+    "SLOT_GENERATION_OFFSET",
+    "SLOT_HEADER_BYTES",
     "TRANSITIONS",
     "Event",
     "InvalidArgumentError",
@@ -39,6 +48,9 @@ __all__ = [
     "UnknownRequestError",
     "__version__",
     "chunk_keys",
+    "pack_slot_header",
     "pack_tokens",
     "recover_load_failures",
+    "slot_digest",
+    "slot_header_holds",
 ]

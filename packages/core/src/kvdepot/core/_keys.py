@@ -131,11 +131,23 @@ class KeyChain:
     ``update(all_tokens)`` hashes only the full chunks not hashed before. One
     chain can serve several namespaces at once (one per KV rank, say); tokens are
     packed once and hashed once per namespace.
+
+    ``marks`` are (token position, digest) pairs of inputs that token ids do not capture
+    and that begin at that position (a multimodal input: its placeholder tokens say
+    nothing of the image). A mark's digest is hashed into the key of the chunk that holds
+    its position, after the tokens: ``key_i = SHA256(key_{i-1} || tokens || digests)``,
+    so chunks before the first mark keep the keys of plain text and are shared, and every
+    chunk from it on depends on it through the chain.
     """
 
-    __slots__ = ("_chunk_bytes", "_keys", "_tails", "chunk_size", "num_tokens_hashed")
+    __slots__ = ("_chunk_bytes", "_keys", "_marks", "_tails", "chunk_size", "num_tokens_hashed")
 
-    def __init__(self, namespaces: Namespace | Sequence[Namespace], chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(
+        self,
+        namespaces: Namespace | Sequence[Namespace],
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        marks: Sequence[tuple[int, bytes]] = (),
+    ) -> None:
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise InvalidArgumentError(f"chunk_size must be a positive int, got {chunk_size!r}", got=chunk_size)
         spaces = [namespaces] if isinstance(namespaces, Namespace) else list(namespaces)
@@ -146,6 +158,14 @@ class KeyChain:
         self._chunk_bytes = chunk_size * 4
         self._tails = [ns.seed for ns in spaces]
         self._keys: list[list[bytes]] = [[] for _ in spaces]
+        self._marks: dict[int, bytes] = {}  # chunk index -> its marks' digests, in the given order
+        for position, digest in marks:
+            if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+                raise InvalidArgumentError(f"a mark's position must be a non-negative int, got {position!r}")
+            if not isinstance(digest, bytes) or len(digest) != KEY_SIZE:
+                raise InvalidArgumentError(f"a mark's digest must be {KEY_SIZE} bytes", field="marks")
+            chunk = position // chunk_size
+            self._marks[chunk] = self._marks.get(chunk, b"") + digest
 
     @property
     def num_namespaces(self) -> int:
@@ -172,12 +192,15 @@ class KeyChain:
         data = memoryview(pack_tokens(all_tokens[start:end]))
         step = self._chunk_bytes
         sha256 = hashlib.sha256
+        first, marks = start // self.chunk_size, self._marks
         for index, keys in enumerate(self._keys):
             prev = self._tails[index]
             append = keys.append
-            for offset in range(0, len(data), step):
+            for chunk, offset in enumerate(range(0, len(data), step), first):
                 h = sha256(prev)
                 h.update(data[offset : offset + step])
+                if chunk in marks:
+                    h.update(marks[chunk])
                 prev = h.digest()
                 append(prev)
             self._tails[index] = prev
@@ -185,8 +208,13 @@ class KeyChain:
         return (end - start) // self.chunk_size
 
 
-def chunk_keys(namespace: Namespace, tokens: Sequence[int], chunk_size: int = DEFAULT_CHUNK_SIZE) -> list[bytes]:
-    """Keys of every full chunk of ``tokens`` under ``namespace``."""
-    chain = KeyChain(namespace, chunk_size)
+def chunk_keys(
+    namespace: Namespace,
+    tokens: Sequence[int],
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    marks: Sequence[tuple[int, bytes]] = (),
+) -> list[bytes]:
+    """Keys of every full chunk of ``tokens`` under ``namespace`` (with ``marks``, see `KeyChain`)."""
+    chain = KeyChain(namespace, chunk_size, marks)
     chain.update(tokens)
     return chain.keys()

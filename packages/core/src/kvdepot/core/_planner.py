@@ -63,6 +63,8 @@ class RequestTracker:
     chain: KeyChain
     #: What scopes the request's keys besides the planner's namespace: (salt, LoRA, digests).
     space: tuple[str, str, tuple[bytes, ...]] = ("", "", ())
+    #: (token position, digest) of inputs the token ids do not capture (see `KeyChain`).
+    marks: tuple[tuple[int, bytes], ...] = ()
     state: RequestState = RequestState.NEW
     hit_chunks: int = 0
     lease_ids: tuple[int, ...] = ()
@@ -174,7 +176,7 @@ class Planner:
         self.namespace = attrs.evolve(self.namespace, epoch=epoch)
         self._spaces.clear()
         for tracker in self._requests.values():
-            tracker.chain = KeyChain(self._namespaces(tracker.space), self.chunk_size)
+            tracker.chain = KeyChain(self._namespaces(tracker.space), self.chunk_size, tracker.marks)
             self._release(tracker)
             tracker.hit_chunks = 0
             tracker.hit_slots, tracker.hit_source = (), ""
@@ -183,15 +185,22 @@ class Planner:
     # -- scheduler events ----------------------------------------------------------
 
     def add_request(
-        self, req_id: str, *, cache_salt: str | None = None, lora: str | None = None, extra: Sequence[bytes] = ()
+        self,
+        req_id: str,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        extra: Sequence[bytes] = (),
+        marks: Sequence[tuple[int, bytes]] = (),
     ) -> RequestTracker:
-        """Track a new request; its keys are scoped by salt, LoRA adapter and extra digests."""
+        """Track a new request; its keys are scoped by salt, LoRA adapter and extra digests, and
+        from each mark's position on by the mark's digest (multimodal inputs, see `KeyChain`)."""
         if req_id in self._requests:
             raise InvalidArgumentError(f"request {req_id!r} is already tracked", req_id=req_id)
         self._orphans.discard(req_id)
         space = (cache_salt or "", lora or "", tuple(extra))
-        chain = KeyChain(self._namespaces(space), self.chunk_size)
-        tracker = RequestTracker(req_id=req_id, cache_salt=space[0], chain=chain, space=space)
+        chain = KeyChain(self._namespaces(space), self.chunk_size, marks)
+        tracker = RequestTracker(req_id=req_id, cache_salt=space[0], chain=chain, space=space, marks=tuple(marks))
         self._requests[req_id] = tracker
         return tracker
 

@@ -29,14 +29,15 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import attrs
-
+from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._errors import (
     NotRegisteredError,
     ServerArgumentError,
     TooManyError,
     UnknownReservationError,
 )
+from kvdepot.server._pool import SlotHeaders
+from kvdepot.server._records import Entry, Lease, Reservation, Session
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._slabs import PageRecency, SlabAllocator
 
@@ -62,46 +63,6 @@ MAX_SALT_CHARS = 1024
 EntryKey = tuple[str, bytes]
 
 
-@attrs.define(eq=False)
-class _Entry:
-    salt: str
-    key: bytes
-    offset: int
-    length: int
-    slot_size: int
-    committed: bool = False
-    leases: int = 0
-    used: int = 0  # stamp of the last use (commit, reserve hit, end of the last lease)
-
-
-@attrs.define(eq=False)
-class _Reservation:
-    id: int
-    client: str
-    salt: str
-    deadline: float
-    pending: dict[int, _Entry]  # position in the Reserve keys -> entry still PENDING
-
-
-@attrs.define(eq=False)
-class _Lease:
-    id: int
-    client: str
-    deadline: float
-    entries: list[_Entry]
-
-
-@attrs.define(eq=False)
-class _Session:
-    client: str
-    name: str
-    last_seen: float
-    chunk_bytes: int | None = None
-    pending_bytes: int = 0
-    reservations: set[int] = attrs.field(factory=set)
-    leases: set[int] = attrs.field(factory=set)
-
-
 class ChunkIndex:
     """Maps (salt, key) to pool slots with two-phase stores, leases, LRU eviction and quotas."""
 
@@ -113,27 +74,29 @@ class ChunkIndex:
         reservation_ttl: float = DEFAULT_RESERVATION_TTL,
         session_ttl: float = DEFAULT_SESSION_TTL,
         max_client_pending_bytes: int | None = None,
+        headers: SlotHeaders | None = None,
     ) -> None:
         self.allocator = allocator
+        self.headers = headers or SlotHeaders()  # each slot's header says what it holds
         if max_client_pending_bytes is None:
             max_client_pending_bytes = int(allocator.capacity * DEFAULT_MAX_CLIENT_PENDING_FRACTION)
         self.max_client_pending_bytes = max_client_pending_bytes
         self.lease_ttl = lease_ttl
         self.reservation_ttl = reservation_ttl
         self.session_ttl = session_ttl
-        self._entries: dict[EntryKey, _Entry] = {}
-        self._by_offset: dict[int, _Entry] = {}
+        self._entries: dict[EntryKey, Entry] = {}
+        self._by_offset: dict[int, Entry] = {}
         # Committed chunks with no lease, oldest use first: per size class and per salt.
-        self._lru: defaultdict[int, OrderedDict[EntryKey, _Entry]] = defaultdict(OrderedDict)
-        self._salt_lru: defaultdict[str, OrderedDict[bytes, _Entry]] = defaultdict(OrderedDict)
+        self._lru: defaultdict[int, OrderedDict[EntryKey, Entry]] = defaultdict(OrderedDict)
+        self._salt_lru: defaultdict[str, OrderedDict[bytes, Entry]] = defaultdict(OrderedDict)
         self._clock = 0  # the last use stamp handed out
         self._recency = PageRecency(allocator.num_pages)
         self._salt_bytes: dict[str, int] = {}
         self._salt_chunks: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
-        self._reservations: dict[int, _Reservation] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._sessions: dict[str, _Session] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._leases: dict[int, Lease] = {}
+        self._sessions: dict[str, Session] = {}
         # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
         self._page_pinned: list[int] = [0] * allocator.num_pages
         self._deadlines: list[tuple[float, int, int]] = []  # (deadline, kind, id); kind 0 lease, 1 reservation
@@ -150,7 +113,7 @@ class ChunkIndex:
         """Note that `client` is alive (any request or heartbeat); opens its session if new."""
         session = self._sessions.get(client)
         if session is None:
-            self._sessions[client] = _Session(client, name, now)
+            self._sessions[client] = Session(client, name, now)
             return
         session.last_seen = now
         if name:
@@ -201,7 +164,7 @@ class ChunkIndex:
                 limit=MAX_RESERVATIONS_PER_CLIENT,
             )
         rid = self._new_id()
-        reservation = _Reservation(rid, client, salt, now + self.reservation_ttl, {})
+        reservation = Reservation(rid, client, salt, now + self.reservation_ttl, {})
         slots: list[tuple[int, int, int]] = []
         present: list[int] = []
         full = False
@@ -222,7 +185,7 @@ class ChunkIndex:
             if offset is None:
                 full = True
                 continue
-            entry = _Entry(salt, key, offset, chunk_bytes, slot_size)
+            entry = Entry(salt, key, offset, chunk_bytes, slot_size)
             self._entries[(salt, key)] = entry
             self._by_offset[offset] = entry
             self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
@@ -230,7 +193,8 @@ class ChunkIndex:
             self._page_pinned[offset // self.allocator.page_size] += 1
             session.pending_bytes += slot_size
             reservation.pending[index] = entry
-            slots.append((index, offset, chunk_bytes))
+            self.headers.writing(offset, salt, key, chunk_bytes)
+            slots.append((index, offset + SLOT_HEADER_BYTES, chunk_bytes))
         if full:
             self.full_reserves += 1
         if not reservation.pending:
@@ -260,6 +224,7 @@ class ChunkIndex:
             if entry is None:
                 continue
             entry.committed = True
+            self.headers.published(entry.offset)
             self._pending -= 1
             self._page_pinned[entry.offset // self.allocator.page_size] -= 1
             session.pending_bytes -= entry.slot_size
@@ -297,7 +262,7 @@ class ChunkIndex:
         results: list[LookupOutcome] = []
         for salt, keys in items:
             _check_salt(salt)
-            hits: list[_Entry] = []
+            hits: list[Entry] = []
             for key in keys:
                 entry = self._entries.get((salt, key))
                 if entry is None or not entry.committed:
@@ -316,11 +281,11 @@ class ChunkIndex:
                 entry.leases += 1
                 self.bytes_loaded += entry.length
             lid = self._new_id()
-            lease = _Lease(lid, client, now + self.lease_ttl, hits)
+            lease = Lease(lid, client, now + self.lease_ttl, hits)
             self._leases[lid] = lease
             session.leases.add(lid)
             heapq.heappush(self._deadlines, (lease.deadline, 0, lid))
-            results.append(LookupOutcome(len(hits), lid, [(e.offset, e.length) for e in hits]))
+            results.append(LookupOutcome(len(hits), lid, [(e.offset + SLOT_HEADER_BYTES, e.length) for e in hits]))
         return results
 
     def release(self, client: str, lease_ids: Iterable[int]) -> int:
@@ -338,7 +303,7 @@ class ChunkIndex:
 
     def clear(self, salt: str | None = None) -> int:
         """Remove committed, unleased chunks (of `salt`, or all); returns how many."""
-        lrus: Iterable[Mapping[Any, _Entry]] = self._lru.values() if salt is None else [self._salt_lru.get(salt, {})]
+        lrus: Iterable[Mapping[Any, Entry]] = self._lru.values() if salt is None else [self._salt_lru.get(salt, {})]
         victims = [entry for lru in lrus for entry in lru.values()]
         for entry in victims:
             self._remove(entry)
@@ -421,7 +386,7 @@ class ChunkIndex:
         self._next_id += 1
         return ident
 
-    def _data_session(self, client: str, now: float, *, need_layout: bool = True) -> _Session:
+    def _data_session(self, client: str, now: float, *, need_layout: bool = True) -> Session:
         session = self._sessions.get(client)
         if session is None or (need_layout and session.chunk_bytes is None):
             raise NotRegisteredError(
@@ -470,7 +435,7 @@ class ChunkIndex:
         assert not self.allocator.page_used(page), "a reclaimed page kept a chunk"
         return True
 
-    def _lru_add(self, entry: _Entry) -> None:
+    def _lru_add(self, entry: Entry) -> None:
         """Make `entry` the most recently used evictable chunk."""
         self._clock += 1
         entry.used = self._clock
@@ -478,7 +443,7 @@ class ChunkIndex:
         self._salt_lru[entry.salt][entry.key] = entry
         self._recency.used(entry.offset // self.allocator.page_size, self._clock)
 
-    def _lru_drop(self, entry: _Entry) -> None:
+    def _lru_drop(self, entry: Entry) -> None:
         """Take `entry` out of the LRU lists (it is leased, removed, or used again)."""
         del self._lru[entry.slot_size][(entry.salt, entry.key)]  # a size class's list is kept when empty
         own = self._salt_lru[entry.salt]
@@ -486,11 +451,11 @@ class ChunkIndex:
         if not own:
             del self._salt_lru[entry.salt]
 
-    def _evict(self, entry: _Entry) -> None:
+    def _evict(self, entry: Entry) -> None:
         self._remove(entry)
         self.evictions += 1
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: Entry) -> None:
         assert entry.committed, "only committed chunks are evicted or cleared"
         assert not entry.leases, "leased chunks are never evicted or cleared"
         self._lru_drop(entry)
@@ -504,17 +469,18 @@ class ChunkIndex:
             residents = (self._by_offset.get(off) for off in self.allocator.page_slots(page))
             self._recency.reset(page, max((e.used for e in residents if e and e.committed), default=0))
 
-    def _free_slot(self, entry: _Entry) -> None:
+    def _free_slot(self, entry: Entry) -> None:
         del self._entries[(entry.salt, entry.key)]
         del self._by_offset[entry.offset]
         self.allocator.free(entry.offset)
+        self.headers.freed(entry.offset)
         left = self._salt_bytes[entry.salt] - entry.slot_size
         if left:
             self._salt_bytes[entry.salt] = left
         else:
             del self._salt_bytes[entry.salt]
 
-    def _abort(self, reservation: _Reservation) -> int:
+    def _abort(self, reservation: Reservation) -> int:
         del self._reservations[reservation.id]
         session = self._sessions.get(reservation.client)
         if session is not None:
@@ -527,7 +493,7 @@ class ChunkIndex:
             self._free_slot(entry)
         return len(reservation.pending)
 
-    def _drop_lease(self, lease: _Lease) -> None:
+    def _drop_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
         session = self._sessions.get(lease.client)
         if session is not None:

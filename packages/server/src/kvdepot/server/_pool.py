@@ -20,6 +20,7 @@ from pathlib import Path
 
 import structlog
 
+from kvdepot.core import SLOT_GENERATION_OFFSET, SLOT_HEADER_BYTES, pack_slot_header, slot_digest
 from kvdepot.server._errors import PoolError
 
 log = structlog.get_logger(__name__)
@@ -213,3 +214,43 @@ class PoolMapping:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SlotHeaders:
+    """Writes the header in front of each slot (`kvdepot.core.SLOT_HEADER_BYTES`) into the pool.
+
+    ``slot`` is the offset of a slot's header, the chunk's bytes follow it. A generation is
+    stored with one aligned 8-byte write (a memoryview of 8-byte words), so a reader never
+    sees half of one. Without a buffer (unit tests of the index) it writes nothing.
+    """
+
+    def __init__(self, buffer: memoryview | None = None) -> None:
+        self._buf = buffer
+        self._words = buffer.cast("Q") if buffer is not None else None
+        self._generation = 1  # the last odd generation handed out; +1 is its committed one
+
+    def writing(self, slot: int, salt: str, key: bytes, length: int) -> None:
+        """The slot now belongs to a reservation: odd generation first, then what it will hold."""
+        if self._buf is None or self._words is None:
+            return
+        self._generation += 2
+        self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
+        self._buf[slot : slot + SLOT_HEADER_BYTES] = pack_slot_header(self._generation, length, slot_digest(salt, key))
+
+    def published(self, slot: int) -> None:
+        """The slot's chunk is committed: its generation becomes even."""
+        if self._words is not None:
+            self._words[(slot + SLOT_GENERATION_OFFSET) // 8] += 1
+
+    def freed(self, slot: int) -> None:
+        """The slot left the index (evicted, cleared, aborted, expired): a new odd generation."""
+        if self._words is not None:
+            self._generation += 2
+            self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
+
+    def close(self) -> None:
+        """Let go of the pool's memory (before the pool closes)."""
+        if self._words is not None and self._buf is not None:
+            self._words.release()
+            self._buf.release()
+        self._words = self._buf = None

@@ -22,7 +22,7 @@ from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
 from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
-from kvdepot.server._pool import SharedPool, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._slabs import SlabAllocator
 from kvdepot.server._version import __version__
 from kvdepot.transport import PeerInfo, ServerEndpoint
@@ -84,13 +84,14 @@ class CacheServer:
             log.info("stale_pool_removed", path=str(path))
         capacity = config.capacity if config.capacity is not None else default_capacity(pool_dir)
         self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
+        self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
         self.index = ChunkIndex(
             self.allocator,
             lease_ttl=config.lease_ttl,
             reservation_ttl=config.reservation_ttl,
             session_ttl=float("inf"),  # liveness comes from the endpoint's peer_gone
+            headers=SlotHeaders(self.pool.buffer),
         )
-        self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
         self.metrics = Metrics()
         self.bad_frames = BadFrameCounter()
         self.started_at = time.monotonic()
@@ -115,6 +116,7 @@ class CacheServer:
                         raise
                     log.warning("metrics_unavailable", reason=exc.message)
         except BaseException:
+            self.index.headers.close()
             self.pool.close()
             if hasattr(self, "endpoint"):
                 self.endpoint.close()
@@ -176,6 +178,7 @@ class CacheServer:
         self._stop.set()
         self.endpoint.close()
         self.metrics.close()
+        self.index.headers.close()
         self.pool.close()
         log.info("server_stopped", address=self.address, pool=str(self.pool.path))
 

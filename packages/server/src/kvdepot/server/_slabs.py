@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._errors import ChunkTooLargeError, ServerArgumentError
 
 # Slot offsets and sizes are multiples of this: a cache line, so that copies into a slot
@@ -87,10 +88,10 @@ class SlabAllocator:
     # -- queries --------------------------------------------------------------------------
 
     def slot_size(self, chunk_bytes: int) -> int:
-        """The slot size that holds `chunk_bytes`, or `ChunkTooLargeError` when no page can."""
+        """The slot size that holds a header and `chunk_bytes`, or `ChunkTooLargeError` when no page can."""
         if chunk_bytes <= 0:
             raise ServerArgumentError(f"chunk_bytes must be positive, got {chunk_bytes}", chunk_bytes=chunk_bytes)
-        size = align_up(chunk_bytes)
+        size = align_up(SLOT_HEADER_BYTES + chunk_bytes)
         if size > self.page_size:
             raise ChunkTooLargeError(
                 f"a chunk of {chunk_bytes} bytes does not fit in a page of {self.page_size} bytes; "

@@ -19,6 +19,7 @@ class LoadOp:
 
     The worker copies it on its own thread and reports it in `get_finished` (done or failed);
     vLLM keeps the request waiting and its blocks out of the prefix cache until then.
+    Each slot's header must name its chunk (``salt``, ``keys``) before and after the copy.
     """
 
     req_id: str
@@ -28,6 +29,8 @@ class LoadOp:
     skip_blocks: int
     num_tokens: int
     slot_bytes: int = 0  # each slot's length, as the server said: checked against the worker's chunk size
+    salt: str = ""
+    keys: list[list[bytes]] = field(default_factory=list)  # per KV rank: the chunk each slot must hold
 
 
 @dataclass

@@ -55,20 +55,24 @@ LEASE_REFRESH_S = 20.0
 LOOKUP_YIELD_S = 0.002
 
 
-def request_extra_digests(request: Request) -> tuple[bytes, ...] | None:
-    """Digests of what the KV depends on besides token ids; None if the request cannot be cached.
+def request_marks(request: Request) -> tuple[tuple[int, bytes], ...] | None:
+    """(position, digest) of what the KV depends on besides token ids; None if the request
+    cannot be cached.
 
-    Multimodal inputs are identified by vLLM's content hashes and their positions. Prompt
-    embeddings have no token ids at all (vLLM reports zeros), so such requests are not cached.
+    A multimodal input is identified by vLLM's content hash and its placeholder's position
+    and length, and keys only the chunks from its position on (`kvdepot.core.KeyChain`), so
+    requests that share a text prefix before it share those chunks, as in vLLM's own prefix
+    cache. Prompt embeddings have no token ids at all (vLLM reports zeros), so such requests
+    are not cached.
     """
     if getattr(request, "prompt_embeds", None) is not None:
         return None
-    digests = []
+    marks = []
     for feature in getattr(request, "mm_features", None) or ():
-        pos = getattr(feature, "mm_position", None)
-        text = f"{feature.identifier}|{getattr(pos, 'offset', '')}|{getattr(pos, 'length', '')}"
-        digests.append(hashlib.sha256(text.encode()).digest())
-    return tuple(digests)
+        pos = feature.mm_position
+        text = f"{feature.identifier}|{pos.offset}|{pos.length}"
+        marks.append((pos.offset, hashlib.sha256(text.encode()).digest()))
+    return tuple(marks)
 
 
 @attrs.define
@@ -173,6 +177,8 @@ class SchedulerSide:
                     skip_blocks=plan.skip_blocks,
                     num_tokens=plan.num_tokens,
                     slot_bytes=self._records[req_id].slot_bytes,
+                    salt=plan.cache_salt,
+                    keys=[list(rank_keys) for rank_keys in plan.keys],
                 )
             )
         self._flush_releases()
@@ -261,11 +267,11 @@ class SchedulerSide:
         req_id = request.request_id
         if req_id in self._uncacheable:
             return None
-        digests = request_extra_digests(request)
-        if digests is None:
+        marks = request_marks(request)
+        if marks is None:
             self._uncacheable.add(req_id)
             return None
-        self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), extra=digests)
+        self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), marks=marks)
         record = self._records[req_id] = _Record(request)
         return record
 

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.core import ParallelStrategy
+from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
@@ -45,6 +45,17 @@ log = logging.getLogger("vllm.kvdepot.worker")
 _MADV_POPULATE_WRITE = 23
 #: The background prefault maps this much of the pool per system call.
 PREFAULT_STEP = 64 << 20
+
+
+class SlotChangedError(RuntimeError):
+    """A slot did not hold its leased chunk before or after the copy (evicted and reused)."""
+
+    def __init__(self, first_chunk: int, num_chunks: int) -> None:
+        super().__init__(
+            f"the slot of chunk {first_chunk} of {num_chunks} no longer held it (its lease was late or expired); "
+            "the chunks before it were loaded"
+        )
+        self.first_chunk = first_chunk
 
 
 class _PoolMapping:
@@ -79,6 +90,10 @@ class _PoolMapping:
                 name="kvdepot-prefault",
             )  # fmt: skip
             self.prefault.start()
+
+    def header(self, offset: int) -> bytes:
+        """The header in front of the slot at ``offset`` (what it holds, and its generation)."""
+        return self.mmap[offset - SLOT_HEADER_BYTES : offset]
 
     def close(self) -> None:
         self._stop_prefault.set()
@@ -248,7 +263,8 @@ class WorkerSide:
             exc = future.exception()
             if exc is not None:
                 log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
-                self._failed_blocks.update(op.block_ids[op.skip_blocks :])
+                first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
+                self._failed_blocks.update(op.block_ids[max(first, op.skip_blocks) :])
                 self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
         for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
             del self._stores[req_id]
@@ -270,14 +286,25 @@ class WorkerSide:
             raise RuntimeError(f"the lease is from server {op.server_id!r}, the mapped pool from {pool.server_id!r}")
         if op.slot_bytes != self.chunk_bytes:
             raise RuntimeError(f"the slots hold {op.slot_bytes} bytes, this worker's chunks are {self.chunk_bytes}")
-        slots = op.slots[self.strategy.kv_rank]
+        slots, keys = op.slots[self.strategy.kv_rank], op.keys[self.strategy.kv_rank]
         bpc = self.blocks_per_chunk
-        if len(slots) * bpc != len(op.block_ids):
-            raise RuntimeError(f"{len(slots)} slots for {len(op.block_ids)} blocks of {bpc} per chunk")
-        if any(offset + self.chunk_bytes > pool.size for offset in slots):
+        if len(slots) * bpc != len(op.block_ids) or len(keys) != len(slots):
+            raise RuntimeError(f"{len(slots)} slots and {len(keys)} keys for {len(op.block_ids)} blocks")
+        if any(offset < SLOT_HEADER_BYTES or offset + self.chunk_bytes > pool.size for offset in slots):
             raise RuntimeError("a slot lies outside the mapped pool")
-        blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(len(slots))]
-        pool.copier.scatter(slots, blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
+        # The seqlock (kvdepot.core._slots): copy only the chunks whose slots say they hold them,
+        # and keep only those whose header did not change while the copy read them.
+        before = [pool.header(offset) for offset in slots]
+        held = [
+            slot_header_holds(h, slot_digest(op.salt, k), self.chunk_bytes) for h, k in zip(before, keys, strict=True)
+        ]
+        good = held.index(False) if False in held else len(held)
+        if good:
+            blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(good)]
+            pool.copier.scatter(slots[:good], blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
+            good = next((i for i in range(good) if pool.header(slots[i]) != before[i]), good)
+        if good < len(slots):
+            raise SlotChangedError(good, len(slots))
         self._add("loaded_tokens", op.num_tokens)
         self._add("loaded_bytes", len(slots) * self.chunk_bytes)
 

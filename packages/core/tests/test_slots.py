@@ -1,0 +1,34 @@
+"""The slot header: it holds for exactly the chunk, length and committed state it was written for."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvdepot.core import SLOT_HEADER_BYTES, pack_slot_header, slot_digest, slot_header_holds
+
+salts = st.text(max_size=8)
+keys = st.binary(min_size=1, max_size=64)
+lengths = st.integers(1, 2**40)
+
+
+@given(salt=salts, key=keys, length=lengths, generation=st.integers(0, 2**62))
+def test_a_header_holds_only_its_own_committed_chunk(salt, key, length, generation):
+    """Even generation, same digest and length: holds; an odd generation (being written or free) never does."""
+    raw = pack_slot_header(generation, length, slot_digest(salt, key))
+    assert len(raw) == SLOT_HEADER_BYTES
+    assert slot_header_holds(raw, slot_digest(salt, key), length) == (generation % 2 == 0)
+    assert not slot_header_holds(raw, slot_digest(salt, key), length + 1)
+    assert not slot_header_holds(raw[:-1], slot_digest(salt, key), length)
+    assert not slot_header_holds(b"\0" * 8 + raw[8:], slot_digest(salt, key), length)  # no magic
+
+
+@given(a=st.tuples(salts, keys), b=st.tuples(salts, keys))
+def test_digests_differ_for_every_other_salt_or_key(a, b):
+    """The digest names (salt, key) without ambiguity: the salt's length is part of it."""
+    assert (slot_digest(*a) == slot_digest(*b)) == (a == b)
+
+
+def test_salt_and_key_bytes_do_not_run_together():
+    """Moving bytes between the salt and the key gives another digest."""
+    assert slot_digest("ab", b"c") != slot_digest("a", b"bc")

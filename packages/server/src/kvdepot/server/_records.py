@@ -1,0 +1,47 @@
+"""The chunk index's records: one per chunk, reservation, lease and client session."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.define(eq=False)
+class Entry:
+    """A chunk in a slot (``offset`` is the slot's header), pending until committed."""
+
+    salt: str
+    key: bytes
+    offset: int
+    length: int
+    slot_size: int
+    committed: bool = False
+    leases: int = 0
+    used: int = 0  # stamp of the last use (commit, reserve hit, end of the last lease)
+
+
+@attrs.define(eq=False)
+class Reservation:
+    id: int
+    client: str
+    salt: str
+    deadline: float
+    pending: dict[int, Entry]  # position in the Reserve keys -> entry still PENDING
+
+
+@attrs.define(eq=False)
+class Lease:
+    id: int
+    client: str
+    deadline: float
+    entries: list[Entry]
+
+
+@attrs.define(eq=False)
+class Session:
+    client: str
+    name: str
+    last_seen: float
+    chunk_bytes: int | None = None
+    pending_bytes: int = 0
+    reservations: set[int] = attrs.field(factory=set)
+    leases: set[int] = attrs.field(factory=set)
