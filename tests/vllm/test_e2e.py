@@ -21,6 +21,7 @@ import pytest
 
 import kvdepot.server
 import kvdepot.transport
+from kvdepot.core import SLOT_HEADER_BYTES
 
 
 class ServerProcess(kvdepot.server.ServerProcess):
@@ -370,3 +371,70 @@ def test_cache_reset_after_new_weights_hits_nothing_stored_before(tiny_llama, vl
     # The same weights on disk still share what the first engine stored before its reset.
     fresh = vllm_engine(tiny_llama, [x], kv_transfer_config=config).check()
     assert fresh.num_cached_tokens == [512]
+
+
+# -- verified hits: slots that say what they hold, the layout in the key --------------------
+
+
+def fill_pool_after_lease_expiry(server: ServerProcess, done: threading.Event) -> None:
+    """Once a lease has been taken and has expired, clear the server and fill its whole pool with
+    other chunks of garbage bytes, as other engines would when the pool is under pressure."""
+    with kvdepot.transport.CacheClient(server.address, timeout=10.0) as client:
+        deadline = time.monotonic() + 240
+        while client.stats().result(10).leases == 0:  # the engine looked its hit up
+            assert time.monotonic() < deadline, "no lookup was leased"
+            time.sleep(0.02)
+        while client.stats().result(10).leases:  # ... and the lease expired (--lease-ttl 1)
+            assert time.monotonic() < deadline, "the lease never expired"
+            time.sleep(0.05)
+        client.clear().result(10)
+        size = (1 << 20) - SLOT_HEADER_BYTES  # 1 MiB slots tile every page: no byte is left as it was
+        reply = client.register("garbage", CHUNK, size).result(10)
+        with kvdepot.server.PoolMapping(reply.pool.path, reply.pool.size) as pool:
+            written = 0
+            while written < pool.size:
+                res = client.reserve("", [os.urandom(32) for _ in range(16)], size).result(10)
+                for slot in res.slots:
+                    pool.write(slot.offset, b"\x5a" * slot.length)
+                    written += SLOT_HEADER_BYTES + slot.length
+                client.commit(res.reservation_id).result(10)
+    done.set()
+
+
+def test_a_hit_whose_lease_expired_and_slots_were_reused_is_recomputed(tiny_llama, vllm_engine):
+    """A hit not loaded before its lease expired (--lease-ttl 1 standing in for a long stall) finds
+    its slots reused by other chunks: the slot check fails the load and vLLM recomputes, so the
+    output equals recompute's instead of decoding someone else's bytes."""
+    workdir = Path(f"/tmp/kvd-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    workdir.mkdir(mode=0o700)
+    server = ServerProcess(workdir)
+    server.args += ["--lease-ttl", "1"]
+    x = P + prompt(200, seed=50)
+    with server:
+        reference = vllm_engine(tiny_llama, [x]).check()
+        vllm_engine(tiny_llama, [P], kv_transfer_config=server.connector_config()).check()
+        overwritten = threading.Event()
+        filler = threading.Thread(target=fill_pool_after_lease_expiry, args=(server, overwritten), daemon=True)
+        filler.start()
+        config = server.connector_config(**{"kvdepot.test.load_delay": 4.0})
+        run = vllm_engine(tiny_llama, [x], kv_transfer_config=config).check()
+        filler.join(30)
+        assert overwritten.is_set(), "the pool was not overwritten while the load waited"
+    assert "no longer held it" in run.log_tail
+    assert run.outputs == reference.outputs
+
+
+def test_the_kv_cache_layout_setting_is_part_of_the_key(tiny_llama, vllm_engine, kvdepot_server):
+    """Chunks stored under one VLLM_KV_CACHE_LAYOUT are no hit for an engine with another; with
+    the same setting they are."""
+    x = P + prompt(200, seed=51)
+    config = kvdepot_server.connector_config()
+    hnd = {"VLLM_KV_CACHE_LAYOUT": "HND"}
+    reference = vllm_engine(tiny_llama, [x]).check()
+    vllm_engine(tiny_llama, [P], kv_transfer_config=config, env=hnd).check()
+    other = vllm_engine(tiny_llama, [x], kv_transfer_config=config).check()
+    assert other.num_cached_tokens == [0]
+    assert other.outputs == reference.outputs
+    same = vllm_engine(tiny_llama, [x], kv_transfer_config=config, env=hnd).check()
+    assert same.num_cached_tokens == [512]
+    assert same.outputs == reference.outputs

@@ -21,13 +21,14 @@ from kvdepot.server._pool import PoolMapping, SharedPool
 from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
-from kvdepot.server._slabs import SLOT_ALIGNMENT, SlabAllocator, auto_page_size
+from kvdepot.server._slabs import MIN_SLOT_BYTES, SLOT_ALIGNMENT, SlabAllocator, auto_page_size
 from kvdepot.server._stats import fetch_stats, format_stats
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "MIN_SLOT_BYTES",
     "SLOT_ALIGNMENT",
     "CacheHandler",
     "CacheServer",

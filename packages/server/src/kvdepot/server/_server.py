@@ -24,6 +24,7 @@ from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, Ch
 from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._slabs import SlabAllocator
+from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
 from kvdepot.transport import PeerInfo, ServerEndpoint
 
@@ -83,6 +84,14 @@ class CacheServer:
         for path in remove_stale_pools(pool_dir):
             log.info("stale_pool_removed", path=str(path))
         capacity = config.capacity if config.capacity is not None else default_capacity(pool_dir)
+        free = pool_dir_free_bytes(pool_dir)
+        if capacity > free:  # before anything is built: the allocator's tables grow with capacity
+            raise ServerArgumentError(
+                f"--capacity {format_size(capacity)} is more than the {format_size(free)} free in {pool_dir}; "
+                "lower --capacity (or make the shared-memory filesystem larger)",
+                capacity=capacity,
+                free=free,
+            )
         self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
         self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
         self.index = ChunkIndex(

@@ -23,6 +23,9 @@ from kvdepot.server._errors import ChunkTooLargeError, ServerArgumentError
 # Slot offsets and sizes are multiples of this: a cache line, so that copies into a slot
 # never share a line with a neighbour's.
 SLOT_ALIGNMENT = 64
+# Smallest slot: bounds the number of chunks, and so the index's memory (under 1 KiB per chunk),
+# by the pool's size, however small the chunks a client registers.
+MIN_SLOT_BYTES = 1024
 # Largest page the automatic choice picks: waste per page is below one slot, so large pages
 # keep the waste small for chunks of tens of MiB (a 256-token chunk of an 8B model is 32 MiB).
 MAX_AUTO_PAGE_SIZE = 256 << 20
@@ -91,7 +94,7 @@ class SlabAllocator:
         """The slot size that holds a header and `chunk_bytes`, or `ChunkTooLargeError` when no page can."""
         if chunk_bytes <= 0:
             raise ServerArgumentError(f"chunk_bytes must be positive, got {chunk_bytes}", chunk_bytes=chunk_bytes)
-        size = align_up(SLOT_HEADER_BYTES + chunk_bytes)
+        size = max(MIN_SLOT_BYTES, align_up(SLOT_HEADER_BYTES + chunk_bytes))
         if size > self.page_size:
             raise ChunkTooLargeError(
                 f"a chunk of {chunk_bytes} bytes does not fit in a page of {self.page_size} bytes; "

@@ -22,6 +22,8 @@ _UNITS = {
     "tb": 1000**4,
     "tib": 1 << 40,
 }
+#: The largest size accepted (1 EiB): anything larger is a typo.
+MAX_SIZE = 2**60
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
@@ -34,7 +36,10 @@ def parse_size(text: str) -> int:
             f"cannot read {text!r} as a size; write a number with an optional unit, e.g. 64GiB, 512MiB or 4096",
             text=text,
         )
-    return int(float(match.group(1)) * _UNITS[unit])
+    value = float(match.group(1)) * _UNITS[unit]
+    if not value < MAX_SIZE:  # also inf, for hundreds of digits
+        raise ServerArgumentError(f"{text!r} is more bytes than any machine has (at most 2**60)", text=text)
+    return int(value)
 
 
 def format_size(size: float) -> str:

@@ -170,9 +170,11 @@ class Dispatcher:
             if refusal is not None:
                 return refusal
             if peer is None or peer.client_id != body.client_id:
-                peer = PeerInfo(body.client_id, body.client_name, body.protocol_version, identity, now, now)
+                old, peer = peer, PeerInfo(body.client_id, body.client_name, body.protocol_version, identity, now, now)
                 self.peers[identity] = peer
                 log.info("peer_connected", peer=body.client_id, client_name=body.client_name)
+                if old is not None:  # the same connection under a new client id: the old id's session ends
+                    self._gone(old)
         elif peer is None:
             self.counters["errors"] += 1
             return ErrorReply(
@@ -256,12 +258,16 @@ class Dispatcher:
         for identity, peer in list(self.peers.items()):
             if peer.last_seen < deadline:
                 del self.peers[identity]
-                self.counters["peers_gone"] += 1
                 log.info("peer_gone", peer=peer.client_id, silent_s=round(self.clock() - peer.last_seen, 3))
-                try:
-                    self.handler.peer_gone(peer)
-                except Exception:
-                    log.exception("peer_gone_handler_failed", peer=peer.client_id)
+                self._gone(peer)
+
+    def _gone(self, peer: PeerInfo) -> None:
+        """Tell the handler that ``peer`` (no longer in the table) is gone: its session ends."""
+        self.counters["peers_gone"] += 1
+        try:
+            self.handler.peer_gone(peer)
+        except Exception:
+            log.exception("peer_gone_handler_failed", peer=peer.client_id)
 
     def next_expiry(self) -> float | None:
         """When `expire` may next have something to do (monotonic), or None without peers."""

@@ -1,0 +1,83 @@
+"""The server's own memory and time stay bounded whatever a client sends (issue: a hardened server).
+
+Each test runs a real `kvdepot serve` process and drives it as a careless or hostile client would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from kvdepot.server import fetch_stats
+from kvdepot.transport import PROTOCOL_VERSION, CacheClient
+from kvdepot.transport._codec import decode_reply, encode_request
+from kvdepot.transport._messages import Hello, HelloReply, Request
+
+pytestmark = pytest.mark.integration
+
+SMALL_POOL = ["--capacity", "4MiB", "--page-size", "1MiB"]
+T = 5.0
+
+
+def test_hellos_with_ever_new_client_ids_keep_one_session(serve):
+    """One connection that greets again and again under new client ids (session churn) holds one
+    session: each new id replaces the old one's, which is freed."""
+    server = serve(*SMALL_POOL)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        for i in range(3000):
+            sock.send(encode_request(Request(i + 1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "churn"))))
+            assert sock.poll(int(T * 1000)), "no reply to Hello"
+            assert isinstance(decode_reply(sock.recv()).body, HelloReply)
+        assert fetch_stats(server.address, timeout=T).clients <= 2  # the churner's last id, and this query
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("capacity", ["99999TiB", "9" * 400])
+def test_an_impossible_capacity_is_refused_at_once_with_a_message(workdir, capacity):
+    """A capacity beyond the shared-memory filesystem, or a number too large to be one, exits 2 at once
+    with a message naming the flag, before anything is built."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server",
+            "serve",
+            "--address",
+            f"ipc://{workdir}/s.sock",
+            "--capacity",
+            capacity,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--capacity" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_tiny_chunks_cannot_grow_the_server_past_a_bound(serve):
+    """A client that registers 1-byte chunks gets slots of at least MIN_SLOT_BYTES, so the number of
+    chunks (and the server's memory for them) is bounded by the pool's size."""
+    from kvdepot.server import MIN_SLOT_BYTES
+
+    server = serve(*SMALL_POOL)
+    with CacheClient(server.address, timeout=T) as client:
+        reply = client.register("tiny", 256, 1).result(T)
+        assert reply.chunk_size == 256  # accepted, but each chunk takes a whole minimal slot
+        for _ in range(64):  # the pool holds at most a few thousand: well before 64 Ki, it evicts
+            res = client.reserve("", [os.urandom(32) for _ in range(1024)], 1).result(T)
+            client.commit(res.reservation_id).result(T)
+        stats = client.stats().result(T)
+    assert stats.chunks <= stats.capacity_bytes // MIN_SLOT_BYTES
