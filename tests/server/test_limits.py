@@ -81,3 +81,14 @@ def test_tiny_chunks_cannot_grow_the_server_past_a_bound(serve):
             client.commit(res.reservation_id).result(T)
         stats = client.stats().result(T)
     assert stats.chunks <= stats.capacity_bytes // MIN_SLOT_BYTES
+
+
+def test_a_truncated_pool_stops_the_server_with_a_message(serve):
+    """When someone truncates the pool file under a live server, the server stops serving it (exit 1,
+    a logged reason) instead of leasing slots that would kill its clients with SIGBUS."""
+    server = serve(*SMALL_POOL)
+    with CacheClient(server.address, timeout=T) as client:
+        pool = client.register("layout", 256, 1000).result(T).pool
+        os.truncate(pool.path, 0)
+        assert server.proc.wait(10) == 1
+    assert "truncated" in server.read_log()

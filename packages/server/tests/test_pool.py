@@ -73,3 +73,22 @@ def test_mapping_address_supports_native_copies(tmp_path):
         data = ctypes.create_string_buffer(b"native", 6)
         ctypes.memmove(client.address + 128, data, 6)
         assert client.read(128, 6) == b"native"
+
+
+@pytest.mark.parametrize("trap", ["readable by others", "another user's", "a symlink"])
+def test_a_pool_file_that_is_not_this_users_alone_is_not_mapped(tmp_path, trap):
+    """A client maps only a pool file of its own user, mode 0600, reached without a symlink: another
+    one could be a trap that collects this user's KV bytes, or feeds it another's."""
+    if trap == "another user's" and os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    with SharedPool.create(8192, tmp_path) as pool:
+        path = pool.path
+        if trap == "readable by others":
+            path.chmod(0o644)
+        elif trap == "another user's":
+            os.chown(path, 4242, 4242)
+        else:
+            path = tmp_path / "link.pool"
+            path.symlink_to(pool.path)
+        with pytest.raises(PoolError):
+            PoolMapping(path, 8192)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 import stat
 from pathlib import Path
 
@@ -68,3 +70,54 @@ def test_memory_address_gives_a_memory_endpoint() -> None:
             t.ServerEndpoint("memory://addr-test", t.DictHandler())
     finally:
         endpoint.close()
+
+
+# -- a client refuses a socket another local user could control ------------------------------
+
+OTHER_UID = 4242  # a user that is not us (the tests chown to it, so they need root)
+needs_root = pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+
+
+def test_a_missing_socket_directory_is_created_owner_only(tmp_path: Path) -> None:
+    """A client to an address whose directory does not exist yet creates it 0700, so no other user can
+    create it first and serve there."""
+    sock = tmp_path / "run" / "kvdepot.sock"
+    client = t.CacheClient(f"ipc://{sock}", timeout=0.5)
+    client.close()
+    assert stat.S_IMODE(sock.parent.stat().st_mode) == 0o700
+
+
+@needs_root
+def test_a_socket_directory_of_another_user_is_refused(tmp_path: Path) -> None:
+    """/tmp/kvdepot-UID made first by someone else (the default address without XDG_RUNTIME_DIR) is refused."""
+    directory = tmp_path / "kvdepot-1000"
+    directory.mkdir(mode=0o700)
+    os.chown(directory, OTHER_UID, OTHER_UID)
+    with pytest.raises(t.UntrustedAddressError, match="belongs to uid 4242"):
+        t.CacheClient(f"ipc://{directory}/kvdepot.sock")
+
+
+def test_a_socket_directory_others_can_write_is_refused(tmp_path: Path) -> None:
+    """A directory anyone may write (and not sticky) lets anyone replace the socket: refused."""
+    directory = tmp_path / "open"
+    directory.mkdir()
+    directory.chmod(0o777)
+    with pytest.raises(t.UntrustedAddressError, match="others can write it"):
+        t.CacheClient(f"ipc://{directory}/kvdepot.sock")
+
+
+@needs_root
+def test_a_socket_of_another_user_is_refused(tmp_path: Path) -> None:
+    """A socket that another user's server made, even in a sticky shared directory, is refused."""
+    directory = tmp_path / "shared"
+    directory.mkdir()
+    directory.chmod(0o1777)
+    sock_path = directory / "kvdepot.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(str(sock_path))
+        os.chown(sock_path, OTHER_UID, OTHER_UID)
+        with pytest.raises(t.UntrustedAddressError, match="another user's server"):
+            t.CacheClient(f"ipc://{sock_path}")
+    finally:
+        listener.close()

@@ -28,3 +28,44 @@ def test_without_a_size_the_pool_is_modest(tmp_path: Path, monkeypatch: pytest.M
     finally:
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             os.kill(int(_server.pid_path(address).read_text()), signal.SIGTERM)
+
+
+def test_the_started_server_is_no_descendant_of_this_process(tmp_path: Path) -> None:
+    """The server started on demand is handed to init at once: killing the starter's process tree
+    (as `vllm serve` does to its workers on SIGTERM) cannot reach it."""
+    address = f"ipc://{tmp_path}/s.sock"
+    _server.ensure_server(address, capacity="16MiB", timeout=30)
+    pid = int(_server.pid_path(address).read_text())
+    try:
+        assert pid not in {c.pid for c in _children(os.getpid())}
+        assert ServerProcess(address).answers()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def _children(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.mark.parametrize("name", ["s.start.lock", "s.log", "s.pid"])
+def test_the_files_of_the_on_demand_start_are_never_opened_through_a_symlink(tmp_path: Path, name: str) -> None:
+    """A symlink planted where the start writes its lock, log or pid file is refused, and the file it
+    points to is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / name).symlink_to(victim)
+    address = f"ipc://{tmp_path}/s.sock"
+    try:
+        with pytest.raises(OSError, match="symbolic links"):
+            _server.ensure_server(address, capacity="16MiB", timeout=30)
+        assert victim.read_text() == "precious\n"
+    finally:
+        if name != "s.pid" and _server.pid_path(address).exists():
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(_server.pid_path(address).read_text()), signal.SIGTERM)
+        for proc in _children(os.getpid()):
+            with contextlib.suppress(Exception):
+                proc.kill()

@@ -17,7 +17,7 @@ from kvdepot.server._errors import (
 )
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
-from kvdepot.server._pool import PoolMapping, SharedPool
+from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file
 from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
@@ -61,5 +61,6 @@ __all__ = [
     "format_size",
     "format_stats",
     "main",
+    "open_pool_file",
     "parse_size",
 ]

@@ -235,6 +235,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         server.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if server.failure:
+        sys.stderr.write(f"kvdepot serve: stopped: {server.failure}\n")
+        return 1
     return 0
 
 

@@ -15,6 +15,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -126,6 +127,11 @@ class SharedPool:
     def closed(self) -> bool:
         return self._mmap is None
 
+    def intact(self) -> bool:
+        """False once the file is shorter than the pool (someone truncated it): its slots are gone,
+        and touching them would kill every process that maps them (SIGBUS)."""
+        return self._mmap is not None and os.fstat(self._fd).st_size >= self.size
+
     def close(self) -> None:
         """Unmap and delete the file; clients that still map it keep their mapping until they unmap."""
         if self._mmap is None:
@@ -145,6 +151,29 @@ class SharedPool:
         self.close()
 
 
+def open_pool_file(path: str | os.PathLike[str], *, writable: bool = True) -> int:
+    """Open a pool file to map it: never through a symlink, and only one that is this user's alone.
+
+    A pool file another user owns, or that others may read, could be a trap set to collect
+    this user's KV bytes (or feed it others'): `PoolError`, and nothing is mapped.
+    """
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise PoolError(f"cannot open the pool file {path}: {exc.strerror}", path=str(path)) from exc
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        os.close(fd)
+        raise PoolError(
+            f"the pool file {path} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; a kvdepot "
+            "server of yours makes it yours alone (0600): it is not mapped",
+            path=str(path),
+            owner=st.st_uid,
+        )
+    return fd
+
+
 class PoolMapping:
     """A client's mapping of the pool, by path and size from the Register reply.
 
@@ -153,11 +182,7 @@ class PoolMapping:
     """
 
     def __init__(self, path: str | os.PathLike[str], size: int, *, writable: bool = True) -> None:
-        flags = (os.O_RDWR if writable else os.O_RDONLY) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-        try:
-            fd = os.open(path, flags)
-        except OSError as exc:
-            raise PoolError(f"cannot open the pool file {path}: {exc.strerror}", path=str(path)) from exc
+        fd = open_pool_file(path, writable=writable)
         try:
             actual = os.fstat(fd).st_size
             if actual < size:

@@ -132,6 +132,8 @@ class CacheServer:
             raise
         self._publish()
         self._closed = False
+        #: Why the server stopped by itself (None while serving, or after `stop()`).
+        self.failure: str | None = None
 
     @property
     def address(self) -> str:
@@ -164,6 +166,10 @@ class CacheServer:
             last_snapshot = 0.0
             while not self._stop.is_set():
                 self.endpoint.poll_once(POLL_INTERVAL)
+                if not self.pool.intact():
+                    self.failure = f"the pool file {self.pool.path} was truncated under the server"
+                    log.error("pool_truncated", path=str(self.pool.path), reason="stopping: its slots are gone")
+                    break
                 now = time.monotonic()
                 gone = self.index.expire(now)
                 if gone.leases or gone.reservations:

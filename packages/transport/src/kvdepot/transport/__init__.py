@@ -41,6 +41,7 @@ from kvdepot.transport._errors import (
     UnauthorizedError,
     UnknownLeaseError,
     UnknownReservationError,
+    UntrustedAddressError,
     VersionMismatchError,
     remote_error,
 )
@@ -163,6 +164,7 @@ __all__ = [
     "UnauthorizedError",
     "UnknownLeaseError",
     "UnknownReservationError",
+    "UntrustedAddressError",
     "VersionMismatchError",
     "__version__",
     "decode",

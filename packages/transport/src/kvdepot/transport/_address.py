@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import stat
 from pathlib import Path
 
-from kvdepot.transport._errors import LocalProtocolError
+from kvdepot.transport._errors import LocalProtocolError, UntrustedAddressError
 
 MEMORY_SCHEME = "memory://"
 # sun_path is 108 bytes on Linux including the terminating NUL.
@@ -46,6 +47,40 @@ def prepare_ipc_dir(path: Path) -> None:
         )
     if stat.S_IMODE(st.st_mode) & 0o022:
         os.chmod(directory, 0o700)
+
+
+def check_ipc_trusted(path: Path) -> None:
+    """Refuses an ipc socket that another local user could have put there (a client's check).
+
+    The socket's directory is created owner-only when missing, so no one else can create it
+    first; an existing one must belong to this user (or root) and be writable by no one else
+    unless sticky; an existing socket must belong to this user, as the server it reaches does.
+    """
+    directory = path.parent
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(mode=0o700, parents=True)
+    uid = os.getuid()
+    st = directory.stat()
+    writable_by_others = stat.S_IMODE(st.st_mode) & 0o022 and not st.st_mode & stat.S_ISVTX
+    if st.st_uid not in (uid, 0) or writable_by_others:
+        raise UntrustedAddressError(
+            f"the socket directory {directory} belongs to uid {st.st_uid} or others can write it, so another "
+            "user could serve there in kvdepot's place; use an address in a directory only you own "
+            "(mode 0700), or remove that directory",
+            path=str(directory),
+            owner=st.st_uid,
+        )
+    try:
+        owner = os.lstat(path).st_uid
+    except FileNotFoundError:
+        return
+    if owner != uid:
+        raise UntrustedAddressError(
+            f"the socket {path} belongs to uid {owner}, not to you: another user's server listens there; "
+            "use another address",
+            path=str(path),
+            owner=owner,
+        )
 
 
 def check_not_in_use(path: Path) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 
-from kvdepot.transport._address import MEMORY_SCHEME, default_address
+from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_reply, encode
 from kvdepot.transport._errors import (
     DeadlineExceededError,
@@ -155,6 +155,9 @@ class Connection:
         on_reconnect: ReconnectCallback | None = None,
     ) -> None:
         self.address = address or default_address()
+        path = ipc_path(self.address)
+        if path is not None:
+            check_ipc_trusted(path)
         self.curve_server_key = curve_server_key
         self.security_failure: str | None = None  # why the last ZMQ security handshake failed
         self.timeout = timeout

@@ -37,6 +37,10 @@ class LocalProtocolError(TransportError):
     """This process broke the protocol: an invalid message or a misuse of the API."""
 
 
+class UntrustedAddressError(LocalProtocolError):
+    """The address is a socket another local user could control (fields `path`, `owner`)."""
+
+
 class RemoteProtocolError(TransportError):
     """The peer sent a frame that does not decode into the expected message."""
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import subprocess
+import time
 from pathlib import Path
 
-from kvdepot.server import ServerProcess
+from kvdepot.server import ServerProcess, ServerStartError
+from kvdepot.transport._address import check_ipc_trusted, ipc_path
 
 log = logging.getLogger("vllm.kvdepot.server")
 
@@ -39,30 +42,73 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
 
     Several processes may race here (every vLLM engine of the node); an exclusive lock on a
     file beside the socket lets exactly one start the server while the others wait for it.
-    The server runs in its own session, so it outlives the vLLM process that started it.
+    The server is no descendant of the vLLM process that started it (a launcher starts it in
+    a session of its own and exits), so stopping `vllm serve`, which kills its workers'
+    process trees, leaves the server and its chunks to the next vLLM.
     """
+    sock = ipc_path(address)
+    if sock is not None:
+        check_ipc_trusted(sock)  # creates its directory 0700, or refuses one another user controls
     if server_answers(address):
         return
-    if not address.startswith("ipc://"):
+    if sock is None:
         raise ValueError(f"kvdepot can only start a local server on an ipc:// address, not {address}")
-    sock = Path(address[len("ipc://") :])
-    sock.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    lock_path = sock.with_suffix(".start.lock")
-    with open(os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600), "r+b") as lock:
+    with os.fdopen(_open_private(sock.with_suffix(".start.lock"), os.O_RDWR), "r+b") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if server_answers(address):
             return
         capacity = capacity or on_demand_capacity()
-        server = ServerProcess(address, capacity=capacity, args=(), log_path=sock.with_suffix(".log"))
-        server.start(timeout=max(START_TIMEOUT, timeout))
-        pid_path(address).write_text(f"{server.pid}\n")
-        log.info(
-            "started a local kvdepot server at %s (capacity %s, pid %s, log %s)",
-            address,
-            capacity,
-            server.pid,
-            server.log_path,
+        log_path = sock.with_suffix(".log")
+        pid_fd = _open_private(pid_path(address), os.O_WRONLY)  # before the start: a trap here starts nothing
+        with os.fdopen(pid_fd, "w") as pid_file:
+            command = ServerProcess(address, capacity=capacity, args=()).command()
+            pid = _start_detached(command, log_path)
+            pid_file.truncate(0)
+            pid_file.write(f"{pid}\n")
+        deadline = time.monotonic() + max(START_TIMEOUT, timeout)
+        while not server_answers(address):
+            if not _alive(pid) or time.monotonic() > deadline:
+                tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
+                raise ServerStartError(f"the kvdepot server started at {address} did not answer; its log ends:\n{tail}")
+            time.sleep(0.05)
+        log.info("started a local kvdepot server at %s (capacity %s, pid %s, log %s)", address, capacity, pid, log_path)
+
+
+def _open_private(path: Path, flags: int) -> int:
+    """Open (creating, 0600) a file of the on-demand start, never through a symlink."""
+    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _start_detached(command: list[str], log_path: Path) -> int:
+    """Start ``command`` in a session of its own, as no descendant of this process; its pid.
+
+    A shell puts it in the background, prints its pid and exits, so the server is handed to
+    init (or the nearest subreaper) at once. Its output goes to ``log_path`` (appended).
+    """
+    log_fd = _open_private(log_path, os.O_WRONLY | os.O_APPEND)
+    try:
+        launcher = subprocess.run(
+            ["/bin/sh", "-c", '"$@" </dev/null >&2 & echo $!', "kvdepot-launcher", *command],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=log_fd,
+            start_new_session=True,
+            check=True,
+            timeout=30,
         )
+    finally:
+        os.close(log_fd)
+    return int(launcher.stdout.strip())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def pid_path(address: str) -> Path:

@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
+from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
@@ -71,8 +72,9 @@ class _PoolMapping:
         import torch
 
         from kvdepot.gpu import open_copier
+        from kvdepot.server import open_pool_file
 
-        fd = os.open(path, os.O_RDWR)
+        fd = open_pool_file(path)
         try:
             self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -220,7 +222,7 @@ class WorkerSide:
             return self._pool
         try:
             pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout, prefault=self.prefault_pool)
-        except OSError as exc:
+        except (OSError, PoolError) as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
             return self._pool
         old, self._pool = self._pool, pool

