@@ -42,3 +42,31 @@ def test_leases_left_at_session_end_are_counted(make_server):
         extra = probe.stats().result(T).extra
     assert extra["reclaimed_leases"] == 1
     assert extra["reclaimed_reservations"] == 0
+
+
+def test_admin_requests_over_tcp_without_a_secret_are_refused(make_server):
+    """On tcp without a shared secret any local user could connect: clear and set_quota are refused
+    (typed, nothing changes), while stores and lookups go on; with a secret they are allowed."""
+    import socket
+
+    from kvdepot.transport import UnauthorizedError
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(address=f"tcp://127.0.0.1:{port}")
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        client.commit(client.reserve("", [b"\x05" * 32], CHUNK).result(T).reservation_id).result(T)
+        with pytest.raises(UnauthorizedError, match="auth-secret-file"):
+            client.clear().result(T)
+        with pytest.raises(UnauthorizedError):
+            client.set_quota("tenant", 0).result(T)
+        stats = client.stats().result(T)
+        assert (stats.chunks, client.get_quotas().result(T).quotas) == (1, {})
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    secured = make_server(address=f"tcp://127.0.0.1:{port}", auth_secret="s3cret")
+    with CacheClient(secured.address, timeout=T, auth_secret="s3cret") as owner:
+        assert owner.clear().result(T).removed == 0

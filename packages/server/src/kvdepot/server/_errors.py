@@ -48,6 +48,12 @@ class LayoutConflictError(ServerError):
     code = "layout_conflict"
 
 
+class AdminRefusedError(ServerError):
+    """An administrative request (clear, set quota) from a peer that cannot prove it is the owner."""
+
+    code = "unauthorized"
+
+
 class TooManyError(ServerError):
     """A client holds more leases or reservations than the server allows one client."""
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._errors import LayoutConflictError, StalePoolError
+from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, StalePoolError
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
@@ -88,6 +88,8 @@ class CacheHandler:
         self.extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict
         # Whether another live connection still speaks for a client id (set by the server).
         self.client_connected: Callable[[str], bool] = lambda client: False
+        # Whether every peer is the owner: an owner-only ipc socket, or tcp with a shared secret.
+        self.admin_allowed = True
         self._table: dict[type, Callable[[str, Any, float], ReplyBody]] = {
             Hello: self._hello,
             Register: self._register,
@@ -224,7 +226,18 @@ class CacheHandler:
         }
         return stats_reply(self.index.stats(), extra)
 
+    def _check_admin(self, client: str, request: str) -> None:
+        if not self.admin_allowed:
+            log.warning("admin_refused", peer=client, request=request)
+            raise AdminRefusedError(
+                f"{request} changes what every tenant has; this server listens on tcp without a shared secret, "
+                "so anyone on this host could send it. Send it over the server's ipc socket, or start the server "
+                "with --auth-secret-file",
+                request=request,
+            )
+
     def _clear(self, client: str, body: Clear, now: float) -> ReplyBody:
+        self._check_admin(client, "clear")
         removed = self.index.clear(body.salt)
         log.info("chunks_cleared", peer=client, salt=body.salt, removed=removed)
         return ClearReply(removed=removed)
@@ -233,6 +246,7 @@ class CacheHandler:
         return Pong()
 
     def _set_quota(self, client: str, body: SetQuota, now: float) -> ReplyBody:
+        self._check_admin(client, "set_quota")
         quotas = self.index.set_quota(body.salt, body.max_bytes)
         log.info("quota_set", peer=client, salt=body.salt, max_bytes=body.max_bytes)
         return QuotaReply(quotas=quotas)

@@ -116,6 +116,7 @@ class CacheServer:
             self.handler.server_id = self.endpoint.server_id
             self.handler.extra_stats = self._extra_stats
             self.handler.client_connected = self._client_connected
+            self.handler.admin_allowed = not (self.address.startswith("tcp://") and not config.auth_secret)
             self._count_bad_frames_per_peer()
             if config.metrics_port is not None:
                 try:
