@@ -92,3 +92,28 @@ def test_a_truncated_pool_stops_the_server_with_a_message(serve):
         os.truncate(pool.path, 0)
         assert server.proc.wait(10) == 1
     assert "truncated" in server.read_log()
+
+
+def test_many_salts_keep_stats_small(serve):
+    """With thousands of salts, `kvdepot stats` still answers: the salts holding the most bytes are
+    listed, and all are counted."""
+    server = serve("--capacity", "32MiB")
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, 1000).result(T)
+        salts = [f"tenant-{i}" for i in range(5000)]
+        with client.batch() as batch:
+            reserves = [batch.reserve(salt, [b"\x01" * 32], 1000) for salt in salts]
+        with client.batch() as batch:
+            for future in reserves:
+                batch.commit(future.result(T).reservation_id)
+        stats = client.stats().result(T)
+    assert stats.extra["salts"] == 5000
+    assert len(stats.salt_bytes) == 1000
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "stats", "--address", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client import generate_latest
 
 from kvdepot.server import ChunkIndex, SlabAllocator
-from kvdepot.server._metrics import MAX_PEER_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
+from kvdepot.server._metrics import MAX_PEER_LABELS, BadFrameCounter, Metrics, MetricsSnapshot, salt_label
 
 
 def test_metrics_text_has_figures_and_bad_frames_per_peer():
@@ -23,7 +23,7 @@ def test_metrics_text_has_figures_and_bad_frames_per_peer():
     metrics.publish(MetricsSnapshot(index.stats(), {"requests": 5}, bad.snapshot()))
     text = generate_latest(metrics.registry).decode()
     assert "kvdepot_capacity_bytes 32768.0" in text
-    assert 'kvdepot_salt_used_bytes{salt="tenant"} 1024.0' in text
+    assert f'kvdepot_salt_used_bytes{{salt="{salt_label("tenant")}"}} 1024.0' in text
     assert 'kvdepot_bad_frames_total{peer="peer-1"} 2.0' in text
     assert 'kvdepot_transport_events_total{event="requests"} 5.0' in text
 
@@ -82,3 +82,25 @@ def test_real_server_counts_bad_frames_per_peer_in_metrics(make_server, tmp_path
         time.sleep(0.1)
     assert match, "bad frames of the peer never showed up in the metrics"
     assert bytes.fromhex(match.group(1)) == b"garbage-peer"
+
+
+def test_salt_series_are_bounded_and_labelled_by_digest():
+    """Thousands of salts give MAX_SALT_LABELS series plus "other", labelled by digest: /metrics, which
+    every local user may read, never shows a tenant's salt."""
+    from kvdepot.server._metrics import MAX_SALT_LABELS
+
+    index = ChunkIndex(SlabAllocator(8 << 20, 1 << 20))
+    index.register("a", 960, 0.0)
+    for i in range(3000):
+        out = index.reserve("a", f"tenant-secret-{i}", [b"k" * 32], 960, 0.0)
+        index.commit("a", out.reservation_id, None, 0.0)
+    index.set_quota("tenant-secret-7", 1 << 20)
+    metrics = Metrics()
+    metrics.publish(MetricsSnapshot(index.stats(), {}, {}))
+    text = generate_latest(metrics.registry).decode()
+    assert "tenant-secret" not in text
+    series = [line for line in text.splitlines() if line.startswith("kvdepot_salt_used_bytes{")]
+    assert len(series) == MAX_SALT_LABELS + 1
+    assert f'kvdepot_salt_quota_bytes{{salt="{salt_label("tenant-secret-7")}"}} 1.048576e+06' in text
+    other = next(line for line in series if 'salt="other"' in line)
+    assert float(other.split()[-1]) == (3000 - MAX_SALT_LABELS) * 1024

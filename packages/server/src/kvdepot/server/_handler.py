@@ -60,6 +60,8 @@ log = structlog.get_logger(__name__)
 #: Layout names whose fingerprints the server remembers. Past this many it starts over, so a
 #: stream of names cannot grow its memory; a conflict is then caught again once both re-register.
 MAX_LAYOUTS = 4096
+# Salts listed in a Stats reply (the largest by bytes; `extra["salts"]` counts them all).
+MAX_STATS_SALTS = 1000
 
 
 class CacheHandler:
@@ -267,9 +269,12 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         "expired_reservations": stats.expired_reservations,
         "full_reserves": stats.full_reserves,
     }
-    for salt, usage in stats.per_salt.items():
+    # The salts holding the most bytes, so a reply stays small however many salts there are.
+    listed = sorted(stats.per_salt.items(), key=lambda item: -item[1].bytes)[:MAX_STATS_SALTS]
+    more["salts"] = len(stats.per_salt)
+    for salt, usage in listed:
         more[f"salt_chunks:{salt}"] = usage.chunks
-    for salt, quota in stats.quotas.items():
+    for salt, quota in sorted(stats.quotas.items())[:MAX_STATS_SALTS]:
         more[f"quota:{salt}"] = quota
     more.update(extra)
     return StatsReply(
@@ -284,6 +289,6 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         leases=stats.leases,
         reservations=stats.reservations,
         clients=stats.clients,
-        salt_bytes={salt: usage.bytes for salt, usage in stats.per_salt.items()},
+        salt_bytes={salt: usage.bytes for salt, usage in listed},
         extra=more,
     )

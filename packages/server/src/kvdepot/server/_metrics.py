@@ -8,6 +8,7 @@ loop changes it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,26 @@ from kvdepot.server._results import IndexStats
 # Peers named one by one in the bad-frames metric; the rest add up under "other", so that a
 # peer inventing new identities cannot grow the metric without bound.
 MAX_PEER_LABELS = 64
+
+
+# cache_salt series in /metrics: the salts holding the most bytes, the rest summed as "other".
+# Labels are digests: a salt is a tenant's secret, and /metrics is readable by every local user.
+MAX_SALT_LABELS = 64
+
+
+def salt_label(salt: str) -> str:
+    """The label of ``salt`` in /metrics: ``s-`` and 12 hex digits of its SHA-256 (not reversible)."""
+    return "s-" + hashlib.sha256(salt.encode()).hexdigest()[:12]
+
+
+def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
+    """(bytes, chunks) per label for the `MAX_SALT_LABELS` salts holding the most bytes, plus "other"."""
+    ranked = sorted(stats.per_salt.items(), key=lambda item: -item[1].bytes)
+    out = {salt_label(salt): (usage.bytes, usage.chunks) for salt, usage in ranked[:MAX_SALT_LABELS]}
+    rest = ranked[MAX_SALT_LABELS:]
+    if rest:
+        out["other"] = (sum(u.bytes for _, u in rest), sum(u.chunks for _, u in rest))
+    return out
 
 
 @attrs.frozen
@@ -81,16 +102,17 @@ class _Collector:
             ("full_reserves", s.full_reserves, "Reserves that could not place every key."),
         ):
             yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
-        salt_bytes = GaugeMetricFamily("kvdepot_salt_used_bytes", "Bytes held per cache_salt.", labels=["salt"])
-        salt_chunks = GaugeMetricFamily("kvdepot_salt_chunks", "Committed chunks per cache_salt.", labels=["salt"])
-        for salt, usage in s.per_salt.items():
-            salt_bytes.add_metric([salt], usage.bytes)
-            salt_chunks.add_metric([salt], usage.chunks)
+        doc = " (label: salt_label(cache_salt); the largest 64, the rest as 'other')"
+        salt_bytes = GaugeMetricFamily("kvdepot_salt_used_bytes", "Bytes held per cache_salt" + doc, labels=["salt"])
+        salt_chunks = GaugeMetricFamily("kvdepot_salt_chunks", "Committed chunks per cache_salt" + doc, labels=["salt"])
+        for label, (used, chunks) in _largest_salts(s).items():
+            salt_bytes.add_metric([label], used)
+            salt_chunks.add_metric([label], chunks)
         yield salt_bytes
         yield salt_chunks
-        quota = GaugeMetricFamily("kvdepot_salt_quota_bytes", "Quota per cache_salt.", labels=["salt"])
-        for salt, limit in s.quotas.items():
-            quota.add_metric([salt], limit)
+        quota = GaugeMetricFamily("kvdepot_salt_quota_bytes", "Quota per cache_salt" + doc, labels=["salt"])
+        for salt, limit in sorted(s.quotas.items(), key=lambda item: -item[1])[:MAX_SALT_LABELS]:
+            quota.add_metric([salt_label(salt)], limit)
         yield quota
         transport = CounterMetricFamily(
             "kvdepot_transport_events", "Transport counters (requests, errors, bad frames, ...).", labels=["event"]
