@@ -117,3 +117,47 @@ def test_many_salts_keep_stats_small(serve):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_peer_that_never_reads_its_replies_is_dropped_and_memory_stays_bounded(serve):
+    """A peer that sends requests without reading a reply costs the server at most SEND_HWM replies:
+    it is dropped when its queue is full, another client is served meanwhile, and a stop is prompt."""
+    import signal
+    import time
+
+    from kvdepot.transport._messages import Stats
+
+    server = serve(*SMALL_POOL)
+    with CacheClient(server.address, timeout=T) as client:  # many salts: each Stats reply is ~40 KiB
+        client.register("layout", 256, 960).result(T)
+        with client.batch() as batch:
+            reserves = [batch.reserve(f"tenant-{i}", [b"\x01" * 32], 960) for i in range(1000)]
+        with client.batch() as batch:
+            for future in reserves:
+                batch.commit(future.result(T).reservation_id)
+    rss_before = server.rss()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # and never reads: replies pile up on the server's side
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(server.address)
+    try:
+        sock.send(encode_request(Request(1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "deaf"))))
+        for i in range(20_000):  # 20,000 x ~40 KiB = 800 MB of replies if nothing bounded them
+            sock.send(encode_request(Request(i + 2, Stats())))
+        with CacheClient(server.address, timeout=T) as good:
+            assert good.stats().result(T).chunks == 1000  # served while the flood is handled
+        deadline = time.monotonic() + 60
+        while "peer_dropped" not in server.read_log():
+            assert time.monotonic() < deadline, "the peer that never reads was not dropped"
+            time.sleep(0.2)
+        growth = server.rss() - rss_before
+        assert growth < 160 << 20, f"the server grew by {growth >> 20} MiB for replies nobody read"
+        started = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(10) == 0
+        assert time.monotonic() - started < 5
+    finally:
+        sock.close(0)
+        ctx.term()

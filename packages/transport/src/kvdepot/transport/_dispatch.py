@@ -261,6 +261,12 @@ class Dispatcher:
                 log.info("peer_gone", peer=peer.client_id, silent_s=round(self.clock() - peer.last_seen, 3))
                 self._gone(peer)
 
+    def drop(self, identity: bytes) -> None:
+        """Forget the peer at ``identity`` now (it misbehaved); its session ends as if it left."""
+        peer = self.peers.pop(identity, None)
+        if peer is not None:
+            self._gone(peer)
+
     def _gone(self, peer: PeerInfo) -> None:
         """Tell the handler that ``peer`` (no longer in the table) is gone: its session ends."""
         self.counters["peers_gone"] += 1

@@ -44,10 +44,15 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 # above the codec bound so that ordinary oversized frames still get a typed `too_large` reply,
 # while a hostile peer still cannot make libzmq allocate without bound.
 HARD_LIMIT_FACTOR = 4
-# Messages handled per poll before checking timers and stop requests again.
+# Messages handled per poll, and seconds spent handling them, before timers and stop requests
+# are checked again: a flood of requests delays neither a stop nor an expiry by more than this.
 MAX_MESSAGES_PER_POLL = 256
-# ROUTER drops replies to a peer whose queue is full; keep that far from normal bursts.
-SEND_HWM = 100_000
+POLL_BUDGET_S = 0.05
+# Replies queued for one peer that has not read them. A client has far fewer requests in flight
+# than this; a peer whose queue is full is dropped (its session ends), so a peer that sends
+# without ever reading can make the server hold at most this many replies (each bounded by the
+# frame limit, and in practice a few KiB).
+SEND_HWM = 1024
 # Poll at least this often so peer expiry runs even when nobody talks (seconds).
 MAX_POLL_INTERVAL = 1.0
 # Peer expiry is checked at most this often (seconds), keeping the per-message cost flat.
@@ -183,6 +188,7 @@ class ServerEndpoint(_EndpointBase):
         sock = self._context.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting client takes over its identity
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises, instead of a silent drop
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
@@ -218,20 +224,29 @@ class ServerEndpoint(_EndpointBase):
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
         handled = 0
+        budget_end = time.monotonic() + POLL_BUDGET_S
         while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             msg = sock.recv_multipart(_NOBLOCK)
             handled += 1
-            if len(msg) < 2:
-                continue  # ROUTER always prefixes the identity; nothing to answer
-            replies = self.dispatcher.dispatch(msg[0], msg[1:])
-            try:
-                sock.send(msg[0], _SNDMORE_NOBLOCK)
-                for frame in replies[:-1]:
-                    sock.send(frame, _SNDMORE_NOBLOCK)
-                sock.send(replies[-1], _NOBLOCK)
-            except zmq.Again:
-                log.warning("reply_dropped", peer=msg[0].hex(), reason="peer queue full")
+            if len(msg) >= 2:  # ROUTER always prefixes the identity; else nothing to answer
+                self._reply(msg[0], self.dispatcher.dispatch(msg[0], msg[1:]))
+            if time.monotonic() > budget_end:
+                break
         return handled
+
+    def _reply(self, identity: bytes, replies: list[bytes]) -> None:
+        sock = self._sock
+        try:
+            sock.send(identity, _SNDMORE_NOBLOCK)  # raises before anything is queued
+        except zmq.Again:  # the peer does not read its replies: drop it and what it holds
+            log.warning("peer_dropped", peer=identity.hex(), reason=f"{SEND_HWM} replies unread")
+            self.dispatcher.drop(identity)
+            return
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer disconnected; its reply has nobody to go to
+            return
+        for frame in replies[:-1]:
+            sock.send(frame, _SNDMORE_NOBLOCK)
+        sock.send(replies[-1], _NOBLOCK)
 
     def _wake(self) -> None:
         if self._closed:
