@@ -379,3 +379,33 @@ def test_one_client_cannot_fill_the_pool_with_pending_slots():
     index.commit("a", out.reservation_id, None, 0.0)
     assert len(index.reserve("a", "", [k(30)], CHUNK, 0.0).slots) == 1
     index.check()
+
+
+def test_several_clients_together_cannot_pin_the_whole_pool_as_pending():
+    """Each client's pending bound (half the pool) does not add up to the whole pool: all clients
+    together stop at three quarters, past which a client still gets a sixteenth of its own, so a
+    well-behaved client can still store."""
+    index = ChunkIndex(SlabAllocator(8 * PAGE, PAGE))
+    for client in ("x", "y", "good"):
+        index.register(client, CHUNK, 0.0)
+    first = index.reserve("x", "", [k(i) for i in range(100)], CHUNK, 0.0)
+    second = index.reserve("y", "", [k(i) for i in range(100, 200)], CHUNK, 0.0)
+    assert len(first.slots) == 16  # half of 32 slots
+    assert len(second.slots) == 8  # three quarters in all
+    assert second.full
+    stored = store(index, [k(300 + i) for i in range(4)], client="good")
+    assert len(stored.slots) == 2  # 2 KiB of 32
+    assert len(store(index, [k(400)], client="good").slots) == 1  # committed: its share is free again
+    index.check()
+
+
+def test_leases_of_all_clients_together_are_bounded(monkeypatch):
+    """Past MAX_LEASES live leases in all, a lookup is refused with a typed error until some end."""
+    monkeypatch.setattr("kvdepot.server._index.MAX_LEASES", 3)
+    index = make_index()
+    store(index, [k(1)])
+    for client in ("a", "b", "a"):
+        index.lookup(client, [("", [k(1)])], 0.0)
+    with pytest.raises(TooManyError, match="leases"):
+        index.lookup("b", [("", [k(1)])], 0.0)
+    index.check()

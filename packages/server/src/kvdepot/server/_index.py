@@ -55,6 +55,12 @@ MAX_RESERVATIONS_PER_CLIENT = 1 << 16
 # at most a few engine steps of chunks, and a client that reserves without committing must
 # not be able to fill the pool with pending slots that nobody can evict.
 DEFAULT_MAX_CLIENT_PENDING_FRACTION = 0.5
+# ... and all clients together, so that several client ids cannot pin the whole pool either;
+# past that, a client still gets a small share of its own, so one that was idle can store.
+MAX_PENDING_FRACTION = 0.75
+CLIENT_PENDING_FLOOR_FRACTION = 1 / 16
+# Live leases of all clients together: a bound on the index's memory for leases.
+MAX_LEASES = 1 << 18
 # Keys in one request, summed over its items, and the longest key and salt accepted.
 MAX_KEYS_PER_REQUEST = 1 << 16
 MAX_KEY_BYTES = 64
@@ -81,6 +87,9 @@ class ChunkIndex:
         if max_client_pending_bytes is None:
             max_client_pending_bytes = int(allocator.capacity * DEFAULT_MAX_CLIENT_PENDING_FRACTION)
         self.max_client_pending_bytes = max_client_pending_bytes
+        self.max_pending_bytes = max(int(allocator.capacity * MAX_PENDING_FRACTION), max_client_pending_bytes)
+        self.client_pending_floor = int(allocator.capacity * CLIENT_PENDING_FLOOR_FRACTION)
+        self._pending_bytes = 0  # slot bytes of every reservation's pending chunks
         self.lease_ttl = lease_ttl
         self.reservation_ttl = reservation_ttl
         self.session_ttl = session_ttl
@@ -178,7 +187,10 @@ class ChunkIndex:
                 continue
             if full:
                 continue
-            if session.pending_bytes + slot_size > self.max_client_pending_bytes:
+            own = session.pending_bytes + slot_size
+            if own > self.max_client_pending_bytes or (
+                self._pending_bytes + slot_size > self.max_pending_bytes and own > self.client_pending_floor
+            ):
                 full = True
                 continue
             offset = self._place(salt, slot_size)
@@ -192,6 +204,7 @@ class ChunkIndex:
             self._pending += 1
             self._page_pinned[offset // self.allocator.page_size] += 1
             session.pending_bytes += slot_size
+            self._pending_bytes += slot_size
             reservation.pending[index] = entry
             self.headers.writing(offset, salt, key, chunk_bytes)
             slots.append((index, offset + SLOT_HEADER_BYTES, chunk_bytes))
@@ -228,6 +241,7 @@ class ChunkIndex:
             self._pending -= 1
             self._page_pinned[entry.offset // self.allocator.page_size] -= 1
             session.pending_bytes -= entry.slot_size
+            self._pending_bytes -= entry.slot_size
             self._chunks += 1
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
             self._lru_add(entry)
@@ -255,6 +269,11 @@ class ChunkIndex:
         """
         session = self._data_session(client, now, need_layout=False)
         _check_keys(sum(len(keys) for _, keys in items), ())
+        if len(self._leases) + len(items) > MAX_LEASES:
+            raise TooManyError(
+                f"the server holds {len(self._leases)} leases, its limit; retry once clients release some",
+                limit=MAX_LEASES,
+            )
         if len(session.leases) + len(items) > MAX_LEASES_PER_CLIENT:
             raise TooManyError(
                 f"client holds {len(session.leases)} leases; release some first", limit=MAX_LEASES_PER_CLIENT
@@ -487,6 +506,7 @@ class ChunkIndex:
             session.reservations.discard(reservation.id)
         for entry in reservation.pending.values():
             self._pending -= 1
+            self._pending_bytes -= entry.slot_size
             self._page_pinned[entry.offset // self.allocator.page_size] -= 1
             if session is not None:
                 session.pending_bytes -= entry.slot_size
@@ -527,6 +547,7 @@ class ChunkIndex:
         assert used == self.allocator.used_bytes == sum(self._salt_bytes.values())
         assert len(self._by_offset) == len(self._entries)
         assert self._pending == sum(len(r.pending) for r in self._reservations.values())
+        assert self._pending_bytes == sum(e.slot_size for r in self._reservations.values() for e in r.pending.values())
         assert self._chunks == sum(1 for e in self._entries.values() if e.committed)
         assert self._leased_chunks == sum(1 for e in self._entries.values() if e.leases)
         pinned = [0] * self.allocator.num_pages
