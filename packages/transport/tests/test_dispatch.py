@@ -124,3 +124,18 @@ def test_too_many_frames_in_one_message(disp: Dispatcher) -> None:
     body = t.decode_reply(reply).body
     assert isinstance(body, t.ErrorReply)
     assert body.code == "protocol"
+
+
+def test_one_message_carries_a_bounded_amount_of_requests(disp: Dispatcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Frames past MAX_MESSAGE_BYTES of one message are answered too_large, each with its own id, and
+    not run; the first frame always runs, and the next message starts afresh."""
+    ping = t.Ping()
+    size = len(t.encode_request(t.Request(10, ping)))
+    monkeypatch.setattr("kvdepot.transport._dispatch.MAX_MESSAGE_BYTES", 2 * size)
+    (hello,) = _ask(disp, b"p", _hello())
+    assert isinstance(hello.body, t.HelloReply)
+    replies = _ask(disp, b"p", ping, ping, ping, ping, request_id=10)
+    assert [r.id for r in replies] == [10, 11, 12, 13]
+    codes = [getattr(r.body, "code", "ok") for r in replies]
+    assert codes == ["ok", "ok", "too_large", "too_large"]
+    assert [getattr(r.body, "code", "ok") for r in _ask(disp, b"p", ping, request_id=20)] == ["ok"]

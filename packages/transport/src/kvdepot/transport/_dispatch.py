@@ -49,6 +49,10 @@ log = structlog.get_logger(__name__)
 DEFAULT_PEER_TIMEOUT = 10.0
 # More request frames than this in one message is not a batch any client sends.
 MAX_FRAMES_PER_MESSAGE = 4096
+# Request bytes handled from one message (its first frame always is): the frames past it get
+# `too_large`, so one message cannot hold the loop, and every other client, for long. An
+# engine step's batch is far smaller (a lookup key is 32 bytes).
+MAX_MESSAGE_BYTES = 4 << 20
 # Bad frames logged one by one before logging thins out (the counter keeps counting).
 LOGGED_BAD_FRAMES = 100
 _PONG = Pong()
@@ -142,7 +146,17 @@ class Dispatcher:
             return [
                 self._encode(0, ErrorReply(CODE_PROTOCOL, f"a message must hold 1 to {MAX_FRAMES_PER_MESSAGE} frames"))
             ]
-        return [self._one(identity, frame, now) for frame in frames]
+        out = [self._one(identity, frames[0], now)]
+        budget = MAX_MESSAGE_BYTES - len(frames[0])
+        for frame in frames[1:]:
+            budget -= len(frame)
+            if budget >= 0:
+                out.append(self._one(identity, frame, now))
+                continue
+            self.counters["too_large"] += 1
+            message = f"this message holds more than {MAX_MESSAGE_BYTES} bytes of requests; send the rest in another"
+            out.append(self._encode(peek_id(frame), ErrorReply(CODE_TOO_LARGE, message)))
+        return out
 
     def _one(self, identity: bytes, frame: bytes, now: float) -> bytes:
         self.counters["requests"] += 1
