@@ -5,6 +5,7 @@ Each test runs a real `kvdepot serve` process and drives it as a careless or hos
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -161,3 +162,49 @@ def test_a_peer_that_never_reads_its_replies_is_dropped_and_memory_stays_bounded
     finally:
         sock.close(0)
         ctx.term()
+
+
+def test_over_tcp_a_peer_without_the_secret_gets_nothing_through(workdir):
+    """With a shared secret on tcp, the handshake checks it: a peer without it cannot make the server
+    buffer anything (48 MiB of frames leave its memory flat), while a client with it is served."""
+    import signal
+    import socket
+    import time
+
+    secret = workdir / "secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    command = [sys.executable, "-m", "kvdepot.server", "serve", "--address", address, "--no-metrics",
+               "--capacity", "4MiB", "--auth-secret-file", str(secret), "--pool-dir", str(workdir)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ctx = zmq.Context()
+    try:
+        with CacheClient(address, timeout=20.0, auth_secret="s3cret") as owner:
+            assert owner.stats().result(20).capacity_bytes > 0
+            rss_before = _rss(proc.pid)
+            intruder = ctx.socket(zmq.DEALER)
+            intruder.setsockopt(zmq.LINGER, 0)
+            intruder.setsockopt(zmq.SNDTIMEO, 2000)
+            intruder.connect(address)
+            try:
+                for _ in range(6):
+                    with contextlib.suppress(zmq.Again):  # once the handshake failed, there is no pipe at all
+                        intruder.send(os.urandom(8 << 20), zmq.SNDMORE)  # never terminated
+                time.sleep(2)
+                assert not intruder.poll(100)
+                assert _rss(proc.pid) - rss_before < 24 << 20
+                assert owner.stats().result(T).capacity_bytes > 0  # the owner is still served
+            finally:
+                intruder.close(0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        ctx.term()
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))

@@ -240,7 +240,7 @@ def test_curve_encryption(tmp_path: Any) -> None:
         assert isinstance(good.ping().result(5), t.Pong)
         with pytest.raises(t.DeadlineExceededError, match="security handshake"):
             wrong.ping().result(5)
-        with pytest.raises(t.DeadlineExceededError):
+        with pytest.raises(t.UnauthorizedError, match="curve_server_key"):
             plain.ping().result(5)
     finally:
         for c in (good, wrong, plain):

@@ -23,11 +23,15 @@ from kvdepot.transport import (
     encode_request,
     remote_error,
 )
+from kvdepot.transport._address import check_ipc_trusted, ipc_path
 
 
 def fetch_stats(address: str | None = None, *, timeout: float = 3.0) -> StatsReply:
     """One Stats round trip (Hello, Stats, EndSession in one message) over a fresh DEALER socket."""
     address = address or default_address()
+    path = ipc_path(address)
+    if path is not None:
+        check_ipc_trusted(path)  # never ask, or believe, a server another user could have put there
     sock: Any = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:

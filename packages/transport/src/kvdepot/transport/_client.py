@@ -25,6 +25,7 @@ import structlog
 from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_reply, encode
 from kvdepot.transport._errors import (
+    CODE_UNAUTHORIZED,
     DeadlineExceededError,
     HelloRequiredError,
     RemoteError,
@@ -194,6 +195,11 @@ class Connection:
         self._link: Link = self._make_link()
         self._loop.call_soon(self._open)
 
+    @property
+    def auth_secret(self) -> str:
+        """The shared secret this client presents ("" for none)."""
+        return self._auth
+
     def _make_link(self) -> Link:
         if self.address.startswith(MEMORY_SCHEME):
             from kvdepot.transport._memory import MemoryLink
@@ -358,12 +364,30 @@ class Connection:
         self._send_internal(Hello(PROTOCOL_VERSION, self.client_id, self.client_name, self._auth))
 
     def on_security_failure(self, event: int) -> None:
-        """The ZMQ security (CURVE) handshake failed: remember it for the deadline errors."""
-        self.security_failure = (
-            "the ZMQ security handshake with the server failed; check that the client's curve_server_key"
-            " is the server's public key and that both sides use CURVE"
-        )
+        """The ZMQ security handshake failed. Without CURVE that is the server's check of the
+        shared secret (PLAIN): every request fails at once with `UnauthorizedError`. With CURVE,
+        the reason goes into the deadline errors."""
         log.warning("client_security_handshake_failed", address=self.address, zmq_event=event)
+        if self.curve_server_key is not None:
+            self.security_failure = (
+                "the ZMQ security handshake with the server failed; check that the client's curve_server_key"
+                " is the server's public key and that both sides use CURVE"
+            )
+            return
+        self.security_failure = (
+            f"the kvdepot server at {self.address} refused the connection's security handshake: it checks a "
+            f"shared secret (this client's is {'wrong' if self._auth else 'missing'}; pass the server's as "
+            "auth_secret) or uses CURVE (pass its public key as curve_server_key)"
+        )
+        with self._lock:
+            if self.ever_connected or self.state in ("failed", "closed"):
+                return
+            self._failure = remote_error(CODE_UNAUTHORIZED, self.security_failure, {})
+            self.state = "failed"
+            for call in self._queue:
+                self._settle_later(call.future, exc=self._failed_error())
+            self._queue.clear()
+        self.settle_ready()
 
     def on_disconnected(self) -> None:
         """The link lost its server: requests in flight fail now, queued ones wait."""

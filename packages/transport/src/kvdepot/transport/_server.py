@@ -8,6 +8,7 @@ returns a `MemoryServerEndpoint` for memory:// addresses. Either way: `poll_once
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
 import threading
@@ -53,6 +54,11 @@ POLL_BUDGET_S = 0.05
 # without ever reading can make the server hold at most this many replies (each bounded by the
 # frame limit, and in practice a few KiB).
 SEND_HWM = 1024
+# The user name of ZMQ PLAIN authentication on tcp with a shared secret (the secret is the password).
+PLAIN_USER = "kvdepot"
+# The ZAP handler's own logger: quiet, the endpoint logs what matters.
+_zap_log = logging.getLogger("kvdepot.transport.zap")
+_zap_log.setLevel(logging.WARNING)
 # Poll at least this often so peer expiry runs even when nobody talks (seconds).
 MAX_POLL_INTERVAL = 1.0
 # Peer expiry is checked at most this often (seconds), keeping the per-message cost flat.
@@ -192,11 +198,22 @@ class ServerEndpoint(_EndpointBase):
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self._authenticator: Any = None
         if curve_secret_key is not None:
             # CURVE encrypts the connection; clients need the matching public key
             # (zmq.curve_public(secret)). Who may talk is still decided by auth_secret.
             sock.setsockopt(zmq.CURVE_SERVER, 1)
             sock.setsockopt(zmq.CURVE_SECRETKEY, curve_secret_key)
+        elif auth_secret and address.startswith("tcp://"):
+            # The secret is checked in ZMQ's handshake (PLAIN, through a ZAP handler), so a peer
+            # without it never gets a message through, and libzmq buffers nothing of its;
+            # Hello checks it again.
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._authenticator = ThreadAuthenticator(self._context, log=_zap_log)
+            self._authenticator.start()
+            self._authenticator.configure_plain(domain="*", passwords={PLAIN_USER: auth_secret})
+            sock.setsockopt(zmq.PLAIN_SERVER, 1)
         try:
             sock.bind(address)
         except zmq.ZMQError as exc:
@@ -259,6 +276,8 @@ class ServerEndpoint(_EndpointBase):
             return
         self._closed = True
         self._sock.close(0)
+        if self._authenticator is not None:
+            self._authenticator.stop()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._own_context:

@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvdepot.transport._io import IOLoop
-from kvdepot.transport._server import HARD_LIMIT_FACTOR
+from kvdepot.transport._server import HARD_LIMIT_FACTOR, PLAIN_USER
 
 if TYPE_CHECKING:
     from kvdepot.transport._client import Connection
@@ -73,6 +73,9 @@ class ZmqLink:
         sock.setsockopt(zmq.MAXMSGSIZE, self._conn.max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        if self._conn.curve_server_key is None and self._conn.auth_secret and self._conn.address.startswith("tcp://"):
+            sock.setsockopt(zmq.PLAIN_USERNAME, PLAIN_USER.encode())  # the server checks it in the handshake
+            sock.setsockopt(zmq.PLAIN_PASSWORD, self._conn.auth_secret.encode())
         if self._conn.curve_server_key is not None:
             public, secret = zmq.curve_keypair()  # an ephemeral key pair per client
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._conn.curve_server_key)
