@@ -55,7 +55,7 @@ def remove_stale_pools(directory: Path | None = None) -> list[Path]:
         if not match or int(match.group(1)) != uid:
             continue
         pid = int(match.group(2))
-        if pid == os.getpid() or _pid_alive(pid):
+        if pid == os.getpid() or pid_alive(pid):
             continue
         path = directory / name
         with contextlib.suppress(OSError):
@@ -64,7 +64,8 @@ def remove_stale_pools(directory: Path | None = None) -> list[Path]:
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (of any user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -81,7 +81,7 @@ class _Operations:
     def hello(self) -> Future[HelloReply]:
         """Says Hello again (the client already does on every connect); answers the server's versions."""
         conn = self._conn
-        return self._call(Hello(PROTOCOL_VERSION, conn.client_id, conn.client_name, conn._auth))
+        return self._call(Hello(PROTOCOL_VERSION, conn.client_id, conn.client_name, conn.auth_secret))
 
     def register(  # noqa: PLR0917 (mirrors the fields of Register)
         self,

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from typing import Any, Protocol
+from typing import Any
 
 import structlog
 
@@ -36,6 +36,7 @@ from kvdepot.transport._errors import (
     remote_error,
 )
 from kvdepot.transport._io import IOLoop
+from kvdepot.transport._link import Link
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -66,27 +67,6 @@ MAX_DEADLINE_QUEUES = 8
 MAX_FRAMES_PER_SEND = 4096
 
 ReconnectCallback = Callable[[HelloReply, "RegisterReply | None"], None]
-
-
-class Link(Protocol):
-    """Moves frames between a Connection and one server.
-
-    `open` and `close` run on the I/O thread; `send` on any thread holding the connection lock.
-    """
-
-    def open(self) -> None: ...
-
-    def send(self, frames: list[bytes]) -> bool: ...
-
-    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
-        """Helps `future` along on the calling thread, if the link can; returns the time left."""
-        ...
-
-    def nudge(self) -> None:
-        """Wakes a thread waiting in `wait` (not this one) to look at its future again."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class ReplyFuture(Future[Any]):
@@ -167,7 +147,7 @@ class Connection:
         self.client_id = secrets.token_hex(16)
         self.max_frame_bytes = max_frame_bytes
         self.on_reconnect = on_reconnect
-        self._auth = auth_secret or ""
+        self.auth_secret = auth_secret or ""  # the shared secret this client presents
         self._ids = itertools.count(1)
         self._loop = IOLoop.shared()
         self._closed = False
@@ -194,11 +174,6 @@ class Connection:
         self.stats = {"late_replies": 0, "bad_replies": 0, "reconnects": 0}
         self._link: Link = self._make_link()
         self._loop.call_soon(self._open)
-
-    @property
-    def auth_secret(self) -> str:
-        """The shared secret this client presents ("" for none)."""
-        return self._auth
 
     def _make_link(self) -> Link:
         if self.address.startswith(MEMORY_SCHEME):
@@ -361,12 +336,11 @@ class Connection:
         self.ever_connected = True
         self.state = "handshaking"
         log.debug("client_connected", address=self.address)
-        self._send_internal(Hello(PROTOCOL_VERSION, self.client_id, self.client_name, self._auth))
+        self._send_internal(Hello(PROTOCOL_VERSION, self.client_id, self.client_name, self.auth_secret))
 
     def on_security_failure(self, event: int) -> None:
-        """The ZMQ security handshake failed. Without CURVE that is the server's check of the
-        shared secret (PLAIN): every request fails at once with `UnauthorizedError`. With CURVE,
-        the reason goes into the deadline errors."""
+        """The ZMQ security handshake failed: with CURVE, the reason goes into the deadline errors;
+        else the server checks a secret (PLAIN) and every request fails with `UnauthorizedError`."""
         log.warning("client_security_handshake_failed", address=self.address, zmq_event=event)
         if self.curve_server_key is not None:
             self.security_failure = (
@@ -376,18 +350,21 @@ class Connection:
             return
         self.security_failure = (
             f"the kvdepot server at {self.address} refused the connection's security handshake: it checks a "
-            f"shared secret (this client's is {'wrong' if self._auth else 'missing'}; pass the server's as "
+            f"shared secret (this client's is {'wrong' if self.auth_secret else 'missing'}; pass the server's as "
             "auth_secret) or uses CURVE (pass its public key as curve_server_key)"
         )
         with self._lock:
-            if self.ever_connected or self.state in ("failed", "closed"):
-                return
-            self._failure = remote_error(CODE_UNAUTHORIZED, self.security_failure, {})
-            self.state = "failed"
-            for call in self._queue:
-                self._settle_later(call.future, exc=self._failed_error())
-            self._queue.clear()
+            if not self.ever_connected and self.state not in ("failed", "closed"):
+                self._fail_locked(CODE_UNAUTHORIZED, self.security_failure, {})
         self.settle_ready()
+
+    def _fail_locked(self, code: str, message: str, fields: dict[str, Any]) -> None:
+        """The server refused this client for good: every queued and later request fails so."""
+        self._failure = remote_error(code, message, fields)
+        self.state = "failed"
+        for call in self._queue:
+            self._settle_later(call.future, exc=self._failed_error())
+        self._queue.clear()
 
     def on_disconnected(self) -> None:
         """The link lost its server: requests in flight fail now, queued ones wait."""
@@ -497,12 +474,8 @@ class Connection:
         if isinstance(body, ErrorReply):
             if body.code == "hello_required":
                 return  # cannot happen for Hello; ignore rather than loop
-            self._failure = remote_error(body.code, body.message, body.fields)
-            self.state = "failed"
             log.error("client_handshake_refused", address=self.address, code=body.code, message=body.message)
-            for call in self._queue:
-                self._settle_later(call.future, exc=self._failed_error())
-            self._queue.clear()
+            self._fail_locked(body.code, body.message, body.fields)
             return
         if not isinstance(body, HelloReply):
             return

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from kvdepot.server import ServerProcess, ServerStartError
+from kvdepot.server._pool import pid_alive
 from kvdepot.transport._address import check_ipc_trusted, ipc_path
 
 log = logging.getLogger("vllm.kvdepot.server")
@@ -67,7 +68,7 @@ def ensure_server(address: str, *, capacity: str | None, timeout: float) -> None
             pid_file.write(f"{pid}\n")
         deadline = time.monotonic() + max(START_TIMEOUT, timeout)
         while not server_answers(address):
-            if not _alive(pid) or time.monotonic() > deadline:
+            if not pid_alive(pid) or time.monotonic() > deadline:
                 tail = log_path.read_text(errors="replace")[-2000:] if log_path.exists() else ""
                 raise ServerStartError(f"the kvdepot server started at {address} did not answer; its log ends:\n{tail}")
             time.sleep(0.05)
@@ -99,16 +100,6 @@ def _start_detached(command: list[str], log_path: Path) -> int:
     finally:
         os.close(log_fd)
     return int(launcher.stdout.strip())
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def pid_path(address: str) -> Path:
