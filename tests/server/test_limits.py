@@ -208,3 +208,14 @@ def test_over_tcp_a_peer_without_the_secret_gets_nothing_through(workdir):
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_default_quota_flag_bounds_a_salt_without_its_own(serve):
+    """`kvdepot serve --default-quota` limits every salt that has no quota of its own."""
+    server = serve(*SMALL_POOL, "--default-quota", "128KiB")
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, 64 * 1024 - 64).result(T)
+        for _ in range(8):
+            res = client.reserve("tenant", [os.urandom(32)], 64 * 1024 - 64).result(T)
+            client.commit(res.reservation_id).result(T)
+        assert client.stats().result(T).salt_bytes == {"tenant": 128 * 1024}

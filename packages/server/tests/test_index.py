@@ -409,3 +409,19 @@ def test_leases_of_all_clients_together_are_bounded(monkeypatch):
     with pytest.raises(TooManyError, match="leases"):
         index.lookup("b", [("", [k(1)])], 0.0)
     index.check()
+
+
+def test_a_default_quota_bounds_every_salt_without_its_own():
+    """With a default quota, a salt with no quota of its own evicts its own chunks at that bound, never
+    another salt's; a salt's own quota replaces the default."""
+    index = make_index(pages=4, default_quota=2 * SLOT)
+    store(index, [k(1)], salt="victim")
+    for i in range(10):  # a tenant storing much under one fresh salt
+        store(index, [k(100 + i)], salt="greedy")
+    assert index.stats().per_salt["greedy"].bytes == 2 * SLOT
+    assert index.lookup("a", [("victim", [k(1)])], 0.0)[0].num_hits == 1
+    index.set_quota("big", 4 * SLOT)
+    for i in range(4):
+        store(index, [k(200 + i)], salt="big")
+    assert index.stats().per_salt["big"].bytes == 4 * SLOT
+    index.check()

@@ -168,6 +168,12 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         "--reservation-ttl", type=_seconds, default=None, help="seconds before an uncommitted reservation expires"
     )
     parser.add_argument(
+        "--default-quota",
+        type=_size,
+        default=None,
+        help="bytes each cache_salt without a quota of its own may hold, e.g. 8GiB (default: no limit)",
+    )
+    parser.add_argument(
         "--peer-timeout", type=_seconds, default=None, help="seconds of silence before a client is gone"
     )
     parser.add_argument(
@@ -206,6 +212,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         pool_dir=args.pool_dir,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
         reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
+        default_quota=args.default_quota,
         peer_timeout=args.peer_timeout,
         auth_secret=secret,
     )

@@ -81,9 +81,11 @@ class ChunkIndex:
         session_ttl: float = DEFAULT_SESSION_TTL,
         max_client_pending_bytes: int | None = None,
         headers: SlotHeaders | None = None,
+        default_quota: int | None = None,
     ) -> None:
         self.allocator = allocator
         self.headers = headers or SlotHeaders()  # each slot's header says what it holds
+        self.default_quota = default_quota  # bytes of a salt without a quota of its own (None: no limit)
         if max_client_pending_bytes is None:
             max_client_pending_bytes = int(allocator.capacity * DEFAULT_MAX_CLIENT_PENDING_FRACTION)
         self.max_client_pending_bytes = max_client_pending_bytes
@@ -417,7 +419,7 @@ class ChunkIndex:
 
     def _place(self, salt: str, slot_size: int) -> int | None:
         """A free slot for a new chunk of `salt`, evicting as the quota and LRU allow."""
-        quota = self._quotas.get(salt)
+        quota = self._quotas.get(salt, self.default_quota)
         if quota is not None:
             if slot_size > quota:
                 return None

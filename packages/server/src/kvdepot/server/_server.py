@@ -71,6 +71,7 @@ class ServerConfig:
     pool_dir: Path | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
     reservation_ttl: float = DEFAULT_RESERVATION_TTL
+    default_quota: int | None = None  # bytes a salt without its own quota may hold
     peer_timeout: float | None = None
     auth_secret: str | None = None
 
@@ -98,6 +99,7 @@ class CacheServer:
             self.allocator,
             lease_ttl=config.lease_ttl,
             reservation_ttl=config.reservation_ttl,
+            default_quota=config.default_quota,
             session_ttl=float("inf"),  # liveness comes from the endpoint's peer_gone
             headers=SlotHeaders(self.pool.buffer),
         )
