@@ -121,6 +121,16 @@ def runtime_dir() -> Iterator[Path]:
             os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
 
+def wait_for_chunks(address: str, chunks: int, timeout: float = 60.0) -> int:
+    """The server's chunk count once it reaches `chunks`, or when `timeout` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        seen = kvdepot.server.ServerProcess(address).stats().chunks
+        if seen >= chunks or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.1)
+
+
 def test_the_on_demand_server_outlives_a_stopped_api_server(tiny_llama, runtime_dir, tmp_path):
     """A prompt served by one API server is a hit for the next one after the first got SIGTERM."""
     import random
@@ -132,8 +142,11 @@ def test_the_on_demand_server_outlives_a_stopped_api_server(tiny_llama, runtime_
     try:
         text, cached = first.complete(tokens)
         assert cached == 0
+        # Stores are asynchronous: the reply can come back before the copy thread committed.
+        committed = wait_for_chunks(address, 2)
     finally:
         first.terminate()
+    assert committed == 2
     assert "started a local kvdepot server" in (tmp_path / "api-1.log").read_text(errors="replace")
     stats = kvdepot.server.ServerProcess(address).stats()  # still serving after the API server stopped
     assert stats.chunks == 2
