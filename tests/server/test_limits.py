@@ -219,3 +219,49 @@ def test_default_quota_flag_bounds_a_salt_without_its_own(serve):
             res = client.reserve("tenant", [os.urandom(32)], 64 * 1024 - 64).result(T)
             client.commit(res.reservation_id).result(T)
         assert client.stats().result(T).salt_bytes == {"tenant": 128 * 1024}
+
+
+def test_a_client_switching_to_fresh_salts_cannot_evict_another_clients_share(serve):
+    """Fair shares hold across salts: a client that stores under ever new salts (each within the
+    default quota) evicts its own oldest chunks once it holds its share of the pool, never the chunks
+    another live client keeps within its own share."""
+    server = serve(*SMALL_POOL, "--default-quota", "256KiB")
+    chunk = 64 * 1024 - 64  # one 64 KiB slot: 64 of them fill the 4 MiB pool
+    with CacheClient(server.address, timeout=T) as good, CacheClient(server.address, timeout=T) as greedy:
+        for client in (good, greedy):
+            client.register("layout", 256, chunk).result(T)
+        good.set_quota("good", 1 << 20).result(T)  # its own quota, above the default
+        kept = [os.urandom(32) for _ in range(16)]  # a quarter of the pool, under a half share
+        res = good.reserve("good", kept, chunk).result(T)
+        assert len(res.slots) == 16
+        good.commit(res.reservation_id).result(T)
+        for i in range(200):  # three times the pool, four chunks per fresh salt
+            res = greedy.reserve(f"fresh-{i}", [os.urandom(32) for _ in range(4)], chunk).result(T)
+            greedy.commit(res.reservation_id).result(T)
+        (hit,) = good.lookup([("good", kept)]).result(T).results
+        assert hit.num_hits == 16  # every chunk of the good client is still there
+        good.release([hit.lease_id]).result(T)
+        stats = good.stats().result(T)
+    assert stats.used_bytes <= stats.capacity_bytes
+    assert stats.salt_bytes["good"] == 16 * 64 * 1024
+
+
+def test_a_huge_clear_is_split_so_other_clients_are_served_in_between(serve):
+    """Clear removes at most CLEAR_SLICE chunks per request and says whether more are left;
+    CacheClient.clear_all repeats it, and a lookup sent meanwhile by another client is answered."""
+    from kvdepot.server import CLEAR_SLICE
+
+    server = serve("--capacity", "64MiB", "--page-size", "1MiB")
+    total = 3 * CLEAR_SLICE // 2
+    with CacheClient(server.address, timeout=T) as admin, CacheClient(server.address, timeout=T) as other:
+        admin.register("tiny", 256, 1).result(T)
+        other.register("tiny", 256, 1).result(T)
+        for start in range(0, total, 4096):
+            res = admin.reserve("", [os.urandom(32) for _ in range(min(4096, total - start))], 1).result(T)
+            admin.commit(res.reservation_id).result(T)
+        assert admin.stats().result(T).chunks == total
+        first = admin.clear().result(T)
+        assert (first.removed, first.more) == (CLEAR_SLICE, True)
+        assert other.lookup([("", [os.urandom(32)])]).result(T).results[0].num_hits == 0  # served between
+        assert admin.clear_all() == total - CLEAR_SLICE
+        assert admin.stats().result(T).chunks == 0

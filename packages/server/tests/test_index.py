@@ -246,6 +246,7 @@ def test_same_size_chunk_goes_alone_unless_a_whole_page_is_older():
     store(index, [k(i) for i in range(4)])  # page 0
     out = index.reserve("c", "", [k(50)], 3000, 0.0)  # page 1, one slot
     index.commit("c", out.reservation_id, None, 0.0)
+    index.close_session("c")  # gone: its chunk counts toward nobody's fair share of the pool
     store(index, [k(i) for i in range(4, 8)])  # page 2
     store(index, [k(100)])
     assert present(index, [k(0), k(1), k(50), k(100)]) == [False, True, True, True]
@@ -350,8 +351,8 @@ def test_clear_keeps_leased_and_pending():
     store(index, [k(1)], salt="t")
     index.lookup("a", [("s", [k(1)])], 0.0)
     index.reserve("a", "s", [k(3)], CHUNK, 0.0)
-    assert index.clear("s") == 1
-    assert index.clear() == 1
+    assert index.clear("s") == (1, False)
+    assert index.clear() == (1, False)
     assert index.stats().chunks == 1
     index.check()
 
@@ -424,4 +425,37 @@ def test_a_default_quota_bounds_every_salt_without_its_own():
     for i in range(4):
         store(index, [k(200 + i)], salt="big")
     assert index.stats().per_salt["big"].bytes == 4 * SLOT
+    index.check()
+
+
+def test_sessions_are_bounded_and_an_ended_one_frees_its_place():
+    """Past MAX_SESSIONS live sessions a new client is refused with a typed error; a known client
+    is still served, and once a session ends a new client gets its place."""
+    from kvdepot.server import MAX_SESSIONS, TooManyError
+
+    index = make_index()
+    for i in range(MAX_SESSIONS - 2):
+        index.touch(f"c{i}", 0.0)
+    with pytest.raises(TooManyError):
+        index.touch("one-too-many", 0.0)
+    index.touch("a", 1.0)  # a known client is still served
+    index.close_session("c0")
+    index.touch("one-too-many", 1.0)
+    assert index.stats().clients == MAX_SESSIONS
+
+
+def test_a_client_past_its_fair_share_evicts_its_own_chunks_whatever_the_salt():
+    """With two live clients holding chunks, each may fill half the pool before its own oldest
+    chunks go; fresh salts do not help it reach the other's. A client that left counts for nobody."""
+    index = make_index(pages=2)  # 8 slots: a share of 4 each
+    store(index, [k(i) for i in range(3)], salt="b-salt", client="b")
+    for i in range(20):
+        store(index, [k(100 + i)], salt=f"fresh-{i}", client="a")
+        index.check()
+    assert present(index, [k(i) for i in range(3)], salt="b-salt") == [True] * 3
+    assert index.stats().used_bytes == index.allocator.capacity  # free slots go to anyone; only eviction is shared
+    index.close_session("b")
+    for i in range(20, 30):
+        store(index, [k(100 + i)], salt=f"fresh-{i}", client="a")
+    assert present(index, [k(i) for i in range(3)], salt="b-salt") == [False] * 3
     index.check()

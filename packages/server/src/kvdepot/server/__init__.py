@@ -16,7 +16,7 @@ from kvdepot.server._errors import (
     UnknownReservationError,
 )
 from kvdepot.server._handler import CacheHandler
-from kvdepot.server._index import ChunkIndex
+from kvdepot.server._index import CLEAR_SLICE, MAX_SESSIONS, ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file
 from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
@@ -27,7 +27,9 @@ from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
 
 __all__ = [
+    "CLEAR_SLICE",
     "ENTRY_POINT_GROUP",
+    "MAX_SESSIONS",
     "MIN_SLOT_BYTES",
     "SLOT_ALIGNMENT",
     "CacheHandler",

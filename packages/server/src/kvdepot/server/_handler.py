@@ -240,9 +240,9 @@ class CacheHandler:
 
     def _clear(self, client: str, body: Clear, now: float) -> ReplyBody:
         self._check_admin(client, "clear")
-        removed = self.index.clear(body.salt)
-        log.info("chunks_cleared", peer=client, salt=body.salt, removed=removed)
-        return ClearReply(removed=removed)
+        removed, more = self.index.clear(body.salt)
+        log.info("chunks_cleared", peer=client, salt=body.salt, removed=removed, more=more)
+        return ClearReply(removed=removed, more=more)
 
     def _ping(self, client: str, body: Ping, now: float) -> ReplyBody:
         return Pong()

@@ -25,9 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
-from collections import OrderedDict, defaultdict
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._errors import (
@@ -36,10 +34,11 @@ from kvdepot.server._errors import (
     TooManyError,
     UnknownReservationError,
 )
+from kvdepot.server._order import UseOrder
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._records import Entry, Lease, Reservation, Session
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
-from kvdepot.server._slabs import PageRecency, SlabAllocator
+from kvdepot.server._slabs import SlabAllocator
 
 # Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
 # a loaded engine to schedule and scatter a hit; short enough that a stuck client frees memory.
@@ -61,10 +60,12 @@ MAX_PENDING_FRACTION = 0.75
 CLIENT_PENDING_FLOOR_FRACTION = 1 / 16
 # Live leases of all clients together: a bound on the index's memory for leases.
 MAX_LEASES = 1 << 18
-# Keys in one request, summed over its items, and the longest key and salt accepted.
+# Client sessions at once: a bound on the index's memory for sessions, however many peers connect.
+MAX_SESSIONS = 4096
+# Chunks one Clear request removes; a larger clear takes several (the client's `clear` loops).
+CLEAR_SLICE = 8192
+# Keys in one lookup, summed over its items (the wire format bounds each item, key and salt).
 MAX_KEYS_PER_REQUEST = 1 << 16
-MAX_KEY_BYTES = 64
-MAX_SALT_CHARS = 1024
 
 EntryKey = tuple[str, bytes]
 
@@ -98,10 +99,9 @@ class ChunkIndex:
         self._entries: dict[EntryKey, Entry] = {}
         self._by_offset: dict[int, Entry] = {}
         # Committed chunks with no lease, oldest use first: per size class and per salt.
-        self._lru: defaultdict[int, OrderedDict[EntryKey, Entry]] = defaultdict(OrderedDict)
-        self._salt_lru: defaultdict[str, OrderedDict[bytes, Entry]] = defaultdict(OrderedDict)
-        self._clock = 0  # the last use stamp handed out
-        self._recency = PageRecency(allocator.num_pages)
+        self._order = UseOrder(allocator.num_pages, allocator.page_size)  # evictable chunks, oldest use first
+        self._owner_bytes: dict[str, int] = {}  # slot bytes per client that stored them
+        self._sharers = 0  # clients with a session that own bytes: the pool's fair share is split among them
         self._salt_bytes: dict[str, int] = {}
         self._salt_chunks: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
@@ -124,7 +124,13 @@ class ChunkIndex:
         """Note that `client` is alive (any request or heartbeat); opens its session if new."""
         session = self._sessions.get(client)
         if session is None:
+            if len(self._sessions) >= MAX_SESSIONS:
+                raise TooManyError(
+                    f"the server has {len(self._sessions)} client sessions, its limit; retry once some end",
+                    limit=MAX_SESSIONS,
+                )
             self._sessions[client] = Session(client, name, now)
+            self._sharers += client in self._owner_bytes
             return
         session.last_seen = now
         if name:
@@ -146,6 +152,7 @@ class ChunkIndex:
         session = self._sessions.pop(client, None)
         if session is None:
             return Reclaimed()
+        self._sharers -= client in self._owner_bytes
         reservations, leases = list(session.reservations), list(session.leases)
         chunks = sum(self._abort(self._reservations[rid]) for rid in reservations)
         for lid in leases:
@@ -166,8 +173,6 @@ class ChunkIndex:
         then says so. Never blocks.
         """
         session = self._data_session(client, now)
-        _check_salt(salt)
-        _check_keys(len(keys), keys)
         slot_size = self.allocator.slot_size(chunk_bytes)
         if len(session.reservations) >= MAX_RESERVATIONS_PER_CLIENT:
             raise TooManyError(
@@ -184,8 +189,8 @@ class ChunkIndex:
             if entry is not None:
                 present.append(index)
                 if entry.committed and not entry.leases:
-                    self._lru_drop(entry)
-                    self._lru_add(entry)
+                    self._order.drop(entry)
+                    self._order.add(entry)
                 continue
             if full:
                 continue
@@ -195,11 +200,12 @@ class ChunkIndex:
             ):
                 full = True
                 continue
-            offset = self._place(salt, slot_size)
+            offset = self._place(salt, slot_size, client)
             if offset is None:
                 full = True
                 continue
-            entry = Entry(salt, key, offset, chunk_bytes, slot_size)
+            entry = Entry(salt, key, offset, chunk_bytes, slot_size, client)
+            self._own(client, slot_size)
             self._entries[(salt, key)] = entry
             self._by_offset[offset] = entry
             self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
@@ -246,7 +252,7 @@ class ChunkIndex:
             self._pending_bytes -= entry.slot_size
             self._chunks += 1
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
-            self._lru_add(entry)
+            self._order.add(entry)
             self.bytes_stored += entry.length
             committed += 1
         if not reservation.pending:
@@ -270,7 +276,8 @@ class ChunkIndex:
         registers one.
         """
         session = self._data_session(client, now, need_layout=False)
-        _check_keys(sum(len(keys) for _, keys in items), ())
+        if (count := sum(len(keys) for _, keys in items)) > MAX_KEYS_PER_REQUEST:
+            raise ServerArgumentError(f"{count} keys in one lookup; send at most {MAX_KEYS_PER_REQUEST}", count=count)
         if len(self._leases) + len(items) > MAX_LEASES:
             raise TooManyError(
                 f"the server holds {len(self._leases)} leases, its limit; retry once clients release some",
@@ -282,7 +289,6 @@ class ChunkIndex:
             )
         results: list[LookupOutcome] = []
         for salt, keys in items:
-            _check_salt(salt)
             hits: list[Entry] = []
             for key in keys:
                 entry = self._entries.get((salt, key))
@@ -296,7 +302,7 @@ class ChunkIndex:
                 continue
             for entry in hits:
                 if not entry.leases:
-                    self._lru_drop(entry)
+                    self._order.drop(entry)
                     self._leased_chunks += 1
                     self._page_pinned[entry.offset // self.allocator.page_size] += 1
                 entry.leases += 1
@@ -322,26 +328,27 @@ class ChunkIndex:
 
     # -- administration -------------------------------------------------------------------
 
-    def clear(self, salt: str | None = None) -> int:
-        """Remove committed, unleased chunks (of `salt`, or all); returns how many."""
-        lrus: Iterable[Mapping[Any, Entry]] = self._lru.values() if salt is None else [self._salt_lru.get(salt, {})]
-        victims = [entry for lru in lrus for entry in lru.values()]
-        for entry in victims:
+    def clear(self, salt: str | None = None, limit: int = CLEAR_SLICE) -> tuple[int, bool]:
+        """Remove up to `limit` committed, unleased chunks (of `salt`, or all).
+
+        Returns (removed, more): `more` when some are left. A large clear takes several
+        requests, so that other clients are served in between.
+        """
+        victims = self._order.evictable(salt, limit + 1)
+        for entry in victims[:limit]:
             self._remove(entry)
-        return len(victims)
+        return min(len(victims), limit), len(victims) > limit
 
     def set_quota(self, salt: str, max_bytes: int | None) -> dict[str, int]:
         """Limit the bytes `salt` may hold (None removes the limit); evicts its LRU chunks now."""
-        _check_salt(salt)
         if max_bytes is None:
             self._quotas.pop(salt, None)
             return dict(self._quotas)
         if max_bytes < 0:
             raise ServerArgumentError(f"quota must be >= 0 bytes, got {max_bytes}", max_bytes=max_bytes)
         self._quotas[salt] = max_bytes
-        own = self._salt_lru.get(salt)
-        while own and self._salt_bytes.get(salt, 0) > max_bytes:
-            self._evict(next(iter(own.values())))
+        while self._salt_bytes.get(salt, 0) > max_bytes and (oldest := self._order.oldest_of_salt(salt)):
+            self._evict(oldest)
         return dict(self._quotas)
 
     def quotas(self) -> dict[str, int]:
@@ -417,60 +424,63 @@ class ChunkIndex:
         session.last_seen = now
         return session
 
-    def _place(self, salt: str, slot_size: int) -> int | None:
+    def _place(self, salt: str, slot_size: int, owner: str) -> int | None:
         """A free slot for a new chunk of `salt`, evicting as the quota and LRU allow."""
         quota = self._quotas.get(salt, self.default_quota)
         if quota is not None:
             if slot_size > quota:
                 return None
-            own = self._salt_lru.get(salt)
             while self._salt_bytes.get(salt, 0) + slot_size > quota:
-                if not own:
+                oldest = self._order.oldest_of_salt(salt)
+                if oldest is None:
                     return None
-                self._evict(next(iter(own.values())))
+                self._evict(oldest)
         while True:
             offset = self.allocator.allocate(slot_size)
             if offset is not None:
                 return offset
-            if not self._make_room(slot_size):
+            if self._over_share(owner, slot_size) and (own := self._order.oldest_of_owner(owner, slot_size)):
+                self._evict(own)  # a client past its fair share makes room from its own chunks
+            elif not self._make_room(slot_size):
                 return None
+
+    def _over_share(self, owner: str, slot_size: int) -> bool:
+        """Whether `owner` holding one more slot passes its share of the pool: the pool split
+        evenly among the clients with a session that hold chunks they stored."""
+        held = self._owner_bytes.get(owner, 0)
+        sharers = self._sharers + (0 if held and owner in self._sessions else 1)
+        return sharers > 1 and held + slot_size > self.allocator.capacity // sharers
+
+    def _own(self, owner: str, delta: int) -> None:
+        """Count `delta` slot bytes to the client that stored them."""
+        before = self._owner_bytes.get(owner, 0)
+        after = before + delta
+        if after:
+            self._owner_bytes[owner] = after
+        else:
+            del self._owner_bytes[owner]
+        if owner in self._sessions and bool(before) != bool(after):
+            self._sharers += 1 if after else -1
 
     def _make_room(self, slot_size: int) -> bool:
         """Free a slot of `slot_size`: evict the oldest chunk of that size alone, or every chunk
         of the page (nothing pending or leased) whose most recently used chunk is older still.
         A page holding a chunk used just now goes only when every other choice is fresher."""
-        own = self._lru.get(slot_size)
-        oldest = next(iter(own.values())) if own else None
-        found = self._recency.oldest(self._page_pinned)
+        oldest = self._order.oldest_of_size(slot_size)
+        found = self._order.pages.oldest(self._page_pinned)
         if oldest is not None and (found is None or oldest.used <= found[0]):
             self._evict(oldest)
             return True
         if found is None:
             return False
         page = found[1]
-        self._recency.reset(page, 0)  # first, so that no eviction below looks for the newest chunk
+        self._order.pages.reset(page, 0)  # first, so that no eviction below looks for the newest chunk
         for off in self.allocator.page_slots(page):
             resident = self._by_offset.get(off)
             if resident is not None:
                 self._evict(resident)
         assert not self.allocator.page_used(page), "a reclaimed page kept a chunk"
         return True
-
-    def _lru_add(self, entry: Entry) -> None:
-        """Make `entry` the most recently used evictable chunk."""
-        self._clock += 1
-        entry.used = self._clock
-        self._lru[entry.slot_size][(entry.salt, entry.key)] = entry
-        self._salt_lru[entry.salt][entry.key] = entry
-        self._recency.used(entry.offset // self.allocator.page_size, self._clock)
-
-    def _lru_drop(self, entry: Entry) -> None:
-        """Take `entry` out of the LRU lists (it is leased, removed, or used again)."""
-        del self._lru[entry.slot_size][(entry.salt, entry.key)]  # a size class's list is kept when empty
-        own = self._salt_lru[entry.salt]
-        del own[entry.key]
-        if not own:
-            del self._salt_lru[entry.salt]
 
     def _evict(self, entry: Entry) -> None:
         self._remove(entry)
@@ -479,20 +489,21 @@ class ChunkIndex:
     def _remove(self, entry: Entry) -> None:
         assert entry.committed, "only committed chunks are evicted or cleared"
         assert not entry.leases, "leased chunks are never evicted or cleared"
-        self._lru_drop(entry)
+        self._order.drop(entry)
         self._chunks -= 1
         self._salt_chunks[entry.salt] -= 1
         if not self._salt_chunks[entry.salt]:
             del self._salt_chunks[entry.salt]
         self._free_slot(entry)
         page = entry.offset // self.allocator.page_size
-        if entry.used == self._recency.newest(page):  # the page's stamp is its newest committed chunk's
+        if entry.used == self._order.pages.newest(page):  # the page's stamp is its newest committed chunk's
             residents = (self._by_offset.get(off) for off in self.allocator.page_slots(page))
-            self._recency.reset(page, max((e.used for e in residents if e and e.committed), default=0))
+            self._order.pages.reset(page, max((e.used for e in residents if e and e.committed), default=0))
 
     def _free_slot(self, entry: Entry) -> None:
         del self._entries[(entry.salt, entry.key)]
         del self._by_offset[entry.offset]
+        self._own(entry.owner, -entry.slot_size)
         self.allocator.free(entry.offset)
         self.headers.freed(entry.offset)
         left = self._salt_bytes[entry.salt] - entry.slot_size
@@ -526,7 +537,7 @@ class ChunkIndex:
                 assert self._entries.get((entry.salt, entry.key)) is entry, "a leased chunk left the index"
                 self._leased_chunks -= 1
                 self._page_pinned[entry.offset // self.allocator.page_size] -= 1
-                self._lru_add(entry)
+                self._order.add(entry)
 
     def check(self) -> None:
         """Assert every invariant of the index and its allocator (for tests)."""
@@ -538,9 +549,7 @@ class ChunkIndex:
             assert self._by_offset[entry.offset] is entry
             assert self.allocator.page_slot_size(self.allocator.page_of(entry.offset)) == entry.slot_size
             assert entry.offset + entry.slot_size <= self.allocator.capacity
-            in_lru = (salt, key) in self._lru.get(entry.slot_size, {})
-            assert in_lru == (entry.committed and not entry.leases)
-            assert in_lru == (key in self._salt_lru.get(salt, {}))
+            assert (entry in self._order) == (entry.committed and not entry.leases)
             spans.append((entry.offset, entry.offset + entry.slot_size))
             used += entry.slot_size
         spans.sort()
@@ -556,12 +565,13 @@ class ChunkIndex:
         for entry in self._entries.values():
             pinned[entry.offset // self.allocator.page_size] += not entry.committed or entry.leases > 0
         assert pinned == self._page_pinned
-        self._recency.check((e.offset // self.allocator.page_size, e.used) for e in self._by_offset.values())
-        lrus = [[e.used for e in lru.values()] for lru in self._lru.values()]
-        assert all(uses == sorted(uses) for uses in lrus), "a size class's LRU list is out of order"
-        salt_lrus = [[e.used for e in lru.values()] for lru in self._salt_lru.values()]
-        assert all(uses and uses == sorted(uses) for uses in salt_lrus), "a salt's LRU list is empty or out of order"
-        assert sum(map(len, lrus)) == sum(map(len, salt_lrus)) == self._chunks - self._leased_chunks
+        self._order.pages.check((e.offset // self.allocator.page_size, e.used) for e in self._by_offset.values())
+        self._order.check(self._chunks - self._leased_chunks)
+        owners: dict[str, int] = {}
+        for entry in self._entries.values():
+            owners[entry.owner] = owners.get(entry.owner, 0) + entry.slot_size
+        assert owners == self._owner_bytes
+        assert self._sharers == sum(1 for c in self._sessions if c in self._owner_bytes)
         for lease in self._leases.values():
             assert lease.id in self._sessions[lease.client].leases
         for session in self._sessions.values():
@@ -570,20 +580,3 @@ class ChunkIndex:
         for reservation in self._reservations.values():
             assert reservation.pending
             assert reservation.id in self._sessions[reservation.client].reservations
-
-
-def _check_salt(salt: str) -> None:
-    if len(salt) > MAX_SALT_CHARS:
-        raise ServerArgumentError(f"cache_salt longer than {MAX_SALT_CHARS} characters", length=len(salt))
-
-
-def _check_keys(count: int, keys: Sequence[bytes]) -> None:
-    if count > MAX_KEYS_PER_REQUEST:
-        raise ServerArgumentError(
-            f"{count} keys in one request; send at most {MAX_KEYS_PER_REQUEST} per request", count=count
-        )
-    for key in keys:
-        if not 0 < len(key) <= MAX_KEY_BYTES:
-            raise ServerArgumentError(
-                f"a chunk key must be 1 to {MAX_KEY_BYTES} bytes, got {len(key)}", length=len(key)
-            )

@@ -14,6 +14,7 @@ class Entry:
     offset: int
     length: int
     slot_size: int
+    owner: str = ""  # the client that stored it: its bytes count toward that client's fair share
     committed: bool = False
     leases: int = 0
     used: int = 0  # stamp of the last use (commit, reserve hit, end of the last lease)

@@ -140,7 +140,8 @@ class _Operations:
         return self._call(Stats())
 
     def clear(self, salt: str | None = None) -> Future[ClearReply]:
-        """Removes the chunks of one salt, or all chunks."""
+        """Removes chunks of one salt, or of all: a slice of them, `more` says whether some are
+        left (`CacheClient.clear_all` repeats it until none are)."""
         return self._call(Clear(salt))
 
     def ping(self) -> Future[Pong]:
@@ -192,6 +193,15 @@ class CacheClient(_Operations):
     def address(self) -> str:
         """The server address."""
         return self._conn.address
+
+    def clear_all(self, salt: str | None = None, timeout: float | None = 60.0) -> int:
+        """Removes every unleased chunk of one salt, or of all salts, one slice per request so
+        that other clients are served in between; returns how many were removed."""
+        removed, more = 0, True
+        while more:
+            reply = self.clear(salt).result(timeout)
+            removed, more = removed + reply.removed, reply.more
+        return removed
 
     @property
     def client_id(self) -> str:

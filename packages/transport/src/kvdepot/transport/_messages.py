@@ -294,9 +294,12 @@ class StatsReply(_Body, frozen=True, tag="stats_reply"):
 
 
 class ClearReply(_Body, frozen=True, tag="clear_reply"):
-    """How many chunks were removed."""
+    """How many chunks were removed; `more` when chunks to clear are left (send Clear again).
+
+    One Clear removes a bounded number of chunks, so a large clear never holds the server."""
 
     removed: Count
+    more: bool = False
 
 
 class Pong(_Body, frozen=True, tag="pong"):
