@@ -348,11 +348,17 @@ class Connection:
                 " is the server's public key and that both sides use CURVE"
             )
             return
-        self.security_failure = (
-            f"the kvdepot server at {self.address} refused the connection's security handshake: it checks a "
-            f"shared secret (this client's is {'wrong' if self.auth_secret else 'missing'}; pass the server's as "
-            "auth_secret) or uses CURVE (pass its public key as curve_server_key)"
-        )
+        if self.address.startswith("ipc://"):
+            self.security_failure = (
+                f"the peer at {self.address} runs as another user, or refused this one (each side of an ipc"
+                " connection accepts only its own user or root)"
+            )
+        else:
+            self.security_failure = (
+                f"the kvdepot server at {self.address} refused the connection's security handshake: it checks a "
+                f"shared secret (this client's is {'wrong' if self.auth_secret else 'missing'}; pass the server's as "
+                "auth_secret) or uses CURVE (pass its public key as curve_server_key)"
+            )
         with self._lock:
             if not self.ever_connected and self.state not in ("failed", "closed"):
                 self._fail_locked(CODE_UNAUTHORIZED, self.security_failure, {})

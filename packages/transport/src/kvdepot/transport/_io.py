@@ -24,6 +24,8 @@ from typing import Any, Protocol
 import structlog
 import zmq
 
+from kvdepot.transport._peercred import PeerUserCheck
+
 log = structlog.get_logger(__name__)
 
 # Upper bound on one poll, so a lost wake-up (there should be none) costs at most this.
@@ -69,10 +71,18 @@ class IOLoop:
         self._fd_readers: dict[int, Callable[[], None]] = {}  # fds, in the epoll set
         self._fd_lock = threading.Lock()  # guards _fd_readers with the epoll set
         self._timers: set[TimerOwner] = set()
+        self._peer_check: PeerUserCheck | None = None
         self.thread = threading.Thread(target=self._run, name="kvdepot-transport-io", daemon=True)
         self.thread.start()
 
     # -- any thread ----------------------------------------------------------------------
+
+    def check_ipc_peers(self) -> None:
+        """Runs the handler that lets ipc connections of this context reach only servers of
+        this user or root (see `_peercred`); started once, on the first ipc connection."""
+        with self._shared_lock:
+            if self._peer_check is None:
+                self._peer_check = PeerUserCheck(self.context, "client")
 
     def wake_by(self, when: float) -> None:
         """Makes the loop look at its timers again no later than `when` (time.monotonic()).

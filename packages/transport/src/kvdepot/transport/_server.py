@@ -32,6 +32,7 @@ from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
 from kvdepot.transport._errors import TransportClosedError
 from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._peercred import ZAP_DOMAIN, PeerUserCheck
 
 log = structlog.get_logger(__name__)
 
@@ -199,6 +200,11 @@ class ServerEndpoint(_EndpointBase):
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
         sock.setsockopt(zmq.RCVHWM, SEND_HWM)
         self._authenticator: Any = None
+        self._peer_check: PeerUserCheck | None = None
+        if self._ipc is not None and self._own_context:
+            # Only this user's (and root's) processes get a message through (SO_PEERCRED, in ZAP).
+            self._peer_check = PeerUserCheck(self._context, "server")
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         if curve_secret_key is not None:
             # CURVE encrypts the connection; clients need the matching public key
             # (zmq.curve_public(secret)). Who may talk is still decided by auth_secret.
@@ -278,6 +284,8 @@ class ServerEndpoint(_EndpointBase):
         self._sock.close(0)
         if self._authenticator is not None:
             self._authenticator.stop()
+        if self._peer_check is not None:
+            self._peer_check.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
         if self._own_context:

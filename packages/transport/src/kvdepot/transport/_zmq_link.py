@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvdepot.transport._peercred import ZAP_DOMAIN
 from kvdepot.transport._io import IOLoop
 from kvdepot.transport._server import HARD_LIMIT_FACTOR, PLAIN_USER
 
@@ -81,6 +82,9 @@ class ZmqLink:
             sock.setsockopt(zmq.CURVE_SERVERKEY, self._conn.curve_server_key)
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        if self._conn.address.startswith("ipc://"):
+            self._loop.check_ipc_peers()  # the server must be this user's or root's (SO_PEERCRED)
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
         self._monitor = sock.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED
         )
