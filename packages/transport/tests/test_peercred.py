@@ -47,7 +47,7 @@ def open_dir() -> Iterator[Path]:
     if not bases:
         pytest.skip("no directory here that another user can reach")
     with tempfile.TemporaryDirectory(dir=bases[0]) as d:
-        os.chmod(d, 0o1777)  # noqa: S103 - like /tmp: another user must reach (or bind) a socket inside
+        os.chmod(d, 0o1777)
         yield Path(d)
 
 

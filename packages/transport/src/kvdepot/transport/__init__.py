@@ -45,7 +45,7 @@ from kvdepot.transport._errors import (
     VersionMismatchError,
     remote_error,
 )
-from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._handler import Deferred, Handler, PeerInfo
 from kvdepot.transport._memory import MemoryServerEndpoint
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
@@ -112,6 +112,7 @@ __all__ = [
     "Commit",
     "CommitReply",
     "DeadlineExceededError",
+    "Deferred",
     "DictHandler",
     "EndSession",
     "EndSessionReply",

@@ -27,7 +27,7 @@ from kvdepot.transport._errors import (
     FrameTooLargeError,
     RemoteProtocolError,
 )
-from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._handler import Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -135,7 +135,8 @@ class Dispatcher:
     # -- one message ---------------------------------------------------------------------
 
     def dispatch(self, identity: bytes, frames: list[bytes]) -> list[bytes]:
-        """Reply frames for one message of request frames, one per frame, in order."""
+        """Reply frames for one message of request frames, one per frame, in order, less the
+        replies the handler deferred (`Deferred`)."""
         self.counters["messages"] += 1
         now = self.clock()
         peer = self.peers.get(identity)
@@ -146,7 +147,7 @@ class Dispatcher:
             return [
                 self._encode(0, ErrorReply(CODE_PROTOCOL, f"a message must hold 1 to {MAX_FRAMES_PER_MESSAGE} frames"))
             ]
-        out = [self._one(identity, frames[0], now)]
+        out: list[bytes | None] = [self._one(identity, frames[0], now)]
         budget = MAX_MESSAGE_BYTES - len(frames[0])
         for frame in frames[1:]:
             budget -= len(frame)
@@ -156,9 +157,9 @@ class Dispatcher:
             self.counters["too_large"] += 1
             message = f"this message holds more than {MAX_MESSAGE_BYTES} bytes of requests; send the rest in another"
             out.append(self._encode(peek_id(frame), ErrorReply(CODE_TOO_LARGE, message)))
-        return out
+        return [frame for frame in out if frame is not None]
 
-    def _one(self, identity: bytes, frame: bytes, now: float) -> bytes:
+    def _one(self, identity: bytes, frame: bytes, now: float) -> bytes | None:
         self.counters["requests"] += 1
         try:
             request = decode_request(frame, max_frame_bytes=self.max_frame_bytes)
@@ -174,9 +175,25 @@ class Dispatcher:
             return self._encode(
                 request_id, ErrorReply(CODE_PROTOCOL, f"{exc.message}; is the client the same protocol version?")
             )
-        return self._encode(request.id, self._handle(identity, request, now))
+        reply = self._handle(identity, request, now)
+        if isinstance(reply, Deferred):
+            reply.identity, reply.request_id, reply.request = identity, request.id, type(request.body)
+            return None
+        return self._encode(request.id, reply)
 
-    def _handle(self, identity: bytes, request: Request, now: float) -> ReplyBody:
+    def encode_deferred(self, deferred: Deferred, body: ReplyBody) -> bytes:
+        """The reply frame that answers a deferred request at last."""
+        assert deferred.request is not None, "a Deferred the handler never returned"
+        if not isinstance(body, (REPLY_FOR[deferred.request], ErrorReply)):
+            log.error("handler_reply_wrong_type", request=deferred.request.__name__, reply=type(body).__name__)
+            body = ErrorReply(
+                CODE_INTERNAL, f"the server answered {deferred.request.__name__} with {type(body).__name__}"
+            )
+        if isinstance(body, ErrorReply):
+            self.counters["errors"] += 1
+        return self._encode(deferred.request_id, body)
+
+    def _handle(self, identity: bytes, request: Request, now: float) -> ReplyBody | Deferred:
         body = request.body
         peer = self.peers.get(identity)
         if isinstance(body, Hello):
@@ -204,6 +221,8 @@ class Dispatcher:
             if reply.code == CODE_INTERNAL:
                 self.counters["handler_failures"] += 1
                 log.exception("handler_failed", peer=peer.client_id, request=type(body).__name__)
+        if isinstance(reply, Deferred):
+            return reply
         if not isinstance(reply, (REPLY_FOR[type(body)], ErrorReply)):
             self.counters["handler_failures"] += 1
             log.error("handler_reply_wrong_type", request=type(body).__name__, reply=type(reply).__name__)

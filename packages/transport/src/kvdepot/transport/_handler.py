@@ -26,6 +26,18 @@ class PeerInfo:
     requests: int = field(default=0)
 
 
+@dataclass(slots=True, eq=False)
+class Deferred:
+    """A reply the handler gives later: `handle` returns `Deferred()`, the endpoint sends nothing
+    for that request yet, and the server answers it with `endpoint.send_deferred(deferred, body)`
+    from the endpoint's loop thread (once per deferred). Clients match replies by request id, so
+    a deferred reply may come after replies to later requests."""
+
+    identity: bytes = b""
+    request_id: int = 0
+    request: type | None = None
+
+
 class Handler(Protocol):
     """The server side of the protocol, called from the endpoint's poll loop thread only.
 
@@ -40,6 +52,6 @@ class Handler(Protocol):
     with EndSession is forgotten without a `peer_gone` call.
     """
 
-    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody: ...
+    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody | Deferred: ...
 
     def peer_gone(self, peer: PeerInfo) -> None: ...

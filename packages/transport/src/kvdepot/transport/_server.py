@@ -31,7 +31,8 @@ from kvdepot.transport._address import (
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
 from kvdepot.transport._errors import TransportClosedError
-from kvdepot.transport._handler import Handler, PeerInfo
+from kvdepot.transport._handler import Deferred, Handler, PeerInfo
+from kvdepot.transport._messages import ReplyBody
 from kvdepot.transport._peercred import ZAP_DOMAIN, PeerUserCheck
 
 log = structlog.get_logger(__name__)
@@ -124,6 +125,18 @@ class _EndpointBase:
                     self.poll_once(None)
             finally:
                 self._close_now()
+
+    def send_deferred(self, deferred: Deferred, body: ReplyBody) -> None:
+        """Answer a request the handler deferred (loop thread only); nothing if its peer is gone."""
+        if not self._closed:
+            self._send(deferred.identity, [self.dispatcher.encode_deferred(deferred, body)])
+
+    def wake(self) -> None:
+        """Ends the loop's current wait early (any thread): work for the loop is waiting."""
+        self._wake()
+
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        raise NotImplementedError
 
     def stop(self) -> None:
         """Asks `serve_forever` to return; safe from any thread and from signal handlers."""
@@ -257,7 +270,12 @@ class ServerEndpoint(_EndpointBase):
                 break
         return handled
 
+    def _send(self, identity: bytes, frames: list[bytes]) -> None:
+        self._reply(identity, frames)
+
     def _reply(self, identity: bytes, replies: list[bytes]) -> None:
+        if not replies:
+            return  # every request of the message was deferred
         sock = self._sock
         try:
             sock.send(identity, _SNDMORE_NOBLOCK)  # raises before anything is queued

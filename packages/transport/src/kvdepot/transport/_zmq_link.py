@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvdepot.transport._peercred import ZAP_DOMAIN
 from kvdepot.transport._io import IOLoop
+from kvdepot.transport._peercred import ZAP_DOMAIN
 from kvdepot.transport._server import HARD_LIMIT_FACTOR, PLAIN_USER
 
 if TYPE_CHECKING:
