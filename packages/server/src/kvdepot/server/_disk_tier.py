@@ -47,14 +47,12 @@ from kvdepot.server._tier_format import (
     parse_header,
     verify,
 )
-from kvdepot.server._tiers import ChunkRef, ChunkWrite, Counters, TierState, TierStats, check_batch
+from kvdepot.server._tiers import ChunkRef, ChunkWrite, Counters, TierState, TierStats, WarnLimiter, check_batch
 
 log = structlog.get_logger(__name__)
 
 _NAME = re.compile(r"^[0-9a-f]{64}$")
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
-# Seconds between two warnings about failing disk writes or reads: one line per burst, not per chunk.
-WARN_INTERVAL = 60.0
 
 
 @attrs.define
@@ -132,7 +130,7 @@ class DiskTier:
         self._reserved = 0  # bytes of files being written
         self._counters = Counters()
         self._closed = False
-        self._last_warning = -WARN_INTERVAL
+        self._warn = WarnLimiter(log)
         removed = self._remove_temporaries()
         corrupt = self._rebuild()
         self._counters.add(corrupt=corrupt)
@@ -242,12 +240,6 @@ class DiskTier:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._path(digest))
 
-    def _warn(self, event: str, **fields: object) -> None:
-        now = time.monotonic()
-        if now - self._last_warning >= WARN_INTERVAL:
-            self._last_warning = now
-            log.warning(event, path=str(self.directory), **fields)
-
     # -- the tier API ------------------------------------------------------------------------
 
     def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
@@ -298,7 +290,7 @@ class DiskTier:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             self._counters.add(failed_writes=1, errors=1)
-            self._warn("disk_tier_write_failed", error=exc.strerror or str(exc))
+            self._warn("disk_tier_write_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         self._counters.add(writes=1, bytes_written=payload.nbytes)
         return True
@@ -336,7 +328,7 @@ class DiskTier:
             return False
         except OSError as exc:
             self._counters.add(errors=1)
-            self._warn("disk_tier_read_failed", error=exc.strerror or str(exc))
+            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         try:
             header = bytearray(FIXED_HEADER_BYTES + len(ref.fingerprint))
@@ -346,7 +338,7 @@ class DiskTier:
             size = os.fstat(fd).st_size
         except OSError as exc:
             self._counters.add(errors=1)
-            self._warn("disk_tier_read_failed", error=exc.strerror or str(exc))
+            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         finally:
             os.close(fd)
@@ -418,4 +410,3 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 
@@ -175,3 +176,29 @@ class Counters:
 
     def __getitem__(self, name: str) -> int:
         return self._values[name]
+
+
+# Seconds between two warnings of one kind from one tier: one line per burst of failures.
+WARN_INTERVAL = 60.0
+
+
+class WarnLimiter:
+    """Logs a warning at most once per `WARN_INTERVAL` seconds per event name, with how many were held back."""
+
+    def __init__(self, logger: Any, interval: float = WARN_INTERVAL) -> None:
+        self._log = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last = self._last.get(event)
+            if last is not None and now - last < self._interval:
+                self._held[event] = self._held.get(event, 0) + 1
+                return
+            self._last[event] = now
+            held = self._held.pop(event, 0)
+        self._log.warning(event, suppressed=held, **fields)
