@@ -2,16 +2,22 @@
 
 It owns a shared-memory pool of fixed capacity, an index from (cache_salt, chunk key) to
 slots of that pool with two-phase stores, leases, LRU eviction and per-salt quotas, and
-answers the `kvdepot.transport` protocol. It never imports torch, gpu or vllm.
+answers the `kvdepot.transport` protocol. Below the pool it may keep chunks in a disk tier
+(`DiskTier`) and a Valkey/Redis tier (`RemoteTier`, which imports redis-py only when one is
+made), written behind (`WriteBehind`). It never imports torch, gpu or vllm.
 """
 
 from kvdepot.server._cli import ENTRY_POINT_GROUP, Command, SimpleCommand, configure_logging, main
+from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import (
     ChunkTooLargeError,
+    CorruptObjectError,
     NotRegisteredError,
     PoolError,
     ServerArgumentError,
     ServerError,
+    TierConfigError,
+    TierError,
     TooManyError,
     UnknownReservationError,
 )
@@ -19,12 +25,16 @@ from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import CLEAR_SLICE, MAX_SESSIONS, ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file
 from kvdepot.server._process import ServerProcess, ServerStartError
+from kvdepot.server._remote_tier import RemoteTier
+from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
 from kvdepot.server._slabs import MIN_SLOT_BYTES, SLOT_ALIGNMENT, SlabAllocator, auto_page_size
 from kvdepot.server._stats import fetch_stats, format_stats
+from kvdepot.server._tiers import ChunkRef, ChunkWrite, Tier, TierState, TierStats, object_name
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
+from kvdepot.server._write_behind import DeferredWrite, WriteBehind, WriteBehindStats
 
 __all__ = [
     "CLEAR_SLICE",
@@ -35,14 +45,21 @@ __all__ = [
     "CacheHandler",
     "CacheServer",
     "ChunkIndex",
+    "ChunkRef",
     "ChunkTooLargeError",
+    "ChunkWrite",
     "Command",
+    "CorruptObjectError",
+    "DeferredWrite",
+    "DiskTier",
     "IndexStats",
     "LookupOutcome",
     "NotRegisteredError",
     "PoolError",
     "PoolMapping",
     "Reclaimed",
+    "RemoteAddress",
+    "RemoteTier",
     "ReserveOutcome",
     "SaltUsage",
     "ServerArgumentError",
@@ -53,8 +70,15 @@ __all__ = [
     "SharedPool",
     "SimpleCommand",
     "SlabAllocator",
+    "Tier",
+    "TierConfigError",
+    "TierError",
+    "TierState",
+    "TierStats",
     "TooManyError",
     "UnknownReservationError",
+    "WriteBehind",
+    "WriteBehindStats",
     "__version__",
     "auto_page_size",
     "configure_logging",
@@ -63,6 +87,8 @@ __all__ = [
     "format_size",
     "format_stats",
     "main",
+    "object_name",
     "open_pool_file",
+    "parse_remote_url",
     "parse_size",
 ]

@@ -62,3 +62,20 @@ class TooManyError(ServerError):
 
 class PoolError(ServerError):
     """The shared-memory pool could not be created or mapped."""
+
+
+class TierError(ServerError):
+    """A tier below RAM (disk or remote) could not be set up or used."""
+
+
+class TierConfigError(TierError, ServerArgumentError):
+    """A tier's configuration (directory, capacity, URL, password source) cannot be used."""
+
+    code = "invalid_argument"
+
+
+class CorruptObjectError(TierError):
+    """An object read from a tier below RAM failed its header or checksum check (`reason` says which).
+
+    The tier counts it, deletes the object and reports a miss; it never reaches a client.
+    """

@@ -1,0 +1,412 @@
+"""The disk tier: one file per chunk under a private directory, LRU-evicted by capacity.
+
+Layout of ``DIR`` (0700, this user's alone; a lock file keeps a second server out)::
+
+    DIR/lock                 flock'ed while a server uses DIR
+    DIR/tmp/NAME.RANDOM      a file being written (removed at start: a crash left it)
+    DIR/objects/ab/NAME      a chunk: `_tier_format` header + payload; NAME = object_name(salt, key)
+
+One file per chunk rather than a few large files: a chunk is hundreds of KiB to MiBs, so a
+file's overhead is small; writing to a temporary name and renaming makes every object
+appear whole or not at all, with no log to replay; eviction is an unlink that frees the space
+at once, with no compaction; and the index rebuilds from the headers alone. The 256
+subdirectories keep directories small.
+
+No fsync: this is a cache. A process crash (SIGKILL) loses nothing that was renamed, since
+the page cache survives it; a power loss may leave a renamed file empty or short, and its
+header or checksum then makes it a miss that is deleted, never a wrong chunk.
+
+Reads go straight from the file into the caller's buffer (`os.preadv`), with the header into
+a small buffer in the same system call; writes go straight from the caller's buffer
+(`os.writev`). Neither copies the payload in Python.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import structlog
+
+from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._tier_format import (
+    FIXED_HEADER_BYTES,
+    MAX_FINGERPRINT_BYTES,
+    check_header,
+    encode_header,
+    parse_header,
+    verify,
+)
+from kvdepot.server._tiers import ChunkRef, ChunkWrite, Counters, TierState, TierStats, WarnLimiter, check_batch
+
+log = structlog.get_logger(__name__)
+
+_NAME = re.compile(r"^[0-9a-f]{64}$")
+_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@attrs.define
+class _Entry:
+    size: int  # bytes of the file: header and payload
+    length: int
+    fingerprint: bytes
+
+
+def _private_dir(path: Path) -> None:
+    """Make ``path`` a directory of this user's alone, or raise `TierConfigError`."""
+    try:
+        path.mkdir(mode=0o700, parents=False, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise TierConfigError(f"cannot create the disk tier directory {path}: {exc.strerror}", path=str(path)) from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise TierConfigError(f"{path} is not a directory (a symlink is not followed)", path=str(path))
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        raise TierConfigError(
+            f"{path} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; the disk tier keeps "
+            "tenants' KV bytes and needs a directory of its own user's alone (chmod 700, or name a new one)",
+            path=str(path),
+            owner=st.st_uid,
+        )
+
+
+def _read_full(fd: int, buffers: list[memoryview], offset: int) -> int:
+    """Fill ``buffers`` from ``offset`` of ``fd`` (looping on short reads); bytes read (less only at EOF)."""
+    total = 0
+    want = sum(b.nbytes for b in buffers)
+    while buffers:
+        n = os.preadv(fd, buffers, offset + total)
+        if n == 0:
+            break
+        total += n
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+    assert total <= want
+    return total
+
+
+def _write_full(fd: int, buffers: list[memoryview]) -> None:
+    while buffers:
+        n = os.writev(fd, buffers)
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if buffers and n:
+            buffers[0] = buffers[0][n:]
+
+
+class DiskTier:
+    """Chunks in files under ``directory``, at most ``capacity`` bytes of them (headers included)."""
+
+    kind = "disk"
+
+    def __init__(self, directory: str | os.PathLike[str], capacity: int) -> None:
+        if capacity <= 0:
+            raise TierConfigError(f"the disk tier's capacity must be positive, got {capacity}", capacity=capacity)
+        self.directory = Path(directory)
+        self.capacity = capacity
+        _private_dir(self.directory)
+        self._lock_fd = self._take_lock()
+        self._objects = self.directory / "objects"
+        self._tmp = self.directory / "tmp"
+        _private_dir(self._objects)
+        _private_dir(self._tmp)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._used = 0  # bytes of the files in the index
+        self._reserved = 0  # bytes of files being written
+        self._counters = Counters()
+        self._closed = False
+        self._warn = WarnLimiter(log)
+        removed = self._remove_temporaries()
+        corrupt = self._rebuild()
+        self._counters.add(corrupt=corrupt)
+        with self._lock:
+            evicted = self._make_room(0)
+        log.info(
+            "disk_tier_opened",
+            path=str(self.directory),
+            capacity=capacity,
+            chunks=len(self._index),
+            used=self._used,
+            temporaries_removed=removed,
+            corrupt_removed=corrupt,
+            evicted=evicted,
+        )
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def _take_lock(self) -> int:
+        path = self.directory / "lock"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TierConfigError(
+                f"another kvdepot server uses the disk tier {self.directory}; give each server its own --disk-dir",
+                path=str(self.directory),
+            ) from None
+        return fd
+
+    def _remove_temporaries(self) -> int:
+        removed = 0
+        for name in os.listdir(self._tmp):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._tmp / name)
+                removed += 1
+        return removed
+
+    def _rebuild(self) -> int:
+        """Index every intact object under objects/, oldest first; delete the broken ones."""
+        found: list[tuple[float, bytes, _Entry]] = []
+        corrupt = 0
+        for sub in os.listdir(self._objects):
+            subdir = self._objects / sub
+            if not (len(sub) == 2 and subdir.is_dir() and not subdir.is_symlink()):
+                continue
+            for name in os.listdir(subdir):
+                path = subdir / name
+                if not _NAME.match(name) or name[:2] != sub:
+                    continue
+                entry, mtime = self._scan_one(path, bytes.fromhex(name))
+                if entry is None:
+                    corrupt += 1
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                    continue
+                found.append((mtime, bytes.fromhex(name), entry))
+        found.sort(key=lambda item: item[0])
+        for _, digest, entry in found:
+            self._index[digest] = entry
+            self._used += entry.size
+        return corrupt
+
+    @staticmethod
+    def _scan_one(path: Path, digest: bytes) -> tuple[_Entry | None, float]:
+        try:
+            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        except OSError:  # a symlink or a file that vanished: not ours to serve
+            return None, 0.0
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, FIXED_HEADER_BYTES + MAX_FINGERPRINT_BYTES, 0)
+        finally:
+            os.close(fd)
+        try:
+            header = parse_header(head)
+        except CorruptObjectError:
+            return None, 0.0
+        if not stat.S_ISREG(st.st_mode) or header.digest != digest or st.st_size != header.object_size:
+            return None, 0.0
+        return _Entry(size=header.object_size, length=header.length, fingerprint=header.fingerprint), st.st_mtime
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _path(self, digest: bytes) -> Path:
+        name = digest.hex()
+        return self._objects / name[:2] / name
+
+    def _make_room(self, size: int) -> int:
+        """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
+        evicted = 0
+        while self._index and self._used + self._reserved + size > self.capacity:
+            digest, entry = self._index.popitem(last=False)
+            self._used -= entry.size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(digest))
+            evicted += 1
+        return evicted
+
+    def _drop(self, digest: bytes) -> None:
+        """Forget and delete one object (a corrupt or vanished one)."""
+        with self._lock:
+            entry = self._index.pop(digest, None)
+            if entry is not None:
+                self._used -= entry.size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._path(digest))
+
+    # -- the tier API ------------------------------------------------------------------------
+
+    def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
+        """Write each chunk to its own file (skipped when the same chunk is already there)."""
+        return [self._write_one(item) for item in items]
+
+    def _write_one(self, item: ChunkWrite) -> bool:
+        if self._closed:
+            self._counters.add(failed_writes=1)
+            return False
+        digest = item.digest
+        payload = memoryview(item.payload).cast("B")
+        header = encode_header(digest, item.fingerprint, payload)
+        size = len(header) + payload.nbytes
+        if size > self.capacity:
+            self._counters.add(failed_writes=1)
+            return False
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is not None and entry.length == payload.nbytes and entry.fingerprint == item.fingerprint:
+                self._index.move_to_end(digest)
+                return True
+            self._make_room(size)
+            if self._used + self._reserved + size > self.capacity:  # the rest is being written now
+                self._counters.add(failed_writes=1)
+                return False
+            self._reserved += size
+        final = self._path(digest)
+        tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
+        try:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
+            try:
+                _write_full(fd, [memoryview(header), payload])
+            finally:
+                os.close(fd)
+            with self._lock:
+                self._reserved -= size
+                os.rename(tmp, final)
+                old = self._index.pop(digest, None)
+                if old is not None:
+                    self._used -= old.size
+                self._index[digest] = _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint)
+                self._used += size
+        except OSError as exc:
+            with self._lock:
+                self._reserved -= size
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._counters.add(failed_writes=1, errors=1)
+            self._warn("disk_tier_write_failed", path=str(self.directory), error=exc.strerror or str(exc))
+            return False
+        self._counters.add(writes=1, bytes_written=payload.nbytes)
+        return True
+
+    def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
+        """Read each chunk found into its buffer, checked; ``timeout`` bounds the whole batch."""
+        check_batch(refs, into)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: list[bool] = []
+        for ref, buf in zip(refs, into, strict=True):
+            if deadline is not None and time.monotonic() > deadline:
+                self._counters.add(late=1, misses=1)
+                results.append(False)
+                continue
+            hit = self._read_one(ref, buf)
+            self._counters.add(**({"hits": 1, "bytes_read": ref.length} if hit else {"misses": 1}))
+            results.append(hit)
+        return results
+
+    def _read_one(self, ref: ChunkRef, buf: memoryview) -> bool:
+        if self._closed:
+            return False
+        digest = ref.digest
+        with self._lock:
+            entry = self._index.get(digest)
+            if entry is None:
+                return False
+            self._index.move_to_end(digest)
+        if entry.length != ref.length or entry.fingerprint != ref.fingerprint:
+            self._corrupt(digest, "length" if entry.length != ref.length else "fingerprint")
+            return False
+        try:
+            fd = os.open(self._path(digest), os.O_RDONLY | _OPEN_FLAGS)
+        except FileNotFoundError:  # evicted or deleted since we looked
+            return False
+        except OSError as exc:
+            self._counters.add(errors=1)
+            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
+            return False
+        try:
+            header = bytearray(FIXED_HEADER_BYTES + len(ref.fingerprint))
+            payload = buf.cast("B")
+            total = len(header) + payload.nbytes
+            got = _read_full(fd, [memoryview(header), payload], 0)
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            self._counters.add(errors=1)
+            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
+            return False
+        finally:
+            os.close(fd)
+        try:
+            if got != total or size != total:
+                # Another fingerprint or length makes the header itself a mismatch, so say why.
+                check_header(parse_header(header), digest=digest, fingerprint=ref.fingerprint, length=ref.length)
+                raise CorruptObjectError("the file is shorter or longer than its header says", reason="length")
+            verify(header, payload, digest=digest, fingerprint=ref.fingerprint, length=ref.length)
+        except CorruptObjectError as exc:
+            self._corrupt(digest, exc.fields.get("reason"))
+            return False
+        return True
+
+    def _corrupt(self, digest: bytes, reason: str | None) -> None:
+        self._counters.add(corrupt=1)
+        self._drop(digest)
+        log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=reason)
+
+    def contains(self, refs: Sequence[ChunkRef]) -> list[bool]:
+        """From the in-memory index: no disk access."""
+        with self._lock:
+            return [
+                (e := self._index.get(ref.digest)) is not None
+                and e.length == ref.length
+                and e.fingerprint == ref.fingerprint
+                for ref in refs
+            ]
+
+    def delete(self, refs: Sequence[ChunkRef]) -> int:
+        """Delete these chunks; how many were there."""
+        count = 0
+        for ref in refs:
+            with self._lock:
+                present = ref.digest in self._index
+            if present:
+                self._drop(ref.digest)
+                count += 1
+        return count
+
+    def clear(self) -> int:
+        """Delete every chunk; how many there were."""
+        with self._lock:
+            digests = list(self._index)
+        for digest in digests:
+            self._drop(digest)
+        return len(digests)
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            used, objects = self._used, len(self._index)
+        return TierStats(
+            kind=self.kind,
+            state=TierState.DOWN if self._closed else TierState.UP,
+            capacity=self.capacity,
+            used_bytes=used,
+            objects=objects,
+            **self._counters.snapshot(),
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        os.close(self._lock_fd)
+
+    def __enter__(self) -> DiskTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

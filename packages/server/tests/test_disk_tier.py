@@ -1,0 +1,298 @@
+"""The disk tier on real files: round trips, LRU eviction, restarts, torn and corrupt files, isolation, permissions."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from kvdepot.server import ChunkRef, ChunkWrite, DiskTier, TierConfigError, TierState, object_name
+from kvdepot.server._tier_format import FIXED_HEADER_BYTES
+
+CHUNK = 4096
+OBJECT = FIXED_HEADER_BYTES + 2 + CHUNK  # header with the 2-byte fingerprint b"fp", and the payload
+
+
+def payload(i: int, size: int = CHUNK) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def write(tier: DiskTier, *keys: int, salt: str = "s") -> list[bool]:
+    return tier.write([ChunkWrite(salt, b"k%d" % i, payload(i), b"fp") for i in keys])
+
+
+def read(tier: DiskTier, *keys: int, salt: str = "s", fingerprint: bytes = b"fp", **kw) -> list[bytes | None]:
+    bufs = [bytearray(CHUNK) for _ in keys]
+    refs = [ChunkRef(salt, b"k%d" % i, fingerprint, CHUNK) for i in keys]
+    hits = tier.read(refs, [memoryview(b) for b in bufs], **kw)
+    return [bytes(b) if hit else None for b, hit in zip(bufs, hits, strict=True)]
+
+
+def object_path(directory: Path, key: int, salt: str = "s") -> Path:
+    name = object_name(salt, b"k%d" % key)
+    return directory / "objects" / name[:2] / name
+
+
+@pytest.fixture
+def tier_dir(tmp_path) -> Path:
+    return tmp_path / "disk"
+
+
+@pytest.fixture
+def tier(tier_dir):
+    with DiskTier(tier_dir, 16 * OBJECT) as tier:
+        yield tier
+
+
+def test_round_trip(tier):
+    """Chunks written come back byte for byte; absent ones miss; the stats count both."""
+    assert write(tier, 1, 2, 3) == [True, True, True]
+    assert read(tier, 1, 2, 3, 4) == [payload(1), payload(2), payload(3), None]
+    s = tier.stats()
+    assert (s.hits, s.misses, s.objects, s.used_bytes) == (3, 1, 3, 3 * OBJECT)
+    assert (s.writes, s.bytes_written, s.bytes_read, s.state) == (3, 3 * CHUNK, 3 * CHUNK, TierState.UP)
+    assert tier.contains([ChunkRef("s", b"k1", b"fp", CHUNK), ChunkRef("s", b"k9", b"fp", CHUNK)]) == [True, False]
+
+
+def test_write_of_a_chunk_already_there_is_skipped(tier, tier_dir):
+    """Writing the same chunk again does not rewrite its file (write-behind may offer it twice)."""
+    write(tier, 1)
+    before = os.stat(object_path(tier_dir, 1)).st_ino
+    assert write(tier, 1) == [True]
+    assert os.stat(object_path(tier_dir, 1)).st_ino == before
+    assert tier.stats().writes == 1
+
+
+def test_eviction_keeps_capacity_and_drops_least_recently_used(tier_dir):
+    """Past capacity the least recently used chunks go first; a read counts as a use."""
+    with DiskTier(tier_dir, 4 * OBJECT) as tier:
+        write(tier, 0, 1, 2, 3)
+        read(tier, 0)  # 0 is now the most recent; 1 is the oldest
+        write(tier, 4, 5)
+        assert tier.stats().used_bytes <= 4 * OBJECT
+        got = read(tier, 0, 1, 2, 3, 4, 5)
+        assert [g is not None for g in got] == [True, False, False, True, True, True]
+        assert not object_path(tier_dir, 1).exists()
+        files = list((tier_dir / "objects").rglob("*"))
+        assert sum(f.stat().st_size for f in files if f.is_file()) <= 4 * OBJECT
+
+
+def test_chunk_larger_than_capacity_is_refused(tier_dir):
+    """A chunk that can never fit is not written and does not evict everything else."""
+    with DiskTier(tier_dir, OBJECT) as tier:
+        write(tier, 1)
+        big = ChunkWrite("s", b"big", b"x" * (2 * CHUNK), b"fp")
+        assert tier.write([big]) == [False]
+        assert read(tier, 1) == [payload(1)]
+        assert tier.stats().failed_writes == 1
+
+
+def test_restart_rebuilds_the_index(tier_dir):
+    """A new DiskTier on the same directory finds every chunk the old one wrote, in LRU order."""
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        write(tier, 1, 2, 3)
+    with DiskTier(tier_dir, 8 * OBJECT) as again:
+        s = again.stats()
+        assert (s.objects, s.used_bytes) == (3, 3 * OBJECT)
+        assert read(again, 1, 2, 3) == [payload(1), payload(2), payload(3)]
+
+
+def test_restart_with_smaller_capacity_evicts_down_to_it(tier_dir):
+    """Reopened with less capacity, the tier evicts at start until it fits."""
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        write(tier, 1, 2, 3, 4)
+    with DiskTier(tier_dir, 2 * OBJECT) as small:
+        assert small.stats().objects == 2
+        assert small.stats().used_bytes <= 2 * OBJECT
+
+
+def test_survives_sigkill_of_the_writer(tier_dir):
+    """Chunks written by a process killed with SIGKILL right after are all there at the next start."""
+    code = textwrap.dedent(
+        f"""
+        import os, signal
+        from kvdepot.server import ChunkWrite, DiskTier
+        tier = DiskTier({str(tier_dir)!r}, 1 << 24)
+        tier.write([ChunkWrite("s", b"k%d" % i, bytes([i]) * {CHUNK}, b"fp") for i in range(5)])
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert proc.returncode == -9, proc.stderr.decode()
+    with DiskTier(tier_dir, 1 << 24) as tier:
+        bufs = [bytearray(CHUNK) for _ in range(5)]
+        refs = [ChunkRef("s", b"k%d" % i, b"fp", CHUNK) for i in range(5)]
+        assert tier.read(refs, [memoryview(b) for b in bufs]) == [True] * 5
+        assert all(b == bytes([i]) * CHUNK for i, b in enumerate(bufs))
+
+
+def test_half_written_temporary_file_is_never_served(tier_dir):
+    """A temporary file left by a crash is removed at start and never read, even if named like the chunk."""
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        write(tier, 1)
+        full = object_path(tier_dir, 1).read_bytes()
+    leftover = tier_dir / "tmp" / f"{object_name('s', b'k2')}.deadbeef"
+    leftover.write_bytes(full[: len(full) // 2])
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        assert not leftover.exists()
+        assert tier.stats().objects == 1
+        assert read(tier, 2) == [None]
+
+
+def test_torn_file_under_its_real_name_is_a_miss_and_deleted(tier_dir):
+    """A short file under a chunk's name (power loss without fsync) is dropped at start, never served."""
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        write(tier, 1, 2)
+    path = object_path(tier_dir, 1)
+    path.write_bytes(path.read_bytes()[:100])
+    with DiskTier(tier_dir, 8 * OBJECT) as tier:
+        assert not path.exists()
+        assert tier.stats().corrupt == 1
+        assert read(tier, 1, 2) == [None, payload(2)]
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "last"])
+def test_corrupted_file_is_a_miss_counted_and_deleted(tier, tier_dir, where):
+    """A flipped byte in a file (header or payload) makes the read a miss; the file is deleted and counted."""
+    write(tier, 1)
+    path = object_path(tier_dir, 1)
+    data = bytearray(path.read_bytes())
+    offset = {"header": 30, "payload": FIXED_HEADER_BYTES + 2 + 100, "last": len(data) - 1}[where]
+    data[offset] ^= 0x01
+    path.write_bytes(data)
+    assert read(tier, 1) == [None]
+    assert not path.exists()
+    s = tier.stats()
+    assert (s.corrupt, s.objects, s.used_bytes, s.hits) == (1, 0, 0, 0)
+    assert write(tier, 1) == [True]  # written again, it hits again
+    assert read(tier, 1) == [payload(1)]
+
+
+def test_file_swapped_for_another_chunk_is_a_miss(tier, tier_dir):
+    """A file renamed to another chunk's name is refused: the header names the chunk it holds."""
+    write(tier, 1, 2)
+    os.replace(object_path(tier_dir, 2), object_path(tier_dir, 1))
+    assert read(tier, 1) == [None]
+    assert tier.stats().corrupt == 1
+
+
+def test_salts_are_isolated(tier):
+    """A chunk stored under one salt is never found with another, though the key is the same."""
+    write(tier, 1, salt="tenant-a")
+    assert read(tier, 1, salt="tenant-b") == [None]
+    assert read(tier, 1, salt="tenant-a") == [payload(1)]
+    assert tier.contains([ChunkRef("tenant-b", b"k1", b"fp", CHUNK)]) == [False]
+
+
+def test_other_fingerprint_is_a_miss(tier):
+    """Asked with another fingerprint, a chunk is a counted mismatch, never served."""
+    write(tier, 1)
+    assert read(tier, 1, fingerprint=b"other") == [None]
+    assert tier.stats().corrupt == 1
+
+
+def test_permissions_are_owner_only(tier, tier_dir):
+    """The directory is 0700 and every object file 0600."""
+    write(tier, 1)
+    assert stat.S_IMODE(tier_dir.stat().st_mode) == 0o700
+    assert stat.S_IMODE(object_path(tier_dir, 1).stat().st_mode) == 0o600
+    assert stat.S_IMODE(object_path(tier_dir, 1).parent.stat().st_mode) == 0o700
+
+
+def test_refuses_a_directory_others_can_read(tmp_path):
+    """A directory with group or other permissions is refused with what to do."""
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(TierConfigError, match="chmod 700"):
+        DiskTier(shared, 1 << 20)
+
+
+def test_refuses_a_symlinked_directory(tmp_path):
+    """The tier directory is never reached through a symlink."""
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(TierConfigError, match="not a directory"):
+        DiskTier(link, 1 << 20)
+
+
+def test_symlinked_object_is_not_followed(tier, tier_dir, tmp_path):
+    """A symlink planted under a chunk's name is not followed, at start or on read."""
+    write(tier, 1)
+    tier.close()
+    target = tmp_path / "elsewhere"
+    target.write_bytes(object_path(tier_dir, 1).read_bytes())
+    object_path(tier_dir, 1).unlink()
+    object_path(tier_dir, 1).symlink_to(target)
+    with DiskTier(tier_dir, 8 * OBJECT) as again:
+        assert read(again, 1) == [None]
+        assert again.stats().objects == 0
+
+
+def test_one_server_per_directory(tier, tier_dir):
+    """A second DiskTier on a directory in use is refused (two indexes would fight over the files)."""
+    with pytest.raises(TierConfigError, match="another kvdepot server"):
+        DiskTier(tier_dir, 1 << 20)
+
+
+def test_bad_arguments_are_typed_errors(tier, tmp_path):
+    """A wrong-sized or read-only buffer, a mismatched batch, or a bad capacity are TierConfigError."""
+    with pytest.raises(TierConfigError):
+        tier.read([ChunkRef("s", b"k", b"", CHUNK)], [memoryview(bytearray(CHUNK - 1))])
+    with pytest.raises(TierConfigError):
+        tier.read([ChunkRef("s", b"k", b"", CHUNK)], [memoryview(bytes(CHUNK))])
+    with pytest.raises(TierConfigError):
+        tier.read([ChunkRef("s", b"k", b"", CHUNK)], [])
+    with pytest.raises(TierConfigError):
+        DiskTier(tmp_path / "zero", 0)
+
+
+def test_deadline_past_means_late_misses(tier):
+    """With no time left, a read is all misses, counted as late, without touching the files."""
+    write(tier, 1, 2)
+    assert read(tier, 1, 2, timeout=-1) == [None, None]
+    assert tier.stats().late == 2
+
+
+def test_clear_and_delete(tier, tier_dir):
+    """delete() removes the named chunks, clear() all of them, files included."""
+    write(tier, 1, 2, 3)
+    assert tier.delete([ChunkRef("s", b"k1", b"fp", CHUNK)]) == 1
+    assert read(tier, 1) == [None]
+    assert tier.clear() == 2
+    assert tier.stats().objects == 0
+    assert not [p for p in (tier_dir / "objects").rglob("*") if p.is_file()]
+
+
+def test_concurrent_writers_and_readers_keep_accounts(tier_dir):
+    """Threads writing and reading at once never serve a wrong chunk, and used bytes match the files."""
+    with DiskTier(tier_dir, 12 * OBJECT) as tier:
+        errors: list[str] = []
+
+        def worker(base: int) -> None:
+            for round_ in range(30):
+                keys = [(base + round_ + j) % 24 for j in range(3)]
+                write(tier, *keys)
+                for key, got in zip(keys, read(tier, *keys), strict=True):
+                    if got is not None and got != payload(key):
+                        errors.append(f"key {key} served wrong bytes")
+
+        threads = [threading.Thread(target=worker, args=(i * 5,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        files = [p for p in (tier_dir / "objects").rglob("*") if p.is_file()]
+        s = tier.stats()
+        assert s.used_bytes == sum(p.stat().st_size for p in files) <= 12 * OBJECT
+        assert s.objects == len(files)
+        assert not list((tier_dir / "tmp").iterdir())

@@ -1,0 +1,235 @@
+"""The remote tier against a real Valkey (the `valkey_server` and `valkey_cluster` fixtures of
+kvdepot.server.testing): round trips, batches across cluster slots, corruption, and outages
+that it notices fast and recovers from by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from kvdepot.server import ChunkRef, ChunkWrite, RemoteTier, TierState, object_name
+from kvdepot.server._tier_format import FIXED_HEADER_BYTES
+
+pytestmark = pytest.mark.integration
+
+CHUNK = 64 * 1024
+FAST = {"retry_interval": 0.1, "op_timeout": 0.5, "connect_timeout": 0.3}
+
+
+def payload(i: int, size: int = CHUNK) -> bytes:
+    return (i.to_bytes(4, "little") * (size // 4 + 1))[:size]
+
+
+def writes(*keys: int, salt: str = "s", size: int = CHUNK) -> list[ChunkWrite]:
+    return [ChunkWrite(salt, b"k%d" % i, payload(i, size), b"fp") for i in keys]
+
+
+def read(tier: RemoteTier, *keys: int, salt: str = "s", size: int = CHUNK, **kw) -> list[bytes | None]:
+    bufs = [bytearray(size) for _ in keys]
+    refs = [ChunkRef(salt, b"k%d" % i, b"fp", size) for i in keys]
+    hits = tier.read(refs, [memoryview(b) for b in bufs], **kw)
+    return [bytes(b) if hit else None for b, hit in zip(bufs, hits, strict=True)]
+
+
+@pytest.fixture
+def open_tier():
+    tiers: list[RemoteTier] = []
+
+    def make(url: str, **kw) -> RemoteTier:
+        tier = RemoteTier(url, **{**FAST, **kw})
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.close()
+
+
+def test_round_trip_standalone(valkey_server, open_tier):
+    """Chunks written in one pipeline read back byte for byte; absent ones miss; stats count them."""
+    tier = open_tier(valkey_server.url)
+    assert tier.state is TierState.UP
+    assert tier.write(writes(1, 2, 3)) == [True, True, True]
+    assert read(tier, 1, 2, 3, 4) == [payload(1), payload(2), payload(3), None]
+    assert tier.contains([ChunkRef("s", b"k1", b"fp", CHUNK), ChunkRef("s", b"k4", b"fp", CHUNK)]) == [True, False]
+    s = tier.stats()
+    assert (s.hits, s.misses, s.writes, s.bytes_written, s.bytes_read) == (3, 1, 3, 3 * CHUNK, 3 * CHUNK)
+    with contextlib.closing(valkey_server.client()) as plain:
+        value = plain.get("kvd:" + object_name("s", b"k1"))
+    assert value is not None
+    assert value[FIXED_HEADER_BYTES + 2 :] == payload(1)  # header, then the raw payload
+
+
+def test_large_chunks(valkey_server, open_tier):
+    """8 MiB chunks round-trip intact."""
+    tier = open_tier(valkey_server.url)
+    big = os.urandom(8 << 20)
+    assert tier.write([ChunkWrite("s", b"big", big)]) == [True]
+    buf = bytearray(len(big))
+    assert tier.read([ChunkRef("s", b"big", b"", len(big))], [memoryview(buf)]) == [True]
+    assert buf == big
+
+
+def test_salt_isolation_and_sharing_between_servers(valkey_server, open_tier):
+    """Two tiers on one server (two kvdepot servers) share a chunk of the same salt, never across salts."""
+    one, two = open_tier(valkey_server.url), open_tier(valkey_server.url)
+    one.write(writes(1, salt="tenant-a"))
+    assert read(two, 1, salt="tenant-a") == [payload(1)]
+    assert read(two, 1, salt="tenant-b") == [None]
+
+
+def test_prefix_and_ttl(valkey_server, open_tier):
+    """Keys carry the configured prefix and, when asked, a TTL."""
+    tier = open_tier(valkey_server.url, prefix="other:", ttl=60)
+    tier.write(writes(1))
+    with contextlib.closing(valkey_server.client()) as plain:
+        ttl = plain.pttl("other:" + object_name("s", b"k1"))
+    assert 0 < ttl <= 60_000
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "garbage"])
+def test_corrupt_value_is_a_miss_counted_and_deleted(valkey_server, open_tier, where):
+    """A flipped byte (or a foreign value) under a chunk's key is a miss; the key is deleted and counted."""
+    tier = open_tier(valkey_server.url)
+    tier.write(writes(1, 2))
+    key = "kvd:" + object_name("s", b"k1")
+    with contextlib.closing(valkey_server.client()) as plain:
+        if where == "garbage":
+            plain.set(key, b"not a kvdepot object")
+        else:
+            offset = 20 if where == "header" else FIXED_HEADER_BYTES + 2 + 1000
+            byte = plain.getrange(key, offset, offset)[0]
+            plain.setrange(key, offset, bytes([byte ^ 0x40]))
+        assert read(tier, 1, 2) == [None, payload(2)]
+        assert plain.exists(key) == 0
+    assert tier.stats().corrupt == 1
+
+
+def test_password_from_file(valkey_server, open_tier, tmp_path):
+    """A server with a password is reached with the password from a file; without it the tier is down."""
+    with contextlib.closing(valkey_server.client()) as plain:
+        plain.config_set("requirepass", "s3cret")
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    tier = open_tier(valkey_server.url, password_file=secret)
+    assert tier.write(writes(1)) == [True]
+    assert read(tier, 1) == [payload(1)]
+    refused = open_tier(valkey_server.url)
+    assert refused.state is TierState.DOWN
+    assert read(refused, 1) == [None]
+
+
+def test_server_killed_then_restarted(valkey_server, open_tier):
+    """Killed: calls miss at once, the tier is down with one warning. Restarted: it comes back by itself."""
+    tier = open_tier(valkey_server.url)
+    tier.write(writes(1))
+    valkey_server.kill()
+    with capture_logs() as logs:
+        start = time.monotonic()
+        assert read(tier, 1) == [None]
+        for _ in range(50):
+            assert read(tier, 1) == [None]
+            assert tier.write(writes(2)) == [False]
+        elapsed = time.monotonic() - start
+    assert elapsed < 1.0, f"100 calls to a dead tier took {elapsed:.2f} s"
+    assert tier.state is TierState.DOWN
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["remote_tier_down"]
+    s = tier.stats()
+    assert (s.outages, s.skipped) == (1, 50)
+    valkey_server.start()  # same port; the data is gone (no persistence)
+    assert tier.wait_until_up(10), "the tier did not come back by itself"
+    assert tier.write(writes(3)) == [True]
+    assert read(tier, 3) == [payload(3)]
+
+
+def test_hung_server_costs_at_most_the_deadline(valkey_server, open_tier):
+    """A server that stops answering (SIGSTOP): a read returns at its deadline as late misses, then the
+    tier goes down and later calls return at once; when the server answers again the tier is back."""
+    tier = open_tier(valkey_server.url, op_timeout=0.4)
+    tier.write(writes(1))
+    valkey_server.pause()
+    try:
+        start = time.monotonic()
+        assert read(tier, 1, timeout=0.1) == [None]
+        assert time.monotonic() - start < 0.3
+        assert tier.stats().late == 1
+        deadline = time.monotonic() + 5
+        while tier.state is TierState.UP and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert tier.state is TierState.DOWN
+        start = time.monotonic()
+        assert read(tier, 1) == [None]
+        assert time.monotonic() - start < 0.05
+    finally:
+        valkey_server.resume()
+    assert tier.wait_until_up(10)
+    assert read(tier, 1) == [payload(1)]
+
+
+def test_unreachable_at_start_is_down_then_up(valkey_server, open_tier):
+    """A tier whose server is not there yet starts down (no error) and comes up when the server does."""
+    port = valkey_server.port
+    valkey_server.kill()
+    tier = open_tier(f"redis://127.0.0.1:{port}")
+    assert tier.state is TierState.DOWN
+    assert tier.write(writes(1)) == [False]
+    valkey_server.start()
+    assert tier.wait_until_up(10)
+    assert tier.write(writes(1)) == [True]
+
+
+def test_cluster_batch_across_slots(valkey_cluster, open_tier):
+    """One call writes and reads a batch whose keys live on all three masters."""
+    tier = open_tier(valkey_cluster.url)
+    keys = list(range(48))
+    assert tier.write(writes(*keys)) == [True] * 48
+    per_node = []
+    for node in valkey_cluster.nodes:
+        with contextlib.closing(node.client()) as plain:
+            per_node.append(plain.dbsize())
+    assert sum(per_node) == 48
+    assert all(n > 0 for n in per_node), f"keys not spread over the masters: {per_node}"
+    assert read(tier, *keys) == [payload(i) for i in keys]
+    assert read(tier, 1, salt="other") == [None]
+
+
+def test_cluster_corruption_is_a_miss(valkey_cluster, open_tier):
+    """A flipped payload byte on a cluster node is a miss, and the key is deleted."""
+    tier = open_tier(valkey_cluster.url)
+    tier.write(writes(1, 2, 3))
+    key = "kvd:" + object_name("s", b"k2")
+    for node in valkey_cluster.nodes:
+        with contextlib.closing(node.client()) as plain:
+            slot = plain.execute_command("CLUSTER", "KEYSLOT", key)
+            if plain.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot):
+                plain.setrange(key, FIXED_HEADER_BYTES + 2 + 5, b"\xff\xff")
+    assert read(tier, 1, 2, 3) == [payload(1), None, payload(3)]
+    assert tier.stats().corrupt == 1
+    assert tier.contains([ChunkRef("s", b"k2", b"fp", CHUNK)]) == [False]
+
+
+@pytest.mark.slow
+def test_cluster_node_killed_then_back(valkey_cluster, open_tier):
+    """A master killed mid-run: reads miss fast and the tier reports down; restarted, the tier comes back
+    by itself and writes resume."""
+    tier = open_tier(valkey_cluster.url)
+    keys = list(range(24))
+    tier.write(writes(*keys))
+    valkey_cluster.kill(1)
+    start = time.monotonic()
+    got = read(tier, *keys)
+    assert time.monotonic() - start < 1.5
+    assert tier.state is TierState.DOWN
+    assert got == [None] * len(keys)
+    start = time.monotonic()
+    assert read(tier, *keys) == [None] * len(keys)
+    assert tier.write(writes(100)) == [False]
+    assert time.monotonic() - start < 0.05
+    valkey_cluster.restart(1)
+    assert tier.wait_until_up(30), "the tier did not come back after the node restarted"
+    assert tier.write(writes(*keys)) == [True] * len(keys)
+    assert read(tier, *keys) == [payload(i) for i in keys]
