@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._errors import (
@@ -50,9 +50,8 @@ DEFAULT_SESSION_TTL = 30.0
 # Live leases and reservations one client may hold: a bound on what one peer can pin.
 MAX_LEASES_PER_CLIENT = 1 << 16
 MAX_RESERVATIONS_PER_CLIENT = 1 << 16
-# Share of the pool one client may hold in uncommitted reservations: a store in progress is
-# at most a few engine steps of chunks, and a client that reserves without committing must
-# not be able to fill the pool with pending slots that nobody can evict.
+# Share of the pool one client may hold in uncommitted reservations (a store in progress is a
+# few engine steps of chunks): one that never commits cannot fill the pool with pending slots.
 DEFAULT_MAX_CLIENT_PENDING_FRACTION = 0.5
 # ... and all clients together, so that several client ids cannot pin the whole pool either;
 # past that, a client still gets a small share of its own, so one that was idle can store.
@@ -102,6 +101,8 @@ class ChunkIndex:
         self._order = UseOrder(allocator.num_pages, allocator.page_size)  # evictable chunks, oldest use first
         self._owner_bytes: dict[str, int] = {}  # slot bytes per client that stored them
         self._sharers = 0  # clients with a session that own bytes: the pool's fair share is split among them
+        # Called with (client, entries) after each commit that made chunks visible (the tiers' write-behind).
+        self.on_commit: Callable[[str, list[Entry]], None] | None = None
         self._salt_bytes: dict[str, int] = {}
         self._salt_chunks: dict[str, int] = {}
         self._quotas: dict[str, int] = {}
@@ -164,15 +165,18 @@ class ChunkIndex:
 
     # -- store ----------------------------------------------------------------------------
 
-    def reserve(self, client: str, salt: str, keys: Sequence[bytes], chunk_bytes: int, now: float) -> ReserveOutcome:
+    def reserve(
+        self, client: str, salt: str, keys: Sequence[bytes], chunk_bytes: int, now: float, *, owner: str | None = None
+    ) -> ReserveOutcome:
         """Give slots to keys neither committed nor pending, in order, until the pool is full.
 
         Keys already present are listed in `present` (and count as used). Placement stops at
         the first key that cannot be placed without evicting leased or pending chunks,
         breaking the salt's quota, or passing the client's bound on pending bytes; `full`
-        then says so. Never blocks.
+        then says so. Never blocks. The chunks count toward `owner`'s share (default: the client).
         """
         session = self._data_session(client, now)
+        owner = client if owner is None else owner
         slot_size = self.allocator.slot_size(chunk_bytes)
         if len(session.reservations) >= MAX_RESERVATIONS_PER_CLIENT:
             raise TooManyError(
@@ -200,12 +204,12 @@ class ChunkIndex:
             ):
                 full = True
                 continue
-            offset = self._place(salt, slot_size, client)
+            offset = self._place(salt, slot_size, owner)
             if offset is None:
                 full = True
                 continue
-            entry = Entry(salt, key, offset, chunk_bytes, slot_size, client)
-            self._own(client, slot_size)
+            entry = Entry(salt, key, offset, chunk_bytes, slot_size, owner)
+            self._own(owner, slot_size)
             self._entries[(salt, key)] = entry
             self._by_offset[offset] = entry
             self._salt_bytes[salt] = self._salt_bytes.get(salt, 0) + slot_size
@@ -239,7 +243,7 @@ class ChunkIndex:
                 reservation_id=reservation_id,
             )
         chosen = list(reservation.pending) if indices is None else list(indices)
-        committed = 0
+        committed: list[Entry] = []
         for index in chosen:
             entry = reservation.pending.pop(index, None)
             if entry is None:
@@ -254,11 +258,13 @@ class ChunkIndex:
             self._salt_chunks[entry.salt] = self._salt_chunks.get(entry.salt, 0) + 1
             self._order.add(entry)
             self.bytes_stored += entry.length
-            committed += 1
+            committed.append(entry)
         if not reservation.pending:
             del self._reservations[reservation_id]
             session.reservations.discard(reservation_id)
-        return committed
+        if self.on_commit is not None and committed:
+            self.on_commit(client, committed)
+        return len(committed)
 
     def abort(self, client: str, reservation_id: int) -> int:
         """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""
@@ -269,15 +275,31 @@ class ChunkIndex:
 
     # -- retrieve -------------------------------------------------------------------------
 
-    def lookup(self, client: str, items: Sequence[tuple[str, Sequence[bytes]]], now: float) -> list[LookupOutcome]:
+    def prefix_lengths(self, items: Sequence[tuple[str, Sequence[bytes]]]) -> list[int]:
+        """Per item, how many of its first keys are committed; changes nothing."""
+        return [len(self._prefix(salt, keys)) for salt, keys in items]
+
+    def _prefix(self, salt: str, keys: Sequence[bytes]) -> list[Entry]:
+        """The committed chunks of `keys`' longest committed prefix."""
+        hits: list[Entry] = []
+        for key in keys:
+            entry = self._entries.get((salt, key))
+            if entry is None or not entry.committed:
+                break
+            hits.append(entry)
+        return hits
+
+    def lookup(
+        self, client: str, items: Sequence[tuple[str, Sequence[bytes]]], now: float, *, count: bool = True
+    ) -> list[LookupOutcome]:
         """Per item, the longest prefix of committed keys, leased until release or expiry.
 
         A lookup needs a session (Hello) but no layout: a scheduler that only looks up never
-        registers one.
+        registers one. With `count=False` (the server's own leases) hits and misses are not counted.
         """
         session = self._data_session(client, now, need_layout=False)
-        if (count := sum(len(keys) for _, keys in items)) > MAX_KEYS_PER_REQUEST:
-            raise ServerArgumentError(f"{count} keys in one lookup; send at most {MAX_KEYS_PER_REQUEST}", count=count)
+        if (total := sum(len(keys) for _, keys in items)) > MAX_KEYS_PER_REQUEST:
+            raise ServerArgumentError(f"{total} keys in one lookup; send at most {MAX_KEYS_PER_REQUEST}", count=total)
         if len(self._leases) + len(items) > MAX_LEASES:
             raise TooManyError(
                 f"the server holds {len(self._leases)} leases, its limit; retry once clients release some",
@@ -289,14 +311,10 @@ class ChunkIndex:
             )
         results: list[LookupOutcome] = []
         for salt, keys in items:
-            hits: list[Entry] = []
-            for key in keys:
-                entry = self._entries.get((salt, key))
-                if entry is None or not entry.committed:
-                    break
-                hits.append(entry)
-            self.hits += len(hits)
-            self.misses += len(keys) - len(hits)
+            hits = self._prefix(salt, keys)
+            if count:
+                self.hits += len(hits)
+                self.misses += len(keys) - len(hits)
             if not hits:
                 results.append(LookupOutcome(0, 0, []))
                 continue
@@ -306,7 +324,7 @@ class ChunkIndex:
                     self._leased_chunks += 1
                     self._page_pinned[entry.offset // self.allocator.page_size] += 1
                 entry.leases += 1
-                self.bytes_loaded += entry.length
+                self.bytes_loaded += entry.length if count else 0
             lid = self._new_id()
             lease = Lease(lid, client, now + self.lease_ttl, hits)
             self._leases[lid] = lease
