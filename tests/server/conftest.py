@@ -109,8 +109,11 @@ def serve(workdir) -> Iterator:
     """Start `kvdepot serve` processes; every one still running is stopped at teardown."""
     started: list[ServerProcess] = []
 
-    def start(*args: str) -> ServerProcess:
-        server = ServerProcess(workdir, *args).start()
+    def start(*args: str, where: Path | None = None) -> ServerProcess:
+        """A server in `workdir`, or in `where` (a second server needs a directory of its own)."""
+        if where is not None:
+            where.mkdir(mode=0o700, exist_ok=True)
+        server = ServerProcess(where or workdir, *args).start()
         started.append(server)
         return server
 

@@ -179,6 +179,27 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--auth-secret-file", type=Path, default=None, help="file with a shared secret clients must present (tcp)"
     )
+    tiers = parser.add_argument_group("tiers below RAM (docs/server.md, 'Tiers below RAM')")
+    tiers.add_argument("--disk-dir", type=Path, default=None, help="a local disk tier in this directory")
+    tiers.add_argument(
+        "--disk-capacity", type=_size, default=None, help="bytes the disk tier may hold (default: half its free space)"
+    )
+    tiers.add_argument(
+        "--remote",
+        default=None,
+        metavar="URL",
+        help="a Valkey/Redis tier: redis://[user@]host:port[/db], rediss://... (TLS), redis+cluster://h:p[,h:p...]",
+    )
+    tiers.add_argument("--remote-password-file", type=Path, default=None, help="file with the remote tier's password")
+    tiers.add_argument(
+        "--remote-password-env", default=None, metavar="VAR", help="environment variable with the remote's password"
+    )
+    tiers.add_argument(
+        "--tier-deadline",
+        type=_seconds,
+        default=None,
+        help="seconds a lookup waits at most for the lower tiers; later chunks are misses (default 0.5)",
+    )
     _add_log_flags(parser)
 
 
@@ -192,6 +213,7 @@ def _add_log_flags(parser: argparse.ArgumentParser) -> None:
 def _run_serve(args: argparse.Namespace) -> int:
     from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._server import CacheServer, ServerConfig
+    from kvdepot.server._tiering import DEFAULT_READ_DEADLINE
 
     fmt = configure_logging(args.log_format, args.log_level)
     log = structlog.get_logger("kvdepot.server")
@@ -215,6 +237,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         default_quota=args.default_quota,
         peer_timeout=args.peer_timeout,
         auth_secret=secret,
+        disk_dir=args.disk_dir,
+        disk_capacity=args.disk_capacity,
+        remote_url=args.remote,
+        remote_password_file=args.remote_password_file,
+        remote_password_env=args.remote_password_env,
+        tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
     )
     try:
         server = CacheServer(config)

@@ -8,8 +8,8 @@ already decoded and bounded the frame and checked Hello; exceptions raised here 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -18,6 +18,9 @@ from kvdepot.server._index import ChunkIndex
 from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
+
+if TYPE_CHECKING:
+    from kvdepot.server._tiering import TierSet
 from kvdepot.transport import (
     PROTOCOL_VERSION,
     Abort,
@@ -26,6 +29,7 @@ from kvdepot.transport import (
     ClearReply,
     Commit,
     CommitReply,
+    Deferred,
     EndSession,
     EndSessionReply,
     GetQuotas,
@@ -92,7 +96,9 @@ class CacheHandler:
         self.client_connected: Callable[[str], bool] = lambda client: False
         # Whether every peer is the owner: an owner-only ipc socket, or tcp with a shared secret.
         self.admin_allowed = True
-        self._table: dict[type, Callable[[str, Any, float], ReplyBody]] = {
+        # The tiers below RAM, when the server has any: lookups that miss RAM ask them.
+        self.tiers: TierSet | None = None
+        self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
             Register: self._register,
             Lookup: self._lookup,
@@ -110,7 +116,7 @@ class CacheHandler:
 
     # -- transport.Handler ----------------------------------------------------------------
 
-    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody:
+    def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody | Deferred:
         return self._table[type(body)](peer.client_id, body, self.clock())
 
     def peer_gone(self, peer: PeerInfo) -> None:
@@ -148,6 +154,8 @@ class CacheHandler:
                 got=body.fingerprint,
             )
         slot_size = self.index.register(client, body.chunk_bytes, now)
+        if self.tiers is not None:
+            self.tiers.registered(body.chunk_bytes)
         if body.fingerprint and held is None:
             if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()  # bounded: a stream of layout names cannot grow it without limit
@@ -165,8 +173,15 @@ class CacheHandler:
             chunk_size=body.chunk_size or self.chunk_size, pool=self.pool_info, slot_alignment=SLOT_ALIGNMENT
         )
 
-    def _lookup(self, client: str, body: Lookup, now: float) -> ReplyBody:
-        outcomes = self.index.lookup(client, [(item.salt, item.keys) for item in body.items], now)
+    def _lookup(self, client: str, body: Lookup, now: float) -> ReplyBody | Deferred:
+        items: list[tuple[str, Sequence[bytes]]] = [(item.salt, item.keys) for item in body.items]
+        if self.tiers is not None and (deferred := self.tiers.lookup(client, items, now)) is not None:
+            return deferred  # answered with lookup_reply once the lower tiers are done
+        return self.lookup_reply(client, items, now)
+
+    def lookup_reply(self, client: str, items: list[tuple[str, Sequence[bytes]]], now: float) -> LookupReply:
+        """Lease the committed prefix of each item, and say where its chunks are."""
+        outcomes = self.index.lookup(client, items, now)
         return LookupReply(
             results=[
                 LookupResult(o.num_hits, o.lease_id, [Slot(offset, length) for offset, length in o.slots])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -18,12 +19,16 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
 from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._slabs import SlabAllocator
+from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, TierSet
+from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
 from kvdepot.transport import PeerInfo, ServerEndpoint
@@ -74,6 +79,12 @@ class ServerConfig:
     default_quota: int | None = None  # bytes a salt without its own quota may hold
     peer_timeout: float | None = None
     auth_secret: str | None = None
+    disk_dir: Path | None = None  # a disk tier below RAM
+    disk_capacity: int | None = None  # None: half the free space of its filesystem
+    remote_url: str | None = None  # a Valkey/Redis tier below RAM (and the disk)
+    remote_password_file: Path | None = None
+    remote_password_env: str | None = None
+    tier_deadline: float = DEFAULT_READ_DEADLINE
 
 
 class CacheServer:
@@ -119,6 +130,8 @@ class CacheServer:
             self.handler.extra_stats = self._extra_stats
             self.handler.client_connected = self._client_connected
             self.handler.admin_allowed = not (self.address.startswith("tcp://") and not config.auth_secret)
+            self.tiers = self._open_tiers(config)
+            self.handler.tiers = self.tiers
             self._count_bad_frames_per_peer()
             if config.metrics_port is not None:
                 try:
@@ -128,6 +141,8 @@ class CacheServer:
                         raise
                     log.warning("metrics_unavailable", reason=exc.message)
         except BaseException:
+            if getattr(self, "tiers", None) is not None:
+                self.tiers.close()  # type: ignore[union-attr]
             self.index.headers.close()
             self.pool.close()
             if hasattr(self, "endpoint"):
@@ -169,6 +184,8 @@ class CacheServer:
             last_snapshot = 0.0
             while not self._stop.is_set():
                 self.endpoint.poll_once(POLL_INTERVAL)
+                if self.tiers is not None:
+                    self.tiers.run()
                 if not self.pool.intact():
                     self.failure = f"the pool file {self.pool.path} was truncated under the server"
                     log.error("pool_truncated", path=str(self.pool.path), reason="stopping: its slots are gone")
@@ -194,6 +211,8 @@ class CacheServer:
             return
         self._closed = True
         self._stop.set()
+        if self.tiers is not None:
+            self.tiers.close()
         self.endpoint.close()
         self.metrics.close()
         self.index.headers.close()
@@ -216,7 +235,43 @@ class CacheServer:
         }
         for name, value in self.endpoint.counters.items():
             extra[f"transport_{name}"] = value
+        if self.tiers is not None:
+            extra.update(self.tiers.stats())
         return extra
+
+    def _open_tiers(self, config: ServerConfig) -> TierSet | None:
+        """The tiers below RAM that `config` asks for (disk first, then remote), or None."""
+        tiers: list[Tier] = []
+        try:
+            if config.disk_dir is not None:
+                capacity = config.disk_capacity
+                if capacity is None:
+                    config.disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+                    capacity = shutil.disk_usage(config.disk_dir).free // 2
+                tiers.append(DiskTier(config.disk_dir, capacity))
+            if config.remote_url is not None:
+                tiers.append(
+                    RemoteTier(
+                        config.remote_url,
+                        password_file=config.remote_password_file,
+                        password_env=config.remote_password_env,
+                    )
+                )
+        except BaseException:
+            for tier in tiers:
+                tier.close()
+            raise
+        if not tiers:
+            return None
+        return TierSet(
+            tiers,
+            self.index,
+            self.pool.buffer,
+            wake=self.endpoint.wake,
+            answer=self.endpoint.send_deferred,
+            lookup=self.handler.lookup_reply,
+            read_deadline=config.tier_deadline,
+        )
 
     def _client_connected(self, client: str) -> bool:
         return any(peer.client_id == client for peer in self.endpoint.peers)

@@ -1,0 +1,157 @@
+"""Tiers below RAM in a real `kvdepot serve`: write-behind, read-through, restarts, sharing across
+servers, a remote tier that dies and comes back, and corrupted objects (issue: tiers below RAM).
+
+Chunk bytes are a function of their key, so every hit is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+
+import pytest
+
+from kvdepot.server import PoolMapping
+from kvdepot.transport import CacheClient
+
+pytestmark = pytest.mark.integration
+
+T = 10.0
+CHUNK = 64 * 1024 - 64
+POOL = ["--capacity", "16MiB", "--page-size", "1MiB"]
+
+
+def payload(key: bytes) -> bytes:
+    return (hashlib.sha256(key).digest() * (CHUNK // 32 + 1))[:CHUNK]
+
+
+def keys(tag: str, n: int) -> list[bytes]:
+    return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
+
+
+def store(address: str, salt: str, chunk_keys: list[bytes]) -> None:
+    with CacheClient(address, timeout=T) as client:
+        reg = client.register("layout", 256, CHUNK).result(T)
+        with PoolMapping(reg.pool.path, reg.pool.size) as pool:
+            res = client.reserve(salt, chunk_keys, CHUNK).result(T)
+            assert len(res.slots) == len(chunk_keys)
+            for slot in res.slots:
+                pool.write(slot.offset, payload(chunk_keys[slot.index]))
+            client.commit(res.reservation_id).result(T)
+
+
+def lookup(address: str, salt: str, chunk_keys: list[bytes]) -> tuple[int, bool]:
+    """(hits, every hit's bytes are right), as an engine that registered its layout sees them."""
+    with CacheClient(address, timeout=T) as client:
+        reg = client.register("layout", 256, CHUNK).result(T)
+        with PoolMapping(reg.pool.path, reg.pool.size, writable=False) as pool:
+            (res,) = client.lookup([(salt, chunk_keys)]).result(T).results
+            right = all(
+                pool.read(slot.offset, slot.length) == payload(key)
+                for slot, key in zip(res.slots, chunk_keys, strict=False)
+            )
+            if res.lease_id:
+                client.release([res.lease_id]).result(T)
+            return res.num_hits, right
+
+
+def wait_for(predicate, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+    return value
+
+
+def extra(server, name: str):
+    return server.stats().extra.get(name)
+
+
+def test_disk_tier_survives_a_sigkill_and_a_restart_hits_again(serve, workdir):
+    """Chunks written behind to the disk tier are hits, byte for byte, for a server restarted on
+    the same --disk-dir after a SIGKILL; the restarted server reads them through on a lookup."""
+    disk = workdir / "disk"
+    first = serve(*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB")
+    chunk_keys = keys("restart", 12)
+    store(first.address, "t", chunk_keys)
+    wait_for(lambda: extra(first, "tier:disk:objects") == 12)
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    second = serve(*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB")
+    assert second.stats().chunks == 0  # RAM starts empty
+    assert lookup(second.address, "t", chunk_keys) == (12, True)
+    assert lookup(second.address, "other-salt", chunk_keys) == (0, True)  # a salt finds only its own
+    stats = second.stats()
+    assert stats.chunks == 12
+    assert stats.extra["tier_read_hits"] == 12
+
+
+def test_a_corrupted_disk_object_is_a_miss_and_is_deleted(serve, workdir):
+    """A flipped byte in an object on disk makes that chunk (and so the rest of the prefix) a miss."""
+    disk = workdir / "disk"
+    first = serve(*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB")
+    chunk_keys = keys("corrupt", 4)
+    store(first.address, "t", chunk_keys)
+    wait_for(lambda: extra(first, "tier:disk:objects") == 4)
+    first.stop()
+    files = sorted(p for p in (disk / "objects").rglob("*") if p.is_file())
+    assert len(files) == 4
+    from kvdepot.core import slot_digest
+
+    victim = next(p for p in files if slot_digest("t", chunk_keys[2]).hex() in p.name)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    second = serve(*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB")
+    assert lookup(second.address, "t", chunk_keys) == (2, True)
+    assert extra(second, "tier:disk:corrupt") == 1
+    assert not victim.exists()
+
+
+def stored_on_one_of_two(serve, workdir, url: str, tag: str, n: int):
+    """Two servers with their own pools and one remote tier; `n` chunks stored on the first and
+    written behind. Returns (the second server, the keys)."""
+    first = serve(*POOL, "--remote", url)
+    second = serve(*POOL, "--remote", url, where=workdir / "s2")
+    chunk_keys = keys(tag, n)
+    store(first.address, "t", chunk_keys)
+    wait_for(lambda: extra(first, "tier:remote:writes") == n)
+    return second, chunk_keys
+
+
+def test_two_servers_share_chunks_through_a_remote_tier(serve, workdir, valkey_server):
+    """What an engine stored on server 1 is a hit on server 2 (its own pool, same remote tier)."""
+    second, chunk_keys = stored_on_one_of_two(serve, workdir, valkey_server.url, "shared", 8)
+    assert lookup(second.address, "t", chunk_keys) == (8, True)
+    assert lookup(second.address, "u", chunk_keys) == (0, True)
+
+
+def test_a_corrupted_remote_object_is_a_miss(serve, workdir, valkey_server):
+    """A remote object changed behind the servers' back is a miss (from that chunk on), counted."""
+    second, chunk_keys = stored_on_one_of_two(serve, workdir, valkey_server.url, "remote-corrupt", 3)
+    from kvdepot.core import slot_digest
+
+    client = valkey_server.client()
+    name = next(k for k in client.keys("*") if slot_digest("t", chunk_keys[1]).hex().encode() in k)
+    client.setrange(name, 4096, b"\x00\x01\x02")
+    assert lookup(second.address, "t", chunk_keys) == (1, True)
+    assert extra(second, "tier:remote:corrupt") == 1
+
+
+def test_a_dead_remote_tier_costs_nothing_and_writes_resume_when_it_is_back(serve, workdir, valkey_server):
+    """With the remote tier down, stores and lookups are answered at once (RAM only) and counted;
+    once it is back, the server writes behind again by itself."""
+    server = serve(*POOL, "--remote", valkey_server.url)
+    store(server.address, "t", keys("before", 2))
+    wait_for(lambda: extra(server, "tier:remote:writes") == 2)
+    valkey_server.kill()
+    started = time.monotonic()
+    store(server.address, "t", keys("during", 2))
+    assert lookup(server.address, "t", keys("during", 2)) == (2, True)
+    assert lookup(server.address, "t", keys("cold", 3)) == (0, True)
+    assert time.monotonic() - started < 5.0
+    wait_for(lambda: extra(server, "tier:remote:state") == "down")
+    valkey_server.start()
+    wait_for(lambda: extra(server, "tier:remote:state") == "up", timeout=30)
+    store(server.address, "t", keys("after", 2))
+    wait_for(lambda: extra(server, "tier:remote:writes") >= 4)
