@@ -155,3 +155,26 @@ def test_a_dead_remote_tier_costs_nothing_and_writes_resume_when_it_is_back(serv
     wait_for(lambda: extra(server, "tier:remote:state") == "up", timeout=30)
     store(server.address, "t", keys("after", 2))
     wait_for(lambda: extra(server, "tier:remote:writes") >= 4)
+
+
+def test_kvdepot_stats_shows_each_tier(serve, workdir, valkey_server):
+    """`kvdepot stats` has a row per tier: state, use, chunks, hits, misses, bytes, queue, errors."""
+    import subprocess
+    import sys
+
+    server = serve(
+        *POOL, "--disk-dir", str(workdir / "disk"), "--disk-capacity", "64MiB", "--remote", valkey_server.url
+    )
+    store(server.address, "t", keys("stats", 2))
+    wait_for(lambda: extra(server, "tier:disk:objects") == 2 and extra(server, "tier:remote:writes") == 2)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "stats", "--address", server.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    disk = next(line for line in out.splitlines() if line.startswith("tier disk"))
+    remote = next(line for line in out.splitlines() if line.startswith("tier remote"))
+    assert "up, " in disk and "2 chunks" in disk
+    assert "up, " in remote and "queue 0" in remote

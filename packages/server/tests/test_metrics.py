@@ -104,3 +104,16 @@ def test_salt_series_are_bounded_and_labelled_by_digest():
     assert f'kvdepot_salt_quota_bytes{{salt="{salt_label("tenant-secret-7")}"}} 1.048576e+06' in text
     other = next(line for line in series if 'salt="other"' in line)
     assert float(other.split()[-1]) == (3000 - MAX_SALT_LABELS) * 1024
+
+
+def test_metrics_have_each_tier_below_ram():
+    """Each tier's figures are a `kvdepot_tier` series labelled by tier and figure; its state is `up`."""
+    index = ChunkIndex(SlabAllocator(8 * 4096, 4096))
+    tiers = {"tier:disk:hits": 3, "tier:disk:state": "up", "tier:remote:state": "down", "tier:remote:capacity": None}
+    metrics = Metrics()
+    metrics.publish(MetricsSnapshot(index.stats(), {}, {}, tiers))
+    text = generate_latest(metrics.registry).decode()
+    assert 'kvdepot_tier{figure="hits",tier="disk"} 3.0' in text
+    assert 'kvdepot_tier{figure="up",tier="disk"} 1.0' in text
+    assert 'kvdepot_tier{figure="up",tier="remote"} 0.0' in text
+    assert 'figure="capacity"' not in text

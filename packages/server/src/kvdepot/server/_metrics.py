@@ -50,6 +50,7 @@ class MetricsSnapshot:
     stats: IndexStats
     transport: dict[str, int]
     bad_frames_by_peer: dict[str, int]
+    tiers: dict[str, str | int | float | bool | None] = attrs.field(factory=dict)  # `tier:KIND:FIGURE`
 
 
 class BadFrameCounter:
@@ -124,6 +125,19 @@ class _Collector:
         for peer, value in snap.bad_frames_by_peer.items():
             bad.add_metric([peer], value)
         yield bad
+        tiers = GaugeMetricFamily(
+            "kvdepot_tier",
+            "Figures of each tier below RAM (hits, misses, bytes_read, bytes_written, write_queue, errors, "
+            "corrupt, late, used_bytes, objects, up, ...).",
+            labels=["tier", "figure"],
+        )
+        for name, figure_value in snap.tiers.items():
+            _, kind, figure = name.split(":", 2)
+            if figure == "state":
+                tiers.add_metric([kind, "up"], float(figure_value == "up"))
+            elif isinstance(figure_value, int | float) and not isinstance(figure_value, bool):
+                tiers.add_metric([kind, figure], figure_value)
+        yield tiers
 
 
 class Metrics:

@@ -277,7 +277,9 @@ class CacheServer:
         return any(peer.client_id == client for peer in self.endpoint.peers)
 
     def _publish(self) -> None:
-        self.metrics.publish(MetricsSnapshot(self.index.stats(), self.endpoint.counters, self.bad_frames.snapshot()))
+        tiers = {k: v for k, v in self.tiers.stats().items() if k.startswith("tier:")} if self.tiers else {}
+        snapshot = MetricsSnapshot(self.index.stats(), self.endpoint.counters, self.bad_frames.snapshot(), tiers)
+        self.metrics.publish(snapshot)
 
     def _count_bad_frames_per_peer(self) -> None:
         """Count bad frames per peer label, by wrapping the dispatcher's bad-frame hook."""

@@ -103,6 +103,7 @@ def format_stats(reply: StatsReply) -> str:
         ("clients", str(reply.clients)),
         ("bad frames", str(extra.get("transport_bad_frames", 0))),
     ]
+    rows += _tier_rows(extra)
     width = max(len(name) for name, _ in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
     if reply.salt_bytes:
@@ -116,3 +117,25 @@ def format_stats(reply: StatsReply) -> str:
                 f"{format_size(int(quota)) if isinstance(quota, int) else '-':>12}"
             )
     return "\n".join(lines) + "\n"
+
+
+def _tier_rows(extra: dict[str, Any]) -> list[tuple[str, str]]:
+    """One row per tier below RAM, from the `tier:KIND:FIGURE` entries of Stats' extra."""
+    kinds = sorted({name.split(":")[1] for name in extra if name.startswith("tier:")})
+    rows = []
+    for kind in kinds:
+        f = {name.split(":", 2)[2]: value for name, value in extra.items() if name.startswith(f"tier:{kind}:")}
+        used = f"{format_size(int(f['used_bytes'] or 0))}" if f.get("used_bytes") is not None else "?"
+        if f.get("capacity"):
+            used += f" of {format_size(int(f['capacity']))}"
+        rows.append(
+            (
+                f"tier {kind}",
+                f"{f.get('state')}, {used}, {f.get('objects', '?')} chunks, {f.get('hits', 0)} hits, "
+                f"{f.get('misses', 0)} misses ({f.get('late', 0)} late, {f.get('corrupt', 0)} corrupt), "
+                f"read {format_size(int(f.get('bytes_read') or 0))}, "
+                f"written {format_size(int(f.get('bytes_written') or 0))}, "
+                f"queue {f.get('write_queue', 0)} ({f.get('write_dropped', 0)} dropped), {f.get('errors', 0)} errors",
+            )
+        )
+    return rows
