@@ -159,6 +159,10 @@ class RemoteTier:
             from redis.cluster import ClusterNode, RedisCluster
 
             nodes: list[Any] = [ClusterNode(host, port) for host, port in self.address.nodes]  # type: ignore[no-untyped-call]
+            if "connection_class" in common:
+                # RedisCluster honours connection_class only for a client made from a URL.
+                host, port = self.address.nodes[0]
+                common["url"] = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
             cluster: Any = RedisCluster(
                 startup_nodes=nodes,
                 require_full_coverage=True,
