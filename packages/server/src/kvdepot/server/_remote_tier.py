@@ -528,7 +528,7 @@ def _zero_copy_connection() -> Any:
         class ZeroCopyConnection(redis.Connection):
             def __init__(self, **kwargs: Any) -> None:
                 kwargs.setdefault("command_packer", PythonRespSerializer(LARGE_VALUE_BYTES, _encode))
-                super().__init__(**kwargs)
+                super().__init__(**kwargs)  # type: ignore[no-untyped-call]
 
         _CONNECTION_CLASS = ZeroCopyConnection
     return _CONNECTION_CLASS
