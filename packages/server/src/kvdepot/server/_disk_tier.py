@@ -84,6 +84,7 @@ def _read_full(fd: int, buffers: list[memoryview], offset: int) -> int:
     """Fill ``buffers`` from ``offset`` of ``fd`` (looping on short reads); bytes read (less only at EOF)."""
     total = 0
     want = sum(b.nbytes for b in buffers)
+    buffers = list(buffers)
     while buffers:
         n = os.preadv(fd, buffers, offset + total)
         if n == 0:
@@ -124,6 +125,8 @@ class DiskTier:
         self._tmp = self.directory / "tmp"
         _private_dir(self._objects)
         _private_dir(self._tmp)
+        for fan in range(256):  # made once here, so that a write needs no mkdir
+            (self._objects / f"{fan:02x}").mkdir(mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._used = 0  # bytes of the files in the index
@@ -270,7 +273,6 @@ class DiskTier:
         final = self._path(digest)
         tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
         try:
-            final.parent.mkdir(mode=0o700, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
             try:
                 _write_full(fd, [memoryview(header), payload])
@@ -333,9 +335,9 @@ class DiskTier:
         try:
             header = bytearray(FIXED_HEADER_BYTES + len(ref.fingerprint))
             payload = buf.cast("B")
+            beyond = bytearray(1)  # a byte read here means the file is longer than its header says
             total = len(header) + payload.nbytes
-            got = _read_full(fd, [memoryview(header), payload], 0)
-            size = os.fstat(fd).st_size
+            got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0)
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
@@ -343,7 +345,7 @@ class DiskTier:
         finally:
             os.close(fd)
         try:
-            if got != total or size != total:
+            if got != total:
                 # Another fingerprint or length makes the header itself a mismatch, so say why.
                 check_header(parse_header(header), digest=digest, fingerprint=ref.fingerprint, length=ref.length)
                 raise CorruptObjectError("the file is shorter or longer than its header says", reason="length")

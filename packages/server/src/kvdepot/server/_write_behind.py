@@ -30,7 +30,7 @@ log = structlog.get_logger(__name__)
 DEFAULT_MAX_ITEMS = 4096
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_BATCH_ITEMS = 16
-DEFAULT_BATCH_BYTES = 64 << 20
+DEFAULT_BATCH_BYTES = 32 << 20
 
 
 @attrs.frozen
