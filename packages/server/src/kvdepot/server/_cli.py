@@ -194,6 +194,10 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--remote-password-env", default=None, metavar="VAR", help="environment variable with the remote's password"
     )
+    tiers.add_argument("--remote-prefix", default="kvd:", help="prefix of the remote tier's keys (default kvd:)")
+    tiers.add_argument(
+        "--remote-ttl", type=_seconds, default=None, help="expiry of every remote value (default: none, LRU evicts)"
+    )
     tiers.add_argument(
         "--tier-deadline",
         type=_seconds,
@@ -242,6 +246,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         remote_url=args.remote,
         remote_password_file=args.remote_password_file,
         remote_password_env=args.remote_password_env,
+        remote_prefix=args.remote_prefix,
+        remote_ttl=args.remote_ttl,
         tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
     )
     try:

@@ -84,6 +84,8 @@ class ServerConfig:
     remote_url: str | None = None  # a Valkey/Redis tier below RAM (and the disk)
     remote_password_file: Path | None = None
     remote_password_env: str | None = None
+    remote_prefix: str = "kvd:"
+    remote_ttl: float | None = None
     tier_deadline: float = DEFAULT_READ_DEADLINE
 
 
@@ -255,6 +257,8 @@ class CacheServer:
                         config.remote_url,
                         password_file=config.remote_password_file,
                         password_env=config.remote_password_env,
+                        prefix=config.remote_prefix,
+                        ttl=config.remote_ttl,
                     )
                 )
         except BaseException:
