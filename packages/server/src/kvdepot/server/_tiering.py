@@ -139,7 +139,10 @@ class TierSet:
     def run(self) -> None:
         """Apply what the tier threads handed back (loop thread, every pass)."""
         while self._posted:
-            self._posted.popleft()()
+            try:
+                self._posted.popleft()()
+            except Exception:  # a bug here must not stop the server: the chunk is only not written below
+                log.exception("tier_work_failed")
 
     def _committed(self, client: str, entries: list[Entry]) -> None:
         """Write-behind: pin the chunks a client just committed and queue them for every tier."""
