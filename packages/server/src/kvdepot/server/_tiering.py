@@ -184,7 +184,7 @@ class TierSet:
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
             return None
-        read = _Read(Deferred(), client, items, missing, now + self.read_deadline, size)
+        read = _Read(Deferred(), client, items, missing, time.monotonic() + self.read_deadline, size)
         self.counters["reads_deferred"] += 1
         self._reader.submit(self._read, read)
         return read.deferred
