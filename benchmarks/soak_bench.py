@@ -10,7 +10,11 @@ against idle (target: p99 within 10x), its errors and wrong bytes (target: 0 and
 server's peak RSS against the bound docs/server.md states (the index under 1 KiB per chunk,
 at most 1,024 unread replies per peer, plus a fixed base).
 
-Run: python benchmarks/soak_bench.py [--quick] [--seconds N]
+Run: python benchmarks/soak_bench.py [--quick] [--seconds N] [--pin]
+
+With --pin the hostile peers run on the last CPU and the server and the good client on the
+others, so the figure shows what the server does (fair queueing, bounded work per message)
+rather than how the OS shares a CPU among busy processes.
 """
 
 from __future__ import annotations
@@ -70,8 +74,11 @@ def _hello(i: int = 0) -> bytes:
     return encode_request(Request(i + 1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "hostile")))
 
 
-def hostile(kind: str, address: str, seconds: float, seed: int) -> None:
+def hostile(kind: str, address: str, seconds: float, seed: int, cpus: set[int] | None = None) -> None:
     import zmq
+
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
     rng = random.Random(seed)
     ctx, sock = _socket(address)
@@ -167,6 +174,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 s phases instead of 30 s")
     parser.add_argument("--seconds", type=float, default=None)
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="hostile peers on the last CPU, the server and the good client on the others: what the server "
+        "does for fairness, without the OS scheduler's share of the CPU in the figure",
+    )
     args = parser.parse_args()
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     workdir = Path(tempfile.mkdtemp(prefix="kvd-soak-"))
@@ -180,7 +193,17 @@ def main() -> None:
         idle = good_client(address, seconds)
         kinds = ["fuzz", "fuzz", "deaf", "multipart", "churn", "salts"]
         progress(f"under attack: {', '.join(kinds)} (one process each)")
-        procs = [mp.Process(target=hostile, args=(k, address, seconds, i), daemon=True) for i, k in enumerate(kinds)]
+        cpus = sorted(os.sched_getaffinity(0))
+        hostile_cpus = {cpus[-1]} if args.pin and len(cpus) > 1 else set(cpus)
+        if args.pin and len(cpus) > 1:
+            for task in Path(f"/proc/{server.pid}/task").iterdir():  # every thread of the server
+                os.sched_setaffinity(int(task.name), set(cpus[:-1]))
+            os.sched_setaffinity(0, set(cpus[:-1]))
+            progress(f"pinned: hostile peers on CPU {cpus[-1]}, the server and the good client on {cpus[:-1]}")
+        procs = [
+            mp.Process(target=hostile, args=(k, address, seconds, i, hostile_cpus), daemon=True)
+            for i, k in enumerate(kinds)
+        ]
         peak = [base_rss]
         stop = threading.Event()
 
