@@ -38,7 +38,7 @@ import attrs
 import structlog
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _util import progress, table
+from _util import drop_page_cache, progress, table
 from kvdepot.server import ChunkRef, ChunkWrite, DiskTier, RemoteTier
 from kvdepot.server.testing import ValkeyCluster, ValkeyNode, find_valkey_server, missing_reason
 
@@ -178,14 +178,7 @@ def disk_size(tier: DiskTier, plain_dir: Path, size: int, *, total: int, rounds:
 
     def uncache() -> None:
         """Push both sides' files out of the page cache, so that reads come from the device."""
-        for path in [*plain_dir.iterdir(), *(tier.directory / "objects").rglob("*")]:
-            if path.is_file():
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                finally:
-                    os.close(fd)
+        drop_page_cache([*plain_dir.iterdir(), *(tier.directory / "objects").rglob("*")])
 
     def tier_write() -> int:
         for i in range(count):

