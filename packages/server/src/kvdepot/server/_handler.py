@@ -285,10 +285,10 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         "full_reserves": stats.full_reserves,
     }
     # The salts holding the most bytes, so a reply stays small however many salts there are.
-    listed = sorted(stats.per_salt.items(), key=lambda item: -item[1].bytes)[:MAX_STATS_SALTS]
-    more["salts"] = len(stats.per_salt)
-    for salt, usage in listed:
-        more[f"salt_chunks:{salt}"] = usage.chunks
+    listed = stats.largest_salts(MAX_STATS_SALTS)
+    more["salts"] = len(stats.salt_bytes)
+    for salt in listed:
+        more[f"salt_chunks:{salt}"] = stats.salt_chunks.get(salt, 0)
     for salt, quota in sorted(stats.quotas.items())[:MAX_STATS_SALTS]:
         more[f"quota:{salt}"] = quota
     more.update(extra)
@@ -304,6 +304,6 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         leases=stats.leases,
         reservations=stats.reservations,
         clients=stats.clients,
-        salt_bytes={salt: usage.bytes for salt, usage in listed},
+        salt_bytes={salt: stats.salt_bytes[salt] for salt in listed},
         extra=more,
     )

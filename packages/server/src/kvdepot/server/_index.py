@@ -37,7 +37,7 @@ from kvdepot.server._errors import (
 from kvdepot.server._order import UseOrder
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._records import Entry, Lease, Reservation, Session
-from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
+from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome
 from kvdepot.server._slabs import SlabAllocator
 
 # Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
@@ -398,9 +398,6 @@ class ChunkIndex:
         return Reclaimed(reservations, leases, chunks)
 
     def stats(self) -> IndexStats:
-        per_salt = {
-            salt: SaltUsage(used, self._salt_chunks.get(salt, 0)) for salt, used in self._salt_bytes.items() if used
-        }
         return IndexStats(
             capacity_bytes=self.allocator.capacity,
             used_bytes=self.allocator.used_bytes,
@@ -421,7 +418,8 @@ class ChunkIndex:
             expired_reservations=self.expired_reservations,
             clients=len(self._sessions),
             full_reserves=self.full_reserves,
-            per_salt=per_salt,
+            salt_bytes=dict(self._salt_bytes),
+            salt_chunks=dict(self._salt_chunks),
             quotas=dict(self._quotas),
         )
 

@@ -37,11 +37,15 @@ def salt_label(salt: str) -> str:
 
 def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
     """(bytes, chunks) per label for the `MAX_SALT_LABELS` salts holding the most bytes, plus "other"."""
-    ranked = sorted(stats.per_salt.items(), key=lambda item: -item[1].bytes)
-    out = {salt_label(salt): (usage.bytes, usage.chunks) for salt, usage in ranked[:MAX_SALT_LABELS]}
-    rest = ranked[MAX_SALT_LABELS:]
-    if rest:
-        out["other"] = (sum(u.bytes for _, u in rest), sum(u.chunks for _, u in rest))
+    top = stats.largest_salts(MAX_SALT_LABELS)
+    out = {salt_label(salt): (stats.salt_bytes[salt], stats.salt_chunks.get(salt, 0)) for salt in top}
+    if len(stats.salt_bytes) > len(top):
+        listed_bytes = sum(stats.salt_bytes[salt] for salt in top)
+        listed_chunks = sum(stats.salt_chunks.get(salt, 0) for salt in top)
+        out["other"] = (
+            sum(stats.salt_bytes.values()) - listed_bytes,
+            sum(stats.salt_chunks.values()) - listed_chunks,
+        )
     return out
 
 

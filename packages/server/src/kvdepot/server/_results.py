@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+
 import attrs
 
 
@@ -62,5 +64,15 @@ class IndexStats:
     expired_reservations: int
     clients: int
     full_reserves: int
-    per_salt: dict[str, SaltUsage]
+    salt_bytes: dict[str, int]  # bytes per salt holding any (a plain copy: cheap with many salts)
+    salt_chunks: dict[str, int]  # committed chunks per salt
     quotas: dict[str, int]
+
+    @property
+    def per_salt(self) -> dict[str, SaltUsage]:
+        """Bytes and chunks per salt holding any."""
+        return {salt: SaltUsage(used, self.salt_chunks.get(salt, 0)) for salt, used in self.salt_bytes.items()}
+
+    def largest_salts(self, count: int) -> list[str]:
+        """The `count` salts holding the most bytes, most first."""
+        return heapq.nlargest(count, self.salt_bytes, key=self.salt_bytes.__getitem__)
