@@ -64,12 +64,12 @@ def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], b
     """The load of a lookup's hit into ``block_ids``, as the scheduler side plans it."""
     slots = [slot.offset for slot in hit.slots]
     tokens = len(keys) * CHUNK
-    return LoadOp(req_id, client.server_id or "", [slots], block_ids, 0, tokens, hit.slots[0].length, "", [keys])
+    return LoadOp(req_id, client.server_id or "", [slots], [block_ids], 0, tokens, hit.slots[0].length, "", [keys])
 
 
 def store(worker: WorkerSide, req_id: str, keys: list[bytes], block_ids: list[int]) -> None:
     """Store ``block_ids`` under ``keys`` through the copy thread, and wait until it is committed."""
-    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], block_ids)]))
+    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], [block_ids])]))
     worker.start_load_kv(KVDepotMetadata(held={req_id}))
     finished(worker, req_id, sending=True)
 
@@ -91,7 +91,7 @@ def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> N
     kv = torch.randn((8, 2, BLOCK, 64))
     worker = make_worker(client, kv)
     try:
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         worker.start_load_kv(KVDepotMetadata(held={"a"}))  # "a" finished; vLLM holds its blocks
         finished(worker, "a", sending=True)
         hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
@@ -112,7 +112,7 @@ def test_a_slot_of_another_length_is_a_failed_load(client: CacheClient) -> None:
     worker = make_worker(client, kv)
     try:
         before = kv.clone()
-        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 0, CHUNK, worker.chunk_bytes // 2)
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 0, CHUNK, worker.chunk_bytes // 2)
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {5, 6}
@@ -125,7 +125,7 @@ def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
     """A load that fails is reported finished, with its blocks as failed in the same pass."""
     worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), fail_loads=True)
     try:
-        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 1, CHUNK)
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 1, CHUNK)
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {6}  # the first block was the engine's own hit
@@ -145,7 +145,7 @@ def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
     gate = threading.Event()
     try:
         worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         returned = threading.Event()
         waiter = threading.Thread(
             target=lambda: (worker.handle_preemptions(KVDepotMetadata(preempted={"a"})), returned.set())
@@ -166,7 +166,7 @@ def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient
     try:
         worker.health.report_timeout()
         worker.health._probe_sent = time.monotonic() + 60  # no probe in this test
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         worker.start_load_kv(KVDepotMetadata(held={"a"}))
         finished(worker, "a", sending=True)
         assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
@@ -214,7 +214,7 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
         hit = client.lookup([("", [KEY])]).result(5).results[0]
         pool = worker._copier.submit(worker._current_pool).result()
         assert pool is not None
-        scatter = pool.copier.scatter
+        scatter = pool.copiers[0].scatter
 
         def scatter_while_the_slot_is_reused(*args: Any, **kwargs: Any) -> Any:
             copy = scatter(*args, **kwargs)
@@ -224,7 +224,7 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
             assert again.slots[0].offset == hit.slots[0].offset
             return copy
 
-        pool.copier.scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
+        pool.copiers[0].scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
         worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {5, 6}
