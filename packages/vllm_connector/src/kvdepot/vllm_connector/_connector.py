@@ -120,11 +120,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         _route_structlog_to_stdlib()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Refuses layer types it cannot serve (Mamba state, ...) before anything starts.
+        self.groups = cache_groups(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
-        # Refuses layer types it cannot serve (Mamba state, ...) before anything starts.
-        self.groups = cache_groups(kv_cache_config)
         self.config = ConnectorConfig.from_extra_config(
             ktc.kv_connector_extra_config,
             lmcache_backend=getattr(cache, "kv_offloading_backend", None) == "lmcache",
