@@ -54,6 +54,9 @@ BENCH_LLAMA: dict[str, int] = {
     "vocab": 2048,
     "max_position_embeddings": 16384,
 }
+# The larger model's hybrid twin for benchmarks: a Gemma 2 with a 1,024-token sliding window on
+# its even layers (long prompts hold it several times over).
+BENCH_GEMMA2: dict[str, int] = {**BENCH_LLAMA, "sliding_window": 1024}
 
 _SYLLABLES = [
     "ka",

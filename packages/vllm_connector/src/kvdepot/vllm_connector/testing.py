@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from kvdepot.vllm_connector._model import (
+    BENCH_GEMMA2,
     BENCH_LLAMA,
     TINY_GEMMA2,
     TINY_LLAMA,
@@ -36,6 +37,7 @@ from kvdepot.vllm_connector._model import (
 )
 
 __all__ = [
+    "BENCH_GEMMA2",
     "BENCH_LLAMA",
     "MODEL_CACHE_ENV",
     "OFFLOADING_CONNECTOR_NAMES",
