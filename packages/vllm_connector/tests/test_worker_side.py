@@ -43,20 +43,23 @@ def client(server: kvdepot.server.ServerProcess) -> Iterator[CacheClient]:
         yield c
 
 
-def make_worker(client: CacheClient, kv: torch.Tensor, **kw: object) -> WorkerSide:
+def make_worker(
+    client: CacheClient, kv: torch.Tensor | dict[str, torch.Tensor], *, layout_name: str = "test-layout", **kw: object
+) -> WorkerSide:
+    """A worker over one layer ``kv``, or over the layers of a dict."""
     worker = WorkerSide(
         client=client,
         health=ServerHealth(client),
         strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
         chunk_size=CHUNK,
         block_size=BLOCK,
-        layout_name="test-layout",
+        layout_name=layout_name,
         model="m",
         backend_hint=None,
         prefault_pool=False,
         **kw,  # type: ignore[arg-type]
     )
-    worker.register_kv_caches({"layers.0": kv})
+    worker.register_kv_caches(kv if isinstance(kv, dict) else {"layers.0": kv})
     return worker
 
 
@@ -231,5 +234,52 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
         meta = worker.take_worker_meta()
         assert meta is not None
         assert meta.failed == {"b"}
+    finally:
+        worker.shutdown()
+
+
+def hybrid_worker(client: CacheClient, t0: torch.Tensor, t1: torch.Tensor) -> WorkerSide:
+    """A worker of a Gemma-2-like model: layers 0 and 2 slide, 1 and 3 attend to everything; as in
+    vLLM, one layer of each group shares each tensor (a block belongs to one group at a time)."""
+    from kvdepot.vllm_connector._groups import CacheGroup
+
+    groups = (CacheGroup(("l.0", "l.2"), "sliding_window", 64), CacheGroup(("l.1", "l.3"), "full"))
+    return make_worker(client, {"l.0": t0, "l.1": t0, "l.2": t1, "l.3": t1}, layout_name="test-hybrid", groups=groups)
+
+
+def test_a_hybrid_chunk_holds_every_groups_blocks_and_loads_skip_the_null_block(
+    client: CacheClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chunk of a model with two KV-cache groups holds both groups' blocks of every layer; a load
+    writes each group's blocks, except vLLM's null block (block 0) outside the window."""
+    t0, t1 = torch.randn((8, 2, BLOCK, 64)), torch.randn((8, 2, BLOCK, 64))
+    before = (t0.clone(), t1.clone())
+    worker = hybrid_worker(client, t0, t1)
+    try:
+        assert worker.chunk_bytes == 2 * 2 * 2 * t0[0].numel() * 4  # 2 groups x 2 layers x 2 blocks
+        assert worker.fingerprint().startswith("sliding_window64x2:")
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2], [3, 4]])]))
+        worker.start_load_kv(KVDepotMetadata(held={"a"}))
+        finished(worker, "a", sending=True)
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [[0, 5], [6, 7]], 0, CHUNK,
+                      hit.slots[0].length, "", [[KEY]])  # fmt: skip
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_requests() == set()
+        for tensor, original in zip((t0, t1), before, strict=True):
+            assert torch.equal(tensor[5], original[2])  # the window's block
+            assert torch.equal(tensor[6:8], original[3:5])  # the full-attention group's blocks
+            assert torch.equal(tensor[0], original[0])  # vLLM's null block was not written
+        client.release([hit.lease_id]).result(5)
+
+        # A null block after a block to load is no window: the load fails, reported per request.
+        bad = LoadOp("c", client.server_id or "", [[hit.slots[0].offset]], [[5, 0], [6, 7]], 0, CHUNK,
+                     hit.slots[0].length, "", [[KEY]])  # fmt: skip
+        worker.start_load_kv(KVDepotMetadata(loads=[bad]))
+        finished(worker, "c", sending=False)
+        assert worker.take_failed_requests() == {"c"}
+        assert "null block lies after a block to load" in caplog.text
+        assert worker.take_failed_blocks() == set()  # block ids are per group: never reported as blocks
     finally:
         worker.shutdown()
