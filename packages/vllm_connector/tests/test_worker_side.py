@@ -283,3 +283,20 @@ def test_a_hybrid_chunk_holds_every_groups_blocks_and_loads_skip_the_null_block(
         assert worker.take_failed_blocks() == set()  # block ids are per group: never reported as blocks
     finally:
         worker.shutdown()
+
+
+def test_a_failed_load_of_a_sliding_window_model_is_reported_per_request(client: CacheClient) -> None:
+    """With a window, a load cut back to its first failed block would reach into blocks vLLM dropped:
+    the request is reported failed (vLLM recomputes it), never its blocks."""
+    from kvdepot.vllm_connector._groups import CacheGroup
+
+    groups = (CacheGroup(("layers.0",), "sliding_window", 64),)
+    worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), fail_loads=True, groups=groups)
+    try:
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 1, CHUNK)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == set()
+        assert worker.take_failed_requests() == {"b"}
+    finally:
+        worker.shutdown()

@@ -292,10 +292,12 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """Like `get_finished`, and the loads that failed: vLLM recomputes those requests.
 
-        With one KV-cache group a failed load is also reported block by block
+        With one full-attention KV-cache group a failed load is reported block by block
         (`get_block_ids_with_load_errors`), so vLLM keeps what loaded before the first
-        failed block; block ids are per group in a hybrid model, so there only the failed
-        requests are reported, and vLLM recomputes each of them from its start.
+        failed block. Block ids are per group in a hybrid model, and a sliding window cut
+        back to the first failed block would reach into blocks vLLM already dropped (its
+        null block), so there the failed requests are reported, and vLLM recomputes each of
+        them from its start.
         """
         assert self._worker is not None
         sending, recving = self._worker.get_finished(finished_req_ids)

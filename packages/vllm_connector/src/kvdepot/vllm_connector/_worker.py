@@ -173,6 +173,9 @@ class WorkerSide:
         self.load_delay = load_delay
         self.prefault_pool = prefault_pool
         self.groups = groups
+        # A failed load is reported by its blocks only with one full-attention group: block ids
+        # are per group, and a window cut back to a failed block would hold vLLM's null block.
+        self._per_block_failures = len(groups) == 1 and groups[0].stable
         self.layout: KVLayout | None = None  # group 0's (the only one without a hybrid model)
         self.layouts: list[KVLayout] = []
         # Per group: where its blocks start in a slot, and how many bytes they take.
@@ -307,11 +310,11 @@ class WorkerSide:
             exc = future.exception()
             if exc is not None:
                 log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
-                if len(op.block_ids) == 1:  # vLLM keeps what loaded before the first failed block
+                if self._per_block_failures:  # vLLM keeps what loaded before the first failed block
                     first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
                     self._failed_blocks.update(op.block_ids[0][max(first, op.skip_blocks) :])
-                else:  # block ids are per group: vLLM recomputes the request
-                    self._failed_requests.add(req_id)
+                else:
+                    self._failed_requests.add(req_id)  # vLLM recomputes the request
                 self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
         for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
             del self._stores[req_id]
@@ -429,7 +432,7 @@ class WorkerSide:
         return out
 
     def take_failed_requests(self) -> set[str]:
-        """Requests whose load failed, with several KV-cache groups (else their blocks are reported)."""
+        """Requests whose load failed, with several KV-cache groups or a window (else their blocks are reported)."""
         out, self._failed_requests = self._failed_requests, set()
         return out
 
