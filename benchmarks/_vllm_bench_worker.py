@@ -67,6 +67,7 @@ PROFILED_METHODS = (
     "save_kv_layer",
     "wait_for_save",
     "get_finished",
+    "get_transfer_results",
     "get_block_ids_with_load_errors",
     "build_connector_worker_meta",
     "get_kv_connector_stats",
@@ -96,8 +97,8 @@ class Profile:
                 setattr(instance, name, timed)
         # kvdepot's copies on their own (CPU copies finish inside the call). They run on the
         # connector's copy thread, off the engine thread, while the engine steps on.
-        copier = getattr(getattr(getattr(instance, "_worker", None), "_pool", None), "copier", None)
-        if copier is not None:
+        copiers = getattr(getattr(getattr(instance, "_worker", None), "_pool", None), "copiers", None)
+        for copier in copiers or ():  # one per KV-cache group
             for name in ("gather", "scatter"):
                 setattr(copier, name, self._timed(f"{side}.copier.{name}", getattr(copier, name)))
 

@@ -83,13 +83,13 @@ def run_case(address: str, name: str, layers: int, heads: int, head: int, *, rou
             worker.register_kv_caches(kv)
             keys = [os.urandom(32) for _ in range(chunks)]
             src = list(range(1, 1 + chunks * BPC))
-            worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("s", "", [keys], src)]))
+            worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("s", "", [keys], [src])]))
             worker._copier.submit(lambda: None).result()  # the store has run
             hit = client.lookup([("", keys)]).result(10).results[0]
             assert hit.num_hits == chunks, hit
             slots = [s.offset for s in hit.slots]
             dst = list(range(1 + chunks * BPC, 1 + 2 * chunks * BPC))
-            op = LoadOp("l", client.server_id or "", [slots], dst, 0, chunks * CHUNK, worker.chunk_bytes, "", [keys])
+            op = LoadOp("l", client.server_id or "", [slots], [dst], 0, chunks * CHUNK, worker.chunk_bytes, "", [keys])
             pool = worker._copier.submit(worker._current_pool).result()
             assert pool is not None
             blocks_of = [dst[i * BPC : (i + 1) * BPC] for i in range(chunks)]
@@ -98,7 +98,7 @@ def run_case(address: str, name: str, layers: int, heads: int, head: int, *, rou
                 worker._load(op)
 
             def plain() -> None:
-                pool.copier.scatter(slots, blocks_of, skip_blocks=0, slot_size=worker.chunk_bytes).wait()
+                pool.copiers[0].scatter(slots, blocks_of, skip_blocks=0, slot_size=worker.chunk_bytes).wait()
 
             def check_only() -> None:
                 before = [pool.header(s) for s in slots]

@@ -31,7 +31,11 @@ eager mode and vLLM's default prefix caching on, on the larger local model (`BEN
 built once and cached). Runs that must not reuse vLLM's own cache (recompute, the floor's
 prefix) get a fresh `cache_salt`. Nothing is left running, also on Ctrl-C or an error.
 
-Run: `python benchmarks/vllm_bench.py [--quick] [--prompt-tokens N] [--model-dir DIR]`.
+With `--model gemma2` every phase runs on a hybrid model instead (`BENCH_GEMMA2`: the same size,
+a 1,024-token sliding window on every other layer, two KV-cache groups in vLLM with its hybrid
+KV-cache manager on).
+
+Run: `python benchmarks/vllm_bench.py [--quick] [--model llama|gemma2] [--prompt-tokens N] [--model-dir DIR]`.
 This hardware is shared, so compare only the ratios.
 """
 
@@ -63,7 +67,7 @@ from _util import progress, table
 
 HERE = Path(__file__).parent
 WORKER = HERE / "_vllm_bench_worker.py"
-DEFAULT_MODEL_DIR = HERE.parent / ".pytest_cache" / "d" / "kvdepot-models" / "bench-llama"
+MODELS_DIR = HERE.parent / ".pytest_cache" / "d" / "kvdepot-models"
 SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
 SERVE_ARGS = (sys.executable, "-c", SERVE, "serve", "--no-metrics", "--log-format", "json")
 # Environment of every engine process: the engine core runs in the worker process itself, and
@@ -935,7 +939,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--outage-requests", type=int, default=None, help="requests per batch in the outage phase (default 8; quick 4)"
     )
     parser.add_argument("--capacity", default="4GiB", help="kvdepot server capacity (default 4GiB)")
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where the model is built/cached")
+    parser.add_argument(
+        "--model", choices=("llama", "gemma2"), default="llama", help="llama, or gemma2: a hybrid sliding-window model"
+    )
+    parser.add_argument("--model-dir", type=Path, default=None, help="where the model is built/cached")
     parser.add_argument("--keep-logs", action="store_true", help="keep the engine and server logs")
     args = parser.parse_args(argv)
     defaults = {
@@ -951,6 +958,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
+    if args.model_dir is None:
+        args.model_dir = MODELS_DIR / f"bench-{args.model}"
     return args
 
 
@@ -962,12 +971,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The stats client logs its connections at debug level; a benchmark's output is its progress.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    from kvdepot.vllm_connector.testing import BENCH_LLAMA, build_tiny_llama, tokenizer_vocab_size
+    from kvdepot.vllm_connector.testing import BENCH_GEMMA2, BENCH_LLAMA, build_tiny_llama, tokenizer_vocab_size
 
-    say("kvdepot vLLM benchmark" + (" (quick)" if args.quick else ""))
+    say(f"kvdepot vLLM benchmark, {args.model}" + (" (quick)" if args.quick else ""))
     started = time.monotonic()
     progress(f"building (or reusing) the benchmark model in {args.model_dir}")
-    model = build_tiny_llama(args.model_dir, **BENCH_LLAMA)
+    model = build_tiny_llama(args.model_dir, **(BENCH_GEMMA2 if args.model == "gemma2" else BENCH_LLAMA))
     bench = Bench(args, model, tokenizer_vocab_size(model))
 
     def body() -> dict[str, Any]:

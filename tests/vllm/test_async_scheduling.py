@@ -36,11 +36,14 @@ def server() -> Iterator[kvdepot.server.ServerProcess]:
         yield proc
 
 
-def make_scheduler(model: Path, address: str) -> Any:
+def make_scheduler(model: Path, address: str, *, window: int = 0, num_blocks: int = NUM_BLOCKS, **engine: Any) -> Any:
+    """vLLM's `AsyncScheduler` with the connector; with ``window``, a Gemma-2-like model's two KV-cache
+    groups (layers 0 and 2 slide over ``window`` tokens) and vLLM's synchronous `Scheduler`."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
     config = EngineArgs(
@@ -54,15 +57,20 @@ def make_scheduler(model: Path, address: str) -> Any:
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"kvdepot.address": address},
         },
+        **engine,
     ).create_engine_config()
-    config.cache_config.num_gpu_blocks = NUM_BLOCKS
+    config.cache_config.num_gpu_blocks = num_blocks
     block = config.cache_config.block_size
-    spec = FullAttentionSpec(block_size=block, num_kv_heads=2, head_size=64, dtype=torch.float32)
+    attn = {"block_size": block, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
     layers = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)]
-    )
-    return AsyncScheduler(
+    groups = [KVCacheGroupSpec(layers, FullAttentionSpec(**attn))]
+    if window:
+        groups = [
+            KVCacheGroupSpec(layers[0::2], SlidingWindowSpec(**attn, sliding_window=window)),
+            KVCacheGroupSpec(layers[1::2], FullAttentionSpec(**attn)),
+        ]
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    return (Scheduler if window else AsyncScheduler)(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
@@ -103,15 +111,26 @@ def store_prefix(scheduler: Any, address: str, tokens: list[int]) -> int:
     return len(keys)
 
 
-def runner_output(scheduled: Any, *, recving: set[str] = frozenset(), sending: set[str] = frozenset()) -> Any:
-    """What the model runner returns for a step: one sampled token per request past its prompt."""
+def runner_output(
+    scheduled: Any, *, recving: set[str] = frozenset(), sending: set[str] = frozenset(), prefilling: Any = None
+) -> Any:
+    """What the model runner returns for a step: one sampled token per request past its prompt.
+
+    With ``prefilling`` (the scheduler's requests, synchronous scheduling), none for a request whose
+    prompt is not all computed yet (chunked prefill).
+    """
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     req_ids = list(scheduled.num_scheduled_tokens)
+
+    def sampled(req_id: str) -> list[int]:
+        request = (prefilling or {}).get(req_id)
+        return [] if request is not None and request.num_computed_tokens < request.num_tokens else [7]
+
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=[[7] for _ in req_ids],
+        sampled_token_ids=[sampled(r) for r in req_ids],
         kv_connector_output=KVConnectorOutput(finished_recving=set(recving), finished_sending=set(sending)),
     )
 
@@ -188,4 +207,42 @@ def test_abort_while_loading_under_async_scheduling(tiny_llama, server, stub_con
     assert server.stats().leases == 0
     assert "a" not in scheduler.requests
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    scheduler.shutdown()
+
+
+def test_window_blocks_handed_on_wait_for_the_stores_reading_them(tiny_gemma2, server, stub_connector_registry):
+    """With a sliding-window group, stores hold only blocks that still hold their tokens (never vLLM's null
+    block), and exactly when vLLM hands a window block that a store read to another request, the
+    workers are told to wait for that store first."""
+    scheduler = make_scheduler(
+        tiny_gemma2, server.address, window=256, num_blocks=32, max_num_batched_tokens=128, enable_chunked_prefill=True
+    )
+    a = make_request(scheduler, "a", [11 + i % 1900 for i in range(1300)], max_tokens=40)
+    b = make_request(scheduler, "b", [13 + i % 1700 for i in range(1000)], max_tokens=1)
+    scheduler.add_request(a)
+    stored_window_blocks: set[int] = set()  # a's window-group blocks that a store read
+    flushes = 0
+    for step in range(80):
+        if step == 12:  # a is done prefilling: b now needs blocks that a's window left behind
+            scheduler.add_request(b)
+        out = scheduler.schedule()
+        meta = out.kv_connector_metadata
+        handed_on = {block for new in out.scheduled_new_reqs for group in new.block_ids for block in group}
+        for new_blocks in out.scheduled_cached_reqs.new_block_ids:
+            handed_on |= {block for group in new_blocks or () for block in group}
+        # The workers wait for a's stores exactly when a block they read goes to anyone.
+        assert ("a" in meta.flush) == bool(handed_on & stored_window_blocks), step
+        if "a" in meta.flush:
+            flushes += 1
+            stored_window_blocks -= handed_on
+        for op in meta.stores:
+            assert len(op.block_ids) == 2
+            assert all(0 not in ids and len(ids) == 2 * len(op.keys[0]) for ids in op.block_ids)
+            if op.req_id == "a":
+                stored_window_blocks |= set(op.block_ids[0])
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+        if a.is_finished() and b.is_finished():
+            break
+    assert flushes > 0
+    assert server.stats().chunks == 0  # the test plays the workers: nothing was copied
     scheduler.shutdown()

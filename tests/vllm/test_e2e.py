@@ -438,3 +438,102 @@ def test_the_kv_cache_layout_setting_is_part_of_the_key(tiny_llama, vllm_engine,
     same = vllm_engine(tiny_llama, [x], kv_transfer_config=config, env=hnd).check()
     assert same.num_cached_tokens == [512]
     assert same.outputs == reference.outputs
+
+
+# -- a hybrid model: sliding-window and full-attention layers --------------------------------
+#
+# TINY_GEMMA2's even layers attend to a 256-token sliding window, its odd layers to everything:
+# vLLM gives it two KV-cache groups (`SlidingWindowSpec`, `FullAttentionSpec`) with its hybrid
+# KV-cache manager, which stays on (no --disable-hybrid-kv-cache-manager). vLLM drops a request's
+# window blocks as the window moves on (its null block takes their place) and hands them to other
+# requests, so these prompts are longer than the window, prefilled in small steps, and squeezed.
+
+LONG = prompt(1300, seed=60)  # five chunks, the window five times over
+CHUNKED = {"max_num_batched_tokens": 128, "enable_chunked_prefill": True}
+
+
+def test_second_engine_hits_a_long_prompt_of_a_sliding_window_model(tiny_gemma2, vllm_engine, kvdepot_server):
+    """A second engine loads the first engine's chunks of a prompt longer than the window, with vLLM's
+    hybrid KV-cache manager on, and decodes exactly as recompute."""
+    config = kvdepot_server.connector_config()
+    baseline = vllm_engine(tiny_gemma2, [LONG], max_tokens=16).check()
+    first = vllm_engine(tiny_gemma2, [LONG], max_tokens=16, kv_transfer_config=config).check()
+    assert "KV-cache groups: sliding_window256x2, fullx2" in first.log_tail  # two groups: the hybrid manager
+    assert first.num_cached_tokens == [0]
+    assert kvdepot_server.stats().chunks == len(LONG) // CHUNK
+    second = vllm_engine(tiny_gemma2, [LONG], max_tokens=16, kv_transfer_config=config).check()
+    assert second.num_cached_tokens == [(len(LONG) // CHUNK) * CHUNK]
+    assert first.outputs == baseline.outputs
+    assert second.outputs == baseline.outputs
+    assert_nothing_left(kvdepot_server.stats())
+
+
+def test_chunked_prefill_under_a_small_kv_cache_stores_what_recompute_computes(
+    tiny_gemma2, vllm_engine, kvdepot_server
+):
+    """Prefilled 128 tokens a step in a KV cache so small that vLLM hands the window's dropped blocks to
+    other requests while their stores may still read them: every chunk is stored right, and an engine
+    that loads them all decodes as recompute."""
+    others = [prompt(700, seed=61 + i) for i in range(3)]
+    small = {**CHUNKED, "kv_cache_memory_bytes": 10 * 2**20, "max_model_len": 2048}
+    config = kvdepot_server.connector_config()
+    baseline = vllm_engine(tiny_gemma2, [LONG, *others], max_tokens=8).check()
+    run = vllm_engine(
+        tiny_gemma2, [LONG, *others], max_tokens=8, sequential=False, engine_kwargs=small, kv_transfer_config=config
+    ).check()
+    assert run.outputs == baseline.outputs
+    assert kvdepot_server.stats().chunks == len(LONG) // CHUNK + 3 * (700 // CHUNK)
+    again = vllm_engine(tiny_gemma2, [LONG, *others], max_tokens=8, engine_kwargs=CHUNKED, kv_transfer_config=config)
+    again.check()
+    assert again.num_cached_tokens == [1280, 512, 512, 512]
+    assert again.outputs == baseline.outputs
+    assert_nothing_left(kvdepot_server.stats())
+
+
+def test_failed_load_of_a_hybrid_model_is_recomputed(tiny_gemma2, vllm_engine, kvdepot_server):
+    """A failed load is reported per request (block ids are per group) and recomputed; what the failing
+    engine stored afterwards is right."""
+    longer = LONG + prompt(300, seed=62)
+    baseline = vllm_engine(tiny_gemma2, [longer]).check()
+    vllm_engine(tiny_gemma2, [LONG], kv_transfer_config=kvdepot_server.connector_config()).check()
+    failing = vllm_engine(
+        tiny_gemma2, [longer], kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True})
+    ).check()
+    assert "vLLM recomputes it" in failing.log_tail
+    assert failing.outputs == baseline.outputs
+    assert kvdepot_server.stats().chunks == len(longer) // CHUNK
+    check = vllm_engine(tiny_gemma2, [longer], kv_transfer_config=kvdepot_server.connector_config()).check()
+    assert check.num_cached_tokens == [(len(longer) // CHUNK) * CHUNK]
+    assert check.outputs == baseline.outputs
+    assert_nothing_left(kvdepot_server.stats())
+
+
+def test_aborts_and_preemption_of_a_hybrid_model(tiny_gemma2, vllm_engine, kvdepot_server):
+    """Preemption under a small KV cache and aborts before scheduling and mid-prefill change no output
+    and leave no lease or reservation."""
+    config = kvdepot_server.connector_config()
+    prompts = [prompt(600, seed=70 + i) for i in range(4)]
+    vllm_engine(tiny_gemma2, prompts[:2], kv_transfer_config=config).check()  # some hits for the next run
+    small = {"kv_cache_memory_bytes": 6 * 2**20, "max_model_len": 2048, "max_num_batched_tokens": 256}
+    baseline = vllm_engine(tiny_gemma2, prompts, max_tokens=160, sequential=False, engine_kwargs=small).check()
+    run = vllm_engine(
+        tiny_gemma2,
+        [*prompts, LONG],
+        max_tokens=160,
+        sequential=False,
+        engine_kwargs=small,
+        kv_transfer_config=config,
+        abort_after_steps={4: 3},  # LONG: aborted mid-prefill
+        collect_metrics=True,
+    ).check()
+    assert run.outputs[:4] == baseline.outputs
+    assert run.finish_reasons[4] != "length"
+    assert run.metrics is not None
+    assert run.metrics["vllm:num_preemptions"] > 0
+    aborted = vllm_engine(
+        tiny_gemma2, [prompts[2], prompts[3]], kv_transfer_config=config, sequential=False, abort_after_steps={0: 0}
+    ).check()
+    assert aborted.finish_reasons[0] != "length"
+    assert aborted.finish_reasons[1] == "length"
+    time.sleep(0.5)
+    assert_nothing_left(kvdepot_server.stats())

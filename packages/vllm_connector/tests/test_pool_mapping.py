@@ -50,7 +50,7 @@ def _layout() -> KVLayout:
 def test_pool_pages_are_mapped_in_the_background(pool_file: Path, prefault: bool) -> None:
     """With prefault on, every page of the pool is in the worker's page tables soon after mapping,
     before any copy; with it off, none is until used. The bytes are not changed either way."""
-    mapping = _PoolMapping(str(pool_file), SIZE, "server", _layout(), prefault=prefault)
+    mapping = _PoolMapping(str(pool_file), SIZE, "server", [_layout()], prefault=prefault)
     try:
         address = mapping.tensor.data_ptr()
         if mapping.prefault is not None:

@@ -177,10 +177,10 @@ def test_no_lookup_for_chunks_vllms_prefix_cache_holds():
     assert s.get_num_new_matched_tokens(half, 8) == (8, True)
     ((items, _future),) = client.lookups
     assert [len(item.keys) for item in items] == [1]  # only the second chunk
-    s.update_state_after_alloc(half, [1, 2, 3, 4, 5], 8)
+    s.update_state_after_alloc(half, ([1, 2, 3, 4, 5],), 8)
     meta = s.build_connector_meta(output())
     assert meta.loads[0].slots == [[0]]  # the slot of the one chunk asked for
-    assert meta.loads[0].block_ids == [3, 4]
+    assert meta.loads[0].block_ids == [[3, 4]]
 
 
 def test_a_local_hit_that_shrank_makes_the_hit_unusable():
@@ -191,7 +191,7 @@ def test_a_local_hit_that_shrank_makes_the_hit_unusable():
     a = request("a", 20)
     s.on_new_request(a)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 0)
+    s.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 0)
     assert client.released == [3]
 
 
@@ -201,7 +201,7 @@ def test_load_lease_is_released_once_every_worker_reported_the_load():
     s = side(client)
     a = request("a", 20)
     assert looked_up(s, client, a, (2, 11)) == (16, True)
-    s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 16)
+    s.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 16)
     meta = s.build_connector_meta(output())
     assert [op.req_id for op in meta.loads] == ["a"]
     assert meta.loads[0].slots == [[0, 64]]
@@ -221,7 +221,7 @@ def test_abort_while_loading_keeps_the_lease_until_the_copy_ends():
     s = side(client)
     a = request("a", 20)
     looked_up(s, client, a, (2, 11))
-    s.update_state_after_alloc(a, [1, 2, 3, 4, 5], 16)
+    s.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 16)
     s.build_connector_meta(output())
     a.status = RequestStatus.FINISHED_ABORTED
     assert s.request_finished(a) == (False, None)  # vLLM itself holds the blocks of a loading request
@@ -239,8 +239,8 @@ def test_a_finished_request_with_stores_holds_its_blocks():
     for r in (a, b):
         s.on_new_request(r)
         assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    s.update_state_after_alloc(a, list(range(5)), 0)
-    s.update_state_after_alloc(b, [9], 0)
+    s.update_state_after_alloc(a, (list(range(5)),), 0)
+    s.update_state_after_alloc(b, ([9],), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5))), ("b", [9])], scheduled={"a": 20, "b": 4}))
     assert [op.req_id for op in meta.stores] == ["a"]
     assert s.request_finished(a) == (True, None)
@@ -314,7 +314,7 @@ def test_disconnected_server_is_a_miss_without_a_message():
     a = request("a", 20)
     s.on_new_request(a)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    s.update_state_after_alloc(a, list(range(5)), 0)
+    s.update_state_after_alloc(a, (list(range(5)),), 0)
     s.build_connector_meta(output())
     assert client.lookups == []
 
@@ -336,7 +336,7 @@ def test_failed_load_releases_and_recomputes_from_vllms_count(local_hit):
     s = side(client)
     a = request("a", 24)
     assert looked_up(s, client, a, (3, 41)) == (23, True)
-    s.update_state_after_alloc(a, list(range(6)), 23)
+    s.update_state_after_alloc(a, (list(range(6)),), 23)
     s.build_connector_meta(output())
     a.num_computed_tokens = 0  # vLLM truncated at the first failed block, the first one
     s.update_connector_output(finished(recving={"a"}, failed={"a"}))
@@ -345,7 +345,7 @@ def test_failed_load_releases_and_recomputes_from_vllms_count(local_hit):
     assert s.planner.get("a").state is RequestState.READY
     # vLLM freed the blocks and admits the request again.
     assert s.get_num_new_matched_tokens(a, local_hit) == (0, False)
-    s.update_state_after_alloc(a, list(range(10, 16)), 0)
+    s.update_state_after_alloc(a, (list(range(10, 16)),), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(10, 16)))], scheduled={"a": 24 - local_hit}))
     assert [(op.req_id, len(op.keys[0])) for op in meta.stores] == [("a", 3)]
     assert len(client.lookups) == 1
@@ -357,7 +357,7 @@ def test_preempted_request_looks_up_again():
     s = side(client)
     a = request("a", 20)
     assert looked_up(s, client, a, (0, 0)) == (0, False)
-    s.update_state_after_alloc(a, list(range(5)), 0)
+    s.update_state_after_alloc(a, (list(range(5)),), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
     assert len(meta.stores) == 1
     meta = s.build_connector_meta(output(preempted={"a"}))
@@ -374,7 +374,7 @@ def test_prompt_embeds_are_not_cached():
     e = request("e", 20, prompt_embeds=object())
     s.on_new_request(e)
     assert s.get_num_new_matched_tokens(e, 0) == (0, False)
-    s.update_state_after_alloc(e, list(range(5)), 0)
+    s.update_state_after_alloc(e, (list(range(5)),), 0)
     meta = s.build_connector_meta(output(new=[("e", list(range(5)))], scheduled={"e": 20}))
     assert client.lookups == []
     assert meta.stores == []
@@ -420,7 +420,7 @@ def test_skip_reading_prefix_cache_is_stored_but_not_looked_up():
     a.skip_reading_prefix_cache = True
     s.on_new_request(a)
     assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    s.update_state_after_alloc(a, list(range(5)), 0)
+    s.update_state_after_alloc(a, (list(range(5)),), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
     assert client.lookups == []
     assert len(meta.stores) == 1

@@ -43,20 +43,23 @@ def client(server: kvdepot.server.ServerProcess) -> Iterator[CacheClient]:
         yield c
 
 
-def make_worker(client: CacheClient, kv: torch.Tensor, **kw: object) -> WorkerSide:
+def make_worker(
+    client: CacheClient, kv: torch.Tensor | dict[str, torch.Tensor], *, layout_name: str = "test-layout", **kw: object
+) -> WorkerSide:
+    """A worker over one layer ``kv``, or over the layers of a dict."""
     worker = WorkerSide(
         client=client,
         health=ServerHealth(client),
         strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
         chunk_size=CHUNK,
         block_size=BLOCK,
-        layout_name="test-layout",
+        layout_name=layout_name,
         model="m",
         backend_hint=None,
         prefault_pool=False,
         **kw,  # type: ignore[arg-type]
     )
-    worker.register_kv_caches({"layers.0": kv})
+    worker.register_kv_caches(kv if isinstance(kv, dict) else {"layers.0": kv})
     return worker
 
 
@@ -64,12 +67,12 @@ def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], b
     """The load of a lookup's hit into ``block_ids``, as the scheduler side plans it."""
     slots = [slot.offset for slot in hit.slots]
     tokens = len(keys) * CHUNK
-    return LoadOp(req_id, client.server_id or "", [slots], block_ids, 0, tokens, hit.slots[0].length, "", [keys])
+    return LoadOp(req_id, client.server_id or "", [slots], [block_ids], 0, tokens, hit.slots[0].length, "", [keys])
 
 
 def store(worker: WorkerSide, req_id: str, keys: list[bytes], block_ids: list[int]) -> None:
     """Store ``block_ids`` under ``keys`` through the copy thread, and wait until it is committed."""
-    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], block_ids)]))
+    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], [block_ids])]))
     worker.start_load_kv(KVDepotMetadata(held={req_id}))
     finished(worker, req_id, sending=True)
 
@@ -91,7 +94,7 @@ def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> N
     kv = torch.randn((8, 2, BLOCK, 64))
     worker = make_worker(client, kv)
     try:
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         worker.start_load_kv(KVDepotMetadata(held={"a"}))  # "a" finished; vLLM holds its blocks
         finished(worker, "a", sending=True)
         hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
@@ -112,7 +115,7 @@ def test_a_slot_of_another_length_is_a_failed_load(client: CacheClient) -> None:
     worker = make_worker(client, kv)
     try:
         before = kv.clone()
-        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 0, CHUNK, worker.chunk_bytes // 2)
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 0, CHUNK, worker.chunk_bytes // 2)
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {5, 6}
@@ -125,7 +128,7 @@ def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
     """A load that fails is reported finished, with its blocks as failed in the same pass."""
     worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), fail_loads=True)
     try:
-        load = LoadOp("b", client.server_id or "", [[0]], [5, 6], 1, CHUNK)
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 1, CHUNK)
         worker.start_load_kv(KVDepotMetadata(loads=[load]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {6}  # the first block was the engine's own hit
@@ -145,7 +148,7 @@ def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
     gate = threading.Event()
     try:
         worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         returned = threading.Event()
         waiter = threading.Thread(
             target=lambda: (worker.handle_preemptions(KVDepotMetadata(preempted={"a"})), returned.set())
@@ -166,7 +169,7 @@ def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient
     try:
         worker.health.report_timeout()
         worker.health._probe_sent = time.monotonic() + 60  # no probe in this test
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [1, 2])]))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         worker.start_load_kv(KVDepotMetadata(held={"a"}))
         finished(worker, "a", sending=True)
         assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
@@ -214,7 +217,7 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
         hit = client.lookup([("", [KEY])]).result(5).results[0]
         pool = worker._copier.submit(worker._current_pool).result()
         assert pool is not None
-        scatter = pool.copier.scatter
+        scatter = pool.copiers[0].scatter
 
         def scatter_while_the_slot_is_reused(*args: Any, **kwargs: Any) -> Any:
             copy = scatter(*args, **kwargs)
@@ -224,12 +227,76 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
             assert again.slots[0].offset == hit.slots[0].offset
             return copy
 
-        pool.copier.scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
+        pool.copiers[0].scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
         worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {5, 6}
         meta = worker.take_worker_meta()
         assert meta is not None
         assert meta.failed == {"b"}
+    finally:
+        worker.shutdown()
+
+
+def hybrid_worker(client: CacheClient, t0: torch.Tensor, t1: torch.Tensor) -> WorkerSide:
+    """A worker of a Gemma-2-like model: layers 0 and 2 slide, 1 and 3 attend to everything; as in
+    vLLM, one layer of each group shares each tensor (a block belongs to one group at a time)."""
+    from kvdepot.vllm_connector._groups import CacheGroup
+
+    groups = (CacheGroup(("l.0", "l.2"), "sliding_window", 64), CacheGroup(("l.1", "l.3"), "full"))
+    return make_worker(client, {"l.0": t0, "l.1": t0, "l.2": t1, "l.3": t1}, layout_name="test-hybrid", groups=groups)
+
+
+def test_a_hybrid_chunk_holds_every_groups_blocks_and_loads_skip_the_null_block(
+    client: CacheClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A chunk of a model with two KV-cache groups holds both groups' blocks of every layer; a load
+    writes each group's blocks, except vLLM's null block (block 0) outside the window."""
+    t0, t1 = torch.randn((8, 2, BLOCK, 64)), torch.randn((8, 2, BLOCK, 64))
+    before = (t0.clone(), t1.clone())
+    worker = hybrid_worker(client, t0, t1)
+    try:
+        assert worker.chunk_bytes == 2 * 2 * 2 * t0[0].numel() * 4  # 2 groups x 2 layers x 2 blocks
+        assert worker.fingerprint().startswith("sliding_window64x2:")
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2], [3, 4]])]))
+        worker.start_load_kv(KVDepotMetadata(held={"a"}))
+        finished(worker, "a", sending=True)
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [[0, 5], [6, 7]], 0, CHUNK,
+                      hit.slots[0].length, "", [[KEY]])  # fmt: skip
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_requests() == set()
+        for tensor, original in zip((t0, t1), before, strict=True):
+            assert torch.equal(tensor[5], original[2])  # the window's block
+            assert torch.equal(tensor[6:8], original[3:5])  # the full-attention group's blocks
+            assert torch.equal(tensor[0], original[0])  # vLLM's null block was not written
+        client.release([hit.lease_id]).result(5)
+
+        # A null block after a block to load is no window: the load fails, reported per request.
+        bad = LoadOp("c", client.server_id or "", [[hit.slots[0].offset]], [[5, 0], [6, 7]], 0, CHUNK,
+                     hit.slots[0].length, "", [[KEY]])  # fmt: skip
+        worker.start_load_kv(KVDepotMetadata(loads=[bad]))
+        finished(worker, "c", sending=False)
+        assert worker.take_failed_requests() == {"c"}
+        assert "null block lies after a block to load" in caplog.text
+        assert worker.take_failed_blocks() == set()  # block ids are per group: never reported as blocks
+    finally:
+        worker.shutdown()
+
+
+def test_a_failed_load_of_a_sliding_window_model_is_reported_per_request(client: CacheClient) -> None:
+    """With a window, a load cut back to its first failed block would reach into blocks vLLM dropped:
+    the request is reported failed (vLLM recomputes it), never its blocks."""
+    from kvdepot.vllm_connector._groups import CacheGroup
+
+    groups = (CacheGroup(("layers.0",), "sliding_window", 64),)
+    worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), fail_loads=True, groups=groups)
+    try:
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 1, CHUNK)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == set()
+        assert worker.take_failed_requests() == {"b"}
     finally:
         worker.shutdown()

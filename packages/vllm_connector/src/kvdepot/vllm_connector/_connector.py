@@ -16,13 +16,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 
-from kvdepot.core import KVDepotError, Namespace, ParallelStrategy
+from kvdepot.core import Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._config import ConnectorConfig
+from kvdepot.vllm_connector._groups import CacheGroup, ConnectorConfigError, cache_groups, layout_part
 from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._identity import model_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
@@ -70,17 +72,17 @@ def _route_structlog_to_stdlib() -> None:
     )
 
 
-class ConnectorConfigError(KVDepotError, ValueError):
-    """The engine's configuration cannot work with kvdepot; the message says what to change."""
+__all__ = ["ConnectorConfigError", "KVDepotConnector", "layout_name"]
 
 
-def layout_name(vllm_config: VllmConfig) -> str:
+def layout_name(vllm_config: VllmConfig, groups: tuple[CacheGroup, ...] = ()) -> str:
     """The KV layout as both halves derive it from the config alone (part of every key).
 
     Everything a user or an upgrade can change about a block's bytes: device, dtypes, shape,
     parallel layout, the attention backend asked for, vLLM's KV-cache layout setting and
-    vLLM's version. What the worker then measures on its tensors goes to the server as the
-    layout's fingerprint, and the server refuses a second fingerprint under one name.
+    vLLM's version, and the KV-cache groups of a hybrid or sliding-window model. What the
+    worker then measures on its tensors goes to the server as the layout's fingerprint, and
+    the server refuses a second fingerprint under one name.
     """
     from vllm.platforms import current_platform
 
@@ -104,6 +106,7 @@ def layout_name(vllm_config: VllmConfig) -> str:
             f"attn={getattr(backend, 'name', backend) or 'auto'}",
             f"kvlayout={os.environ.get('VLLM_KV_CACHE_LAYOUT') or 'auto'}",
             f"vllm={getattr(vllm, '__version__', '')}",
+            *filter(None, [layout_part(groups)]),
         )
     )
 
@@ -117,17 +120,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         _route_structlog_to_stdlib()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        # Refuses layer types it cannot serve (Mamba state, ...) before anything starts.
+        self.groups = cache_groups(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups > 1:
-            raise ConnectorConfigError(
-                f"kvdepot stores models with one KV-cache group; this model has {groups} (sliding-window or hybrid "
-                "attention). Start vLLM with --disable-hybrid-kv-cache-manager so every layer shares one group, or "
-                "run without the kvdepot connector.",
-                groups=groups,
-            )
         self.config = ConnectorConfig.from_extra_config(
             ktc.kv_connector_extra_config,
             lmcache_backend=getattr(cache, "kv_offloading_backend", None) == "lmcache",
@@ -168,7 +165,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         )
         _check_server(self.client, self.config.timeout)
         self.health = ServerHealth(self.client)
-        name = layout_name(vllm_config)
+        name = layout_name(vllm_config, self.groups)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute":
                 # A cache miss is never an error: a failed load is recomputed, never turned
@@ -187,6 +184,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 client=self.client,
                 lookup_timeout=self.config.lookup_timeout,
                 health=self.health,
+                groups=self.groups,
             )
         else:
             self._worker = WorkerSide(
@@ -201,12 +199,14 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 fail_loads=self.config.fail_loads,
                 load_delay=self.config.load_delay,
                 prefault_pool=self.config.prefault_pool,
+                groups=self.groups,
             )
         log.info(
-            "kvdepot connector (%s) using server %s, chunk size %d tokens",
+            "kvdepot connector (%s) using server %s, chunk size %d tokens, KV-cache groups: %s",
             role.name.lower(),
             address,
             self.config.chunk_size,
+            ", ".join(group.describe() for group in self.groups),
         )
 
     def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
@@ -234,7 +234,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids()[0], num_external_tokens)
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
@@ -288,6 +288,24 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
         return self._worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Like `get_finished`, and the loads that failed: vLLM recomputes those requests.
+
+        With one full-attention KV-cache group a failed load is reported block by block
+        (`get_block_ids_with_load_errors`), so vLLM keeps what loaded before the first
+        failed block. Block ids are per group in a hybrid model, and a sliding window cut
+        back to the first failed block would reach into blocks vLLM already dropped (its
+        null block), so there the failed requests are reported, and vLLM recomputes each of
+        them from its start.
+        """
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._worker.take_failed_requests(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed_blocks() if self._worker is not None else set()

@@ -20,12 +20,13 @@ class LoadOp:
     The worker copies it on its own thread and reports it in `get_finished` (done or failed);
     vLLM keeps the request waiting and its blocks out of the prefix cache until then.
     Each slot's header must name its chunk (``salt``, ``keys``) before and after the copy.
+    Blocks that are vLLM's null block (outside a sliding window) are not written either.
     """
 
     req_id: str
     server_id: str
     slots: list[list[int]]  # per KV rank: pool offsets of the chunks, in order
-    block_ids: list[int]  # blocks_per_chunk blocks per chunk, in order
+    block_ids: list[list[int]]  # per KV-cache group: blocks_per_chunk blocks per chunk, in order
     skip_blocks: int
     num_tokens: int
     slot_bytes: int = 0  # each slot's length, as the server said: checked against the worker's chunk size
@@ -40,7 +41,7 @@ class StoreOp:
     req_id: str
     salt: str
     keys: list[list[bytes]]  # per KV rank
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV-cache group: blocks_per_chunk blocks per chunk, in order
 
 
 @dataclass
@@ -49,13 +50,16 @@ class KVDepotMetadata(KVConnectorMetadata):
 
     ``held`` are finished requests whose blocks vLLM keeps until every worker reports their
     stores done (`get_finished`); ``preempted`` are requests whose blocks vLLM took back this
-    step, so their stores must end before the step's forward pass may overwrite them.
+    step, so their stores must end before the step's forward pass may overwrite them;
+    ``flush`` are requests whose stores may read a sliding-window block that vLLM handed to
+    someone this step: they too must end first.
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
     held: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    flush: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -1,4 +1,7 @@
-"""A small Llama model and tokenizer built locally, so tests and the demo need no downloads.
+"""Small models and a tokenizer built locally, so tests and the demo need no downloads.
+
+A Llama (one KV-cache group in vLLM) and a Gemma 2 (sliding-window and full-attention layers
+alternate: vLLM gives it two KV-cache groups, `SlidingWindowSpec` and `FullAttentionSpec`).
 
 The weights are random but not degenerate: with `initializer_range=0.1` greedy decoding wanders
 through many tokens (with the default 0.02 it repeats one token, and a test could not tell good
@@ -35,6 +38,13 @@ TINY_LLAMA: dict[str, int] = {
     "vocab": 2048,
     "max_position_embeddings": 8192,
 }
+# The hybrid test model: a Gemma 2 whose even layers attend to a 256-token sliding window and
+# whose odd layers attend to everything (two KV-cache groups in vLLM), head size 64.
+TINY_GEMMA2: dict[str, int] = {**TINY_LLAMA, "sliding_window": 256}
+# Gemma 2 ties its output head to the embedding, which it scales by sqrt(hidden): with random
+# weights one token's row then wins every step (greedy output repeats it). Embeddings this much
+# smaller leave the attention layers in charge, and greedy output wanders.
+GEMMA2_EMBED_SCALE = 0.1
 # A larger model for benchmarks: prefill dominates time to first token, so a hit shows clearly.
 BENCH_LLAMA: dict[str, int] = {
     "num_layers": 8,
@@ -44,6 +54,9 @@ BENCH_LLAMA: dict[str, int] = {
     "vocab": 2048,
     "max_position_embeddings": 16384,
 }
+# The larger model's hybrid twin for benchmarks: a Gemma 2 with a 1,024-token sliding window on
+# its even layers (long prompts hold it several times over).
+BENCH_GEMMA2: dict[str, int] = {**BENCH_LLAMA, "sliding_window": 1024}
 
 _SYLLABLES = [
     "ka",
@@ -154,8 +167,11 @@ def _model_params(
     seed: int,
     max_position_embeddings: int,
     intermediate: int | None,
+    sliding_window: int | None = None,
 ) -> dict[str, Any]:
+    extra = {"architecture": "gemma2", "sliding_window": sliding_window} if sliding_window else {}
     return {
+        **extra,
         "format": FORMAT,
         "num_layers": num_layers,
         "hidden": hidden,
@@ -206,30 +222,45 @@ def _write_tokenizer(directory: Path, vocab: int, seed: int) -> int:
 
 def _write_model(directory: Path, params: dict[str, Any]) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    config = LlamaConfig(
-        vocab_size=params["vocab"],
-        hidden_size=params["hidden"],
-        intermediate_size=params["intermediate"],
-        num_hidden_layers=params["num_layers"],
-        num_attention_heads=params["heads"],
-        num_key_value_heads=params["kv_heads"],
-        max_position_embeddings=params["max_position_embeddings"],
-        initializer_range=0.1,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        tie_word_embeddings=False,
-        dtype="float32",
-    )
+    common = {
+        "vocab_size": params["vocab"],
+        "hidden_size": params["hidden"],
+        "intermediate_size": params["intermediate"],
+        "num_hidden_layers": params["num_layers"],
+        "num_attention_heads": params["heads"],
+        "num_key_value_heads": params["kv_heads"],
+        "max_position_embeddings": params["max_position_embeddings"],
+        "initializer_range": 0.1,
+        "pad_token_id": PAD_ID,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
+        "dtype": "float32",
+    }
+    if params.get("architecture") == "gemma2":
+        head_dim = params["hidden"] // params["heads"]
+        config: Any = transformers.Gemma2Config(
+            **common,
+            head_dim=head_dim,
+            query_pre_attn_scalar=head_dim,
+            sliding_window=params["sliding_window"],
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(params["num_layers"])],
+        )
+        model_cls: Any = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=False)
+        model_cls = transformers.LlamaForCausalLM
     # Seed the global generator: transformers initialises weights through it.
     state = torch.random.get_rng_state()
     torch.manual_seed(params["seed"])
     try:
-        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[no-untyped-call]
+        model = model_cls(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(state)
+    if params.get("architecture") == "gemma2":
+        with torch.no_grad():
+            model.model.embed_tokens.weight.mul_(GEMMA2_EMBED_SCALE)
     model.save_pretrained(directory, safe_serialization=True)
 
 
@@ -244,8 +275,12 @@ def build_tiny_llama(
     seed: int = 0,
     max_position_embeddings: int = 8192,
     intermediate: int | None = None,
+    sliding_window: int | None = None,
 ) -> Path:
     """Build (or reuse) a random fp32 Llama model and a byte-level BPE tokenizer in `path`.
+
+    With `sliding_window`, the model is a Gemma 2 instead: its even layers attend to that many
+    tokens, its odd layers to all of them (vLLM gives it two KV-cache groups).
 
     Idempotent: a directory that already holds a complete model with the same parameters is
     returned untouched; one with other parameters or a half-written one is rebuilt. The build
@@ -262,6 +297,7 @@ def build_tiny_llama(
         seed=seed,
         max_position_embeddings=max_position_embeddings,
         intermediate=intermediate,
+        sliding_window=sliding_window,
     )
     if is_complete(target, params):
         return target

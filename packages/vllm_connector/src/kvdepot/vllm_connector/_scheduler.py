@@ -12,6 +12,12 @@ planner events and never waits on the server beyond one bounded moment per step:
 - A finished request that planned stores keeps its blocks until every worker's copy of
   them is done (`request_finished` returns True; the workers report it in `get_finished`).
 - While the server is down or stuck, lookups are misses at once (`ServerHealth`).
+- With several KV-cache groups (a hybrid or sliding-window model) the planner accounts
+  for the request's positions; a chunk is loaded into, and stored from, the blocks of every
+  group at those positions (`_groups.py` says what is done with blocks outside a window).
+  A sliding-window block may go back to vLLM's pool while its request runs: when vLLM hands
+  a block to anyone while a store may still be reading it, the workers first wait for that
+  store (``KVDepotMetadata.flush``).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import attrs
 
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import DeadlineExceededError, LookupItem
+from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
 from kvdepot.vllm_connector._identity import lora_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
@@ -105,8 +112,17 @@ class SchedulerSide:
         client: CacheClient,
         lookup_timeout: float,
         health: ServerHealth,
+        groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
     ) -> None:
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
+        self.groups = groups
+        # With several groups, or one whose blocks vLLM may drop while their request runs (a
+        # window), the blocks of each store are read from vLLM's block table when it is planned.
+        self._windowed = len(groups) > 1 or not groups[0].stable
+        # Blocks of windowed groups that a store may still be reading, with their request, and
+        # blocks vLLM allocated for loads in this scheduling pass.
+        self._store_blocks: dict[int, str] = {}
+        self._allocated: list[int] = []
         self.client = client
         self.health = health
         self.kv_world_size = namespace.kv_world_size
@@ -159,21 +175,28 @@ class SchedulerSide:
         num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
         return num, num > 0
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        """vLLM allocated the request's blocks, one list per KV-cache group."""
         req_id = request.request_id
+        if self._windowed:
+            self._allocated.extend(block for group in block_ids for block in group)
         if req_id not in self._records:
             return
         tracker = self.planner.get(req_id)
         if tracker.state not in (RequestState.LOOKED_UP, RequestState.NEW, RequestState.PREEMPTED):
             return  # a request promoted after its load, or after a failed one, is allocated again
-        plan = self.planner.on_allocated(req_id, block_ids, num_external_tokens)
+        plan = self.planner.on_allocated(req_id, block_ids[0], num_external_tokens)
         if plan is not None:
+            bpc = self.planner.blocks_per_chunk
+            start, end = plan.first_chunk * bpc, (plan.first_chunk + plan.num_chunks) * bpc
             self._loads.append(
                 LoadOp(
                     req_id=req_id,
                     server_id=plan.source,
                     slots=[list(rank_slots) for rank_slots in plan.slots],
-                    block_ids=list(plan.block_ids),
+                    block_ids=[list(group[start:end]) for group in block_ids],
                     skip_blocks=plan.skip_blocks,
                     num_tokens=plan.num_tokens,
                     slot_bytes=self._records[req_id].slot_bytes,
@@ -189,6 +212,8 @@ class SchedulerSide:
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted)
         self._loads, self._held = [], set()
+        if self._windowed:
+            meta.flush = self._reused_store_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), new.block_ids[0], replace=True)
@@ -308,16 +333,55 @@ class SchedulerSide:
         plan = self.planner.on_scheduled(
             req_id, num_tokens, record.request.all_token_ids, block_ids, replace_blocks=replace
         )
-        if plan is not None:
-            record.stored = True
-            meta.stores.append(
-                StoreOp(
-                    req_id=req_id,
-                    salt=plan.cache_salt,
-                    keys=[list(k) for k in plan.keys],
-                    block_ids=list(plan.block_ids),
-                )
-            )
+        if plan is None:
+            return
+        keys, blocks = [list(k) for k in plan.keys], [list(plan.block_ids)]
+        if self._windowed:
+            keys, blocks = self._windowed_store(req_id, plan.first_chunk, keys)
+            if not blocks[0]:
+                return
+        record.stored = True
+        meta.stores.append(StoreOp(req_id=req_id, salt=plan.cache_salt, keys=keys, block_ids=blocks))
+
+    def _windowed_store(
+        self, req_id: str, first_chunk: int, keys: list[list[bytes]]
+    ) -> tuple[list[list[bytes]], list[list[int]]]:
+        """The chunks of a store whose blocks still hold their tokens in every group, from vLLM's block table.
+
+        A chunk with a block vLLM dropped from the window (its null block) is not stored by
+        this request. The windowed groups' blocks are remembered until vLLM hands them to
+        someone (`_reused_store_blocks`).
+        """
+        manager = self.kv_cache_manager
+        groups: tuple[list[int], ...] = manager.get_block_ids(req_id) if manager is not None else ()
+        bpc = self.planner.blocks_per_chunk
+        kept: list[int] = []
+        blocks: list[list[int]] = [[] for _ in self.groups]
+        for index in range(len(keys[0])):
+            start = (first_chunk + index) * bpc
+            chunk = [group[start : start + bpc] for group in groups]
+            if len(chunk) != len(self.groups) or any(
+                len(ids) != bpc or NULL_BLOCK_ID in ids for ids in chunk
+            ):  # fmt: skip
+                continue
+            kept.append(index)
+            for out, ids in zip(blocks, chunk, strict=True):
+                out.extend(ids)
+        for group, ids in zip(self.groups, blocks, strict=True):
+            if not group.stable:
+                self._store_blocks.update(dict.fromkeys(ids, req_id))
+        return [[rank_keys[i] for i in kept] for rank_keys in keys], blocks
+
+    def _reused_store_blocks(self, scheduler_output: SchedulerOutput) -> set[str]:
+        """Requests whose stores may still read a block vLLM allocated in this pass: the workers wait for them."""
+        allocated, self._allocated = self._allocated, []
+        if not self._store_blocks:
+            return set()
+        for new in scheduler_output.scheduled_new_reqs:
+            allocated.extend(block for group in new.block_ids for block in group)
+        for new_blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            allocated.extend(block for group in new_blocks or () for block in group)
+        return {self._store_blocks.pop(block) for block in allocated if block in self._store_blocks}
 
     def _send_lookups(self) -> None:
         """Sends every queued lookup as one message."""

@@ -13,12 +13,16 @@ them, while the engine goes on with its next steps:
 - The pool is mapped, and remapped after a server restart, on the copy thread only, so no
   copy ever runs on a mapping that is being closed.
 
+With several KV-cache groups (a hybrid model) each group has its own `KVLayout` and copier
+over the same pool mapping: a slot holds the chunk's blocks of group 0, then group 1, ...
+
 A failed load is reported, never hidden.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import mmap
 import os
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
 from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
+from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
 if TYPE_CHECKING:
@@ -46,6 +51,18 @@ log = logging.getLogger("vllm.kvdepot.worker")
 _MADV_POPULATE_WRITE = 23
 #: The background prefault maps this much of the pool per system call.
 PREFAULT_STEP = 64 << 20
+#: A hybrid layout's fingerprint longer than this is sent as its digest (the wire allows 1024).
+FINGERPRINT_MAX = 512
+
+
+def _leading_nulls(block_ids: list[int]) -> int:
+    """How many of the blocks, from the first, are vLLM's null block."""
+    count = 0
+    for block in block_ids:
+        if block != NULL_BLOCK_ID:
+            break
+        count += 1
+    return count
 
 
 class SlotChangedError(RuntimeError):
@@ -68,7 +85,7 @@ class _PoolMapping:
     pass through the pool does not pay for them on the engine's critical path.
     """
 
-    def __init__(self, path: str, size: int, server_id: str, layout: KVLayout, *, prefault: bool = True) -> None:
+    def __init__(self, path: str, size: int, server_id: str, layouts: list[KVLayout], *, prefault: bool = True) -> None:
         import torch
 
         from kvdepot.gpu import open_copier
@@ -82,8 +99,8 @@ class _PoolMapping:
         self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.server_id = server_id
         self.size = size
-        # One copier per mapping: on CUDA it registers the pool for DMA once.
-        self.copier = open_copier(layout, self.tensor)
+        # One copier per KV-cache group and mapping: on CUDA the first registers the pool for DMA.
+        self.copiers = [open_copier(layout, self.tensor, register=i == 0) for i, layout in enumerate(layouts)]
         self._stop_prefault = threading.Event()
         self.prefault: threading.Thread | None = None
         if prefault:
@@ -101,7 +118,8 @@ class _PoolMapping:
         self._stop_prefault.set()
         if self.prefault is not None:
             self.prefault.join(5)  # one step at most: the range must not be unmapped under it
-        self.copier.close()
+        for copier in reversed(self.copiers):  # the first, which registered the pool, last
+            copier.close()
         del self.tensor
         with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
             self.mmap.close()
@@ -141,6 +159,7 @@ class WorkerSide:
         fail_loads: bool = False,
         load_delay: float = 0.0,
         prefault_pool: bool = True,
+        groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
     ) -> None:
         self.client = client
         self.health = health
@@ -153,7 +172,15 @@ class WorkerSide:
         self.fail_loads = fail_loads
         self.load_delay = load_delay
         self.prefault_pool = prefault_pool
-        self.layout: KVLayout | None = None
+        self.groups = groups
+        # A failed load is reported by its blocks only with one full-attention group: block ids
+        # are per group, and a window cut back to a failed block would hold vLLM's null block.
+        self._per_block_failures = len(groups) == 1 and groups[0].stable
+        self.layout: KVLayout | None = None  # group 0's (the only one without a hybrid model)
+        self.layouts: list[KVLayout] = []
+        # Per group: where its blocks start in a slot, and how many bytes they take.
+        self.group_offsets: list[int] = []
+        self.group_bytes: list[int] = []
         self.chunk_bytes = 0
         self._stats = KVDepotStats()
         self._stats_lock = threading.Lock()
@@ -168,6 +195,7 @@ class WorkerSide:
         self._stores: dict[str, list[Future[None]]] = {}
         self._held: set[str] = set()
         self._failed_blocks: set[int] = set()
+        self._failed_requests: set[str] = set()
         self._step_meta = KVDepotWorkerMetadata()
 
     # -- set-up ---------------------------------------------------------------------
@@ -175,8 +203,15 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from kvdepot.gpu import KVLayout
 
-        self.layout = KVLayout.from_kv_caches(kv_caches, backend_hint=self.backend_hint)
-        self.chunk_bytes = self.layout.chunk_bytes(self.blocks_per_chunk)
+        if len(self.groups) == 1:  # every layer, and layers that share another's KV as aliases
+            per_group = [kv_caches]
+        else:  # layers of different groups share tensors (one block belongs to one group at a time)
+            per_group = [{n: kv_caches[n] for n in group.layer_names if n in kv_caches} for group in self.groups]
+        self.layouts = [KVLayout.from_kv_caches(caches, backend_hint=self.backend_hint) for caches in per_group]
+        self.layout = self.layouts[0]
+        self.group_bytes = [layout.chunk_bytes(self.blocks_per_chunk) for layout in self.layouts]
+        self.group_offsets = [sum(self.group_bytes[:i]) for i in range(len(self.group_bytes))]
+        self.chunk_bytes = sum(self.group_bytes)
         try:
             reply = self.client.register(
                 self.layout_name,
@@ -185,7 +220,7 @@ class WorkerSide:
                 self.strategy.kv_world_size,
                 self.strategy.kv_rank,
                 self.model,
-                fingerprint=self.layout.fingerprint(),
+                fingerprint=self.fingerprint(),
             ).result()
         except Exception as exc:
             log.warning(
@@ -199,11 +234,21 @@ class WorkerSide:
         log.info(
             "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s, copies: %s",
             self.strategy.rank,
-            self.layout.fingerprint(),
+            self.fingerprint(),
             self.chunk_bytes,
             reply.pool.path,
-            pool.copier.describe() if pool is not None else "none (pool not mapped)",
+            pool.copiers[0].describe() if pool is not None else "none (pool not mapped)",
         )
+
+    def fingerprint(self) -> str:
+        """The layout's fingerprint: every group's, with what kind of attention it is."""
+        if len(self.layouts) == 1:
+            return self.layouts[0].fingerprint()
+        pairs = zip(self.groups, self.layouts, strict=True)
+        text = "|".join(f"{group.describe()}:{layout.fingerprint()}" for group, layout in pairs)
+        if len(text) > FINGERPRINT_MAX:
+            text = f"hybrid{len(self.layouts)}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
+        return text
 
     def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
         """The client re-registered with a (possibly restarted) server; runs on the I/O thread."""
@@ -221,7 +266,7 @@ class WorkerSide:
         if self._pool is not None and self._pool.server_id == server_id:
             return self._pool
         try:
-            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layout, prefault=self.prefault_pool)
+            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layouts, prefault=self.prefault_pool)
         except (OSError, PoolError) as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
             return self._pool
@@ -237,8 +282,8 @@ class WorkerSide:
     # -- the engine's step ------------------------------------------------------------
 
     def handle_preemptions(self, meta: KVDepotMetadata) -> None:
-        """Before the step reuses preempted requests' blocks, their stores must have read them."""
-        for req_id in meta.preempted:
+        """Before the step reuses blocks (preempted requests', or a window's), their stores must have read them."""
+        for req_id in meta.preempted | meta.flush:
             for future in self._stores.pop(req_id, ()):
                 future.exception()  # waits; a failure was logged by the copy itself
 
@@ -265,8 +310,11 @@ class WorkerSide:
             exc = future.exception()
             if exc is not None:
                 log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
-                first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
-                self._failed_blocks.update(op.block_ids[max(first, op.skip_blocks) :])
+                if self._per_block_failures:  # vLLM keeps what loaded before the first failed block
+                    first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
+                    self._failed_blocks.update(op.block_ids[0][max(first, op.skip_blocks) :])
+                else:
+                    self._failed_requests.add(req_id)  # vLLM recomputes the request
                 self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
         for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
             del self._stores[req_id]
@@ -290,8 +338,14 @@ class WorkerSide:
             raise RuntimeError(f"the slots hold {op.slot_bytes} bytes, this worker's chunks are {self.chunk_bytes}")
         slots, keys = op.slots[self.strategy.kv_rank], op.keys[self.strategy.kv_rank]
         bpc = self.blocks_per_chunk
-        if len(slots) * bpc != len(op.block_ids) or len(keys) != len(slots):
-            raise RuntimeError(f"{len(slots)} slots and {len(keys)} keys for {len(op.block_ids)} blocks")
+        if len(op.block_ids) != len(self.layouts):
+            raise RuntimeError(f"blocks of {len(op.block_ids)} KV-cache groups for {len(self.layouts)} groups")
+        if any(len(slots) * bpc != len(ids) for ids in op.block_ids) or len(keys) != len(slots):
+            raise RuntimeError(f"{len(slots)} slots and {len(keys)} keys for {[len(i) for i in op.block_ids]} blocks")
+        # vLLM's null block stands for blocks outside a sliding window: always leading, never written.
+        skips = [max(op.skip_blocks, _leading_nulls(ids)) for ids in op.block_ids]
+        if any(NULL_BLOCK_ID in ids[skip:] for ids, skip in zip(op.block_ids, skips, strict=True)):
+            raise RuntimeError("vLLM's null block lies after a block to load")
         if any(offset < SLOT_HEADER_BYTES or offset + self.chunk_bytes > pool.size for offset in slots):
             raise RuntimeError("a slot lies outside the mapped pool")
         # The seqlock (kvdepot.core._slots): copy only the chunks whose slots say they hold them,
@@ -302,8 +356,12 @@ class WorkerSide:
         ]
         good = held.index(False) if False in held else len(held)
         if good:
-            blocks = [op.block_ids[i * bpc : (i + 1) * bpc] for i in range(good)]
-            pool.copier.scatter(slots[:good], blocks, skip_blocks=op.skip_blocks, slot_size=self.chunk_bytes).wait()
+            for copier, ids, skip, at, size in zip(
+                pool.copiers, op.block_ids, skips, self.group_offsets, self.group_bytes, strict=True
+            ):
+                blocks = [ids[i * bpc : (i + 1) * bpc] for i in range(good)]
+                offsets = [offset + at for offset in slots[:good]]
+                copier.scatter(offsets, blocks, skip_blocks=skip, slot_size=size).wait()
             good = next((i for i in range(good) if pool.header(slots[i]) != before[i]), good)
         if good < len(slots):
             raise SlotChangedError(good, len(slots))
@@ -346,9 +404,12 @@ class WorkerSide:
     def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> Future[Any]:
         """Copy the reserved chunks into their slots; the future of the commit (or of the abort)."""
         bpc = self.blocks_per_chunk
-        blocks = [op.block_ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
         try:
-            pool.copier.gather(blocks, [s.offset for s in reply.slots], slot_size=self.chunk_bytes).wait()
+            for copier, ids, at, size in zip(
+                pool.copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True
+            ):
+                blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
+                copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size).wait()
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
             return self.client.abort(reply.reservation_id, server_id=pool.server_id)
@@ -368,6 +429,11 @@ class WorkerSide:
 
     def take_failed_blocks(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose load failed, with several KV-cache groups or a window (else their blocks are reported)."""
+        out, self._failed_requests = self._failed_requests, set()
         return out
 
     def take_stats(self) -> KVDepotStats | None:

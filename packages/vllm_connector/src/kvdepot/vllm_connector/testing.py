@@ -10,7 +10,8 @@ session of an environment holding kvdepot-vllm:
   start nothing.
 - `tiny_llama`: the path of a small random fp32 Llama model with its tokenizer, built once and
   cached under pytest's cache directory (or `$KVDEPOT_MODEL_CACHE`); `bench_llama` the same for
-  the larger benchmark model.
+  the larger benchmark model; `tiny_gemma2` a small Gemma 2 (sliding-window and full-attention
+  layers: two KV-cache groups in vLLM).
 
 Importing this module imports neither vLLM nor torch; the fixtures import them when used.
 `testing.StubConnector` (the no-op connector class) is resolved on access, and imports vLLM.
@@ -26,7 +27,9 @@ from typing import Any
 import pytest
 
 from kvdepot.vllm_connector._model import (
+    BENCH_GEMMA2,
     BENCH_LLAMA,
+    TINY_GEMMA2,
     TINY_LLAMA,
     build_tiny_llama,
     is_complete,
@@ -34,11 +37,13 @@ from kvdepot.vllm_connector._model import (
 )
 
 __all__ = [
+    "BENCH_GEMMA2",
     "BENCH_LLAMA",
     "MODEL_CACHE_ENV",
     "OFFLOADING_CONNECTOR_NAMES",
     "STUB_CLASS",
     "STUB_MODULE",
+    "TINY_GEMMA2",
     "TINY_LLAMA",
     "ConnectorRegistryPatch",
     "bench_llama",
@@ -46,6 +51,7 @@ __all__ = [
     "is_complete",
     "model_cache_dir",
     "stub_connector_registry",
+    "tiny_gemma2",
     "tiny_llama",
     "tokenizer_vocab_size",
 ]
@@ -164,3 +170,11 @@ def bench_llama(request: pytest.FixtureRequest) -> Path:
     pytest.importorskip("transformers", reason="building the test model needs transformers")
     pytest.importorskip("tokenizers", reason="building the test model needs tokenizers")
     return build_tiny_llama(model_cache_dir(request.config) / "bench-llama", **BENCH_LLAMA)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(request: pytest.FixtureRequest) -> Path:
+    """Path of the small fp32 Gemma 2 test model (`TINY_GEMMA2`: a 256-token sliding window on even layers)."""
+    pytest.importorskip("transformers", reason="building the test model needs transformers")
+    pytest.importorskip("tokenizers", reason="building the test model needs tokenizers")
+    return build_tiny_llama(model_cache_dir(request.config) / "tiny-gemma2", **TINY_GEMMA2)
