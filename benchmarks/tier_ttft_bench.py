@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _util import drop_page_cache, progress, table
 from vllm_bench import (
     CHUNK_TOKENS,
-    DEFAULT_MODEL_DIR,
+    MODELS_DIR,
     PROMPT_TAIL,
     WARMUP_TOKENS,
     Bench,
@@ -354,7 +354,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--capacity", default="1GiB", help="each kvdepot server's RAM capacity (default 1GiB)")
     parser.add_argument("--disk-capacity", default="2GiB", help="the disk tier's capacity (default 2GiB)")
-    parser.add_argument("--model-dir", type=Path, default=DEFAULT_MODEL_DIR, help="where the model is built/cached")
+    parser.add_argument(
+        "--model-dir", type=Path, default=MODELS_DIR / "bench-llama", help="where the model is built/cached"
+    )
     parser.add_argument("--keep-logs", action="store_true", help="keep the engine, server and Valkey logs")
     args = parser.parse_args(argv)
     for name, full, quick in (("prompts", 4, 2), ("prompt_tokens", 4096, 2048)):
