@@ -90,3 +90,19 @@ def test_a_lookup_that_misses_ram_is_answered_from_the_disk_tier(tmp_path):
         index.check()
     finally:
         tiers.close()
+
+
+def test_a_commit_stands_and_is_written_behind_after_the_tier_session_was_ended(tmp_path):
+    """A peer that greets under the server's own tier id and ends that session cannot make a
+    client's commit fail: the session comes back and the chunk is still written below."""
+    from kvdepot.server._tiering import TIER_CLIENT
+
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers)
+    try:
+        index.close_session(TIER_CLIENT)
+        assert store(index, pool, "a", [b"\x01" * 32]) == 1
+        settle(tiers, lambda: tiers.tiers[0].stats().objects == 1 and index.stats().leased_chunks == 0)
+        index.check()
+    finally:
+        tiers.close()

@@ -31,7 +31,7 @@ import attrs
 import structlog
 
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
-from kvdepot.server._errors import TooManyError
+from kvdepot.server._errors import ServerError
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._records import Entry
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
@@ -148,11 +148,11 @@ class TierSet:
         """Write-behind: pin the chunks a client just committed and queue them for every tier."""
         if client == TIER_CLIENT or self._closed:
             return  # chunks read from a tier are there already
+        now = time.monotonic()
         try:
-            outcomes = self.index.lookup(
-                TIER_CLIENT, [(e.salt, [e.key]) for e in entries], time.monotonic(), count=False
-            )
-        except TooManyError:  # too many chunks pinned already: these stay in RAM only
+            self.index.touch(TIER_CLIENT, now, "tiers")  # back if a peer greeting under its id ended it
+            outcomes = self.index.lookup(TIER_CLIENT, [(e.salt, [e.key]) for e in entries], now, count=False)
+        except ServerError:  # too many pins or sessions: these chunks stay in RAM only, the commit stands
             self.counters["pins_dropped"] += len(entries)
             return
         for entry, outcome in zip(entries, outcomes, strict=True):
