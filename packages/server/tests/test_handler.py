@@ -164,3 +164,38 @@ def test_a_request_for_another_server_instance_is_refused(server, client, reques
     call(this).result(T)
     (after,) = client.lookup([("", [key(1)])]).result(T).results
     assert after.num_hits == (0 if request_name == "abort" else 1)
+
+
+def test_stats_with_more_salts_than_listed_ranks_them_at_most_once_a_second(server, client, monkeypatch):
+    """Past MAX_STATS_SALTS salts, Stats lists the largest as ranked at most every SALT_RANKING_S,
+    with current figures, and counts every salt; a new largest salt shows up at the next ranking."""
+    from kvdepot.server import _handler
+
+    monkeypatch.setattr(_handler, "MAX_STATS_SALTS", 2)
+    ahead = [0.0]  # the handler's clock runs this far ahead of the real one
+    server.handler.clock = lambda: time.monotonic() + ahead[0]
+    client.register("layout", 256, CHUNK).result(T)
+    slot = server.allocator.slot_size(CHUNK)
+    n = iter(range(1000))
+
+    def store(salt: str, chunks: int) -> None:
+        res = client.reserve(salt, [key(next(n)) for _ in range(chunks)], CHUNK).result(T)
+        client.commit(res.reservation_id).result(T)
+
+    store("big", 3)
+    store("mid", 2)
+    store("small", 1)
+    stats = client.stats().result(T)
+    assert stats.salt_bytes == {"big": 3 * slot, "mid": 2 * slot}
+    assert stats.extra["salts"] == 3
+    store("small", 4)  # now the largest, but the ranking is less than a second old
+    store("mid", 1)
+    stats = client.stats().result(T)
+    assert stats.salt_bytes == {"big": 3 * slot, "mid": 3 * slot}  # figures are current
+    ahead[0] += _handler.SALT_RANKING_S
+    stats = client.stats().result(T)
+    assert stats.salt_bytes == {"small": 5 * slot, "big": 3 * slot} or stats.salt_bytes == {
+        "small": 5 * slot,
+        "mid": 3 * slot,
+    }
+    assert stats.extra["salt_chunks:small"] == 5

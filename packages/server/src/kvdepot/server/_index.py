@@ -397,7 +397,13 @@ class ChunkIndex:
             chunks += gone.chunks
         return Reclaimed(reservations, leases, chunks)
 
-    def stats(self) -> IndexStats:
+    def stats(self, salts: Iterable[str] | None = None) -> IndexStats:
+        """The index's figures; per-salt ones for every salt, or for `salts` only (cheap)."""
+        if salts is None:
+            salt_bytes, salt_chunks = dict(self._salt_bytes), dict(self._salt_chunks)
+        else:
+            salt_bytes = {salt: self._salt_bytes[salt] for salt in salts if salt in self._salt_bytes}
+            salt_chunks = {salt: self._salt_chunks.get(salt, 0) for salt in salt_bytes}
         return IndexStats(
             capacity_bytes=self.allocator.capacity,
             used_bytes=self.allocator.used_bytes,
@@ -418,10 +424,20 @@ class ChunkIndex:
             expired_reservations=self.expired_reservations,
             clients=len(self._sessions),
             full_reserves=self.full_reserves,
-            salt_bytes=dict(self._salt_bytes),
-            salt_chunks=dict(self._salt_chunks),
+            salt_bytes=salt_bytes,
+            salt_chunks=salt_chunks,
             quotas=dict(self._quotas),
+            salt_count=len(self._salt_bytes),
         )
+
+    @property
+    def salt_count(self) -> int:
+        """Salts holding any bytes."""
+        return len(self._salt_bytes)
+
+    def largest_salts(self, count: int) -> list[str]:
+        """The `count` salts holding the most bytes, most first (O(salts): not per request)."""
+        return heapq.nlargest(count, self._salt_bytes, key=self._salt_bytes.__getitem__)
 
     # -- internals ------------------------------------------------------------------------
 

@@ -67,6 +67,7 @@ class IndexStats:
     salt_bytes: dict[str, int]  # bytes per salt holding any (a plain copy: cheap with many salts)
     salt_chunks: dict[str, int]  # committed chunks per salt
     quotas: dict[str, int]
+    salt_count: int = 0  # salts holding any bytes, whether or not `salt_bytes` lists them all
 
     @property
     def per_salt(self) -> dict[str, SaltUsage]:
