@@ -128,6 +128,7 @@ class Dispatcher:
                 "unauthorized",
                 "handler_failures",
                 "peers_gone",
+                "unread_discarded",
             ),
             0,
         )

@@ -56,6 +56,12 @@ POLL_BUDGET_S = 0.05
 # without ever reading can make the server hold at most this many replies (each bounded by the
 # frame limit, and in practice a few KiB).
 SEND_HWM = 1024
+# A peer dropped because its replies went unread is not heard for this long (seconds): what it
+# sends meanwhile is discarded unread (counted as `unread_discarded`), so a peer that never reads
+# costs the loop a receive per message, not a decode, an answer and a log line.
+UNREAD_MUTE_S = 1.0
+# Muted peers remembered at most; past this, those whose time is up are forgotten.
+MAX_MUTED = 4096
 # The user name of ZMQ PLAIN authentication on tcp with a shared secret (the secret is the password).
 PLAIN_USER = "kvdepot"
 # The ZAP handler's own logger: quiet, the endpoint logs what matters.
@@ -242,6 +248,7 @@ class ServerEndpoint(_EndpointBase):
             secure_ipc_socket(self._ipc)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
         self._sock = sock
+        self._muted: dict[bytes, float] = {}  # identity -> until when its messages are discarded
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -260,15 +267,29 @@ class ServerEndpoint(_EndpointBase):
                     with contextlib.suppress(BlockingIOError):
                         os.read(self._wake_r, 4096)
         handled = 0
-        budget_end = time.monotonic() + POLL_BUDGET_S
+        now = time.monotonic()
+        budget_end = now + POLL_BUDGET_S
         while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             msg = sock.recv_multipart(_NOBLOCK)
             handled += 1
-            if len(msg) >= 2:  # ROUTER always prefixes the identity; else nothing to answer
+            if len(msg) >= 2 and not (self._muted and self._muted_now(msg[0], now)):
+                # ROUTER always prefixes the identity; else nothing to answer
                 self._reply(msg[0], self.dispatcher.dispatch(msg[0], msg[1:]))
-            if time.monotonic() > budget_end:
+            now = time.monotonic()
+            if now > budget_end:
                 break
         return handled
+
+    def _muted_now(self, identity: bytes, now: float) -> bool:
+        """Whether a message from `identity` is discarded: its replies went unread lately."""
+        until = self._muted.get(identity)
+        if until is None:
+            return False
+        if now < until:
+            self.dispatcher.counters["unread_discarded"] += 1
+            return True
+        del self._muted[identity]
+        return False
 
     def _send(self, identity: bytes, frames: list[bytes]) -> None:
         self._reply(identity, frames)
@@ -280,14 +301,22 @@ class ServerEndpoint(_EndpointBase):
         try:
             sock.send(identity, _SNDMORE_NOBLOCK)  # raises before anything is queued
         except zmq.Again:  # the peer does not read its replies: drop it and what it holds
-            log.warning("peer_dropped", peer=identity.hex(), reason=f"{SEND_HWM} replies unread")
+            log.warning("peer_dropped", peer=identity.hex(), reason=f"{SEND_HWM} replies unread", muted_s=UNREAD_MUTE_S)
             self.dispatcher.drop(identity)
+            self._mute(identity)
             return
         except zmq.ZMQError:  # EHOSTUNREACH: the peer disconnected; its reply has nobody to go to
             return
         for frame in replies[:-1]:
             sock.send(frame, _SNDMORE_NOBLOCK)
         sock.send(replies[-1], _NOBLOCK)
+
+    def _mute(self, identity: bytes) -> None:
+        now = time.monotonic()
+        if len(self._muted) >= MAX_MUTED:
+            self._muted = {peer: until for peer, until in self._muted.items() if until > now}
+        if len(self._muted) < MAX_MUTED:
+            self._muted[identity] = now + UNREAD_MUTE_S
 
     def _wake(self) -> None:
         if self._closed:
