@@ -7,7 +7,6 @@ already decoded and bounded the frame and checked Hello; exceptions raised here 
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -16,6 +15,7 @@ import structlog
 
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, StalePoolError
 from kvdepot.server._index import ChunkIndex
+from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
@@ -103,8 +103,7 @@ class CacheHandler:
         self.admin_allowed = True
         # The tiers below RAM, when the server has any: lookups that miss RAM ask them.
         self.tiers: TierSet | None = None
-        self._ranked_salts: list[str] = []
-        self._ranked_until = -math.inf
+        self._ranking = SaltRanking(index, SALT_RANKING_S)
         self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
             Register: self._register,
@@ -248,17 +247,7 @@ class CacheHandler:
             "reclaimed_leases": self.reclaimed_leases,
             "reclaimed_reservations": self.reclaimed_reservations,
         }
-        return stats_reply(self.index.stats(self._listed_salts(now)), extra)
-
-    def _listed_salts(self, now: float) -> list[str] | None:
-        """The salts a Stats reply lists: all (None) while they fit, else the largest, ranked
-        at most every SALT_RANKING_S."""
-        if self.index.salt_count <= MAX_STATS_SALTS:
-            return None
-        if now >= self._ranked_until:
-            self._ranked_salts = self.index.largest_salts(MAX_STATS_SALTS)
-            self._ranked_until = now + SALT_RANKING_S
-        return self._ranked_salts
+        return stats_reply(self.index.stats(self._ranking.listed(MAX_STATS_SALTS, now)), extra)
 
     def _check_admin(self, client: str, request: str) -> None:
         if not self.admin_allowed:

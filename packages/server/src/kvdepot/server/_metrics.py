@@ -39,13 +39,10 @@ def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
     """(bytes, chunks) per label for the `MAX_SALT_LABELS` salts holding the most bytes, plus "other"."""
     top = stats.largest_salts(MAX_SALT_LABELS)
     out = {salt_label(salt): (stats.salt_bytes[salt], stats.salt_chunks.get(salt, 0)) for salt in top}
-    if len(stats.salt_bytes) > len(top):
+    if stats.salt_count > len(top):  # every byte and chunk belongs to a salt: the rest is the others'
         listed_bytes = sum(stats.salt_bytes[salt] for salt in top)
         listed_chunks = sum(stats.salt_chunks.get(salt, 0) for salt in top)
-        out["other"] = (
-            sum(stats.salt_bytes.values()) - listed_bytes,
-            sum(stats.salt_chunks.values()) - listed_chunks,
-        )
+        out["other"] = (stats.used_bytes - listed_bytes, stats.chunks - listed_chunks)
     return out
 
 

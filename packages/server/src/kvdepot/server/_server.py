@@ -23,8 +23,9 @@ from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
-from kvdepot.server._metrics import BadFrameCounter, Metrics, MetricsSnapshot
+from kvdepot.server._metrics import MAX_SALT_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._slabs import SlabAllocator
 from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, TierSet
@@ -40,6 +41,8 @@ log = structlog.get_logger(__name__)
 POLL_INTERVAL = 0.05
 # How often the loop publishes figures for the metrics thread (seconds).
 SNAPSHOT_INTERVAL = 0.5
+# With more salts than /metrics labels, the largest are worked out (O(salts)) this often (seconds).
+METRIC_SALT_RANKING_S = 5.0
 # The default capacity is this fraction of the memory the kernel says is available ...
 DEFAULT_CAPACITY_FRACTION = 0.5
 # ... and never more than this fraction of the free space of the pool's filesystem.
@@ -117,6 +120,7 @@ class CacheServer:
             headers=SlotHeaders(self.pool.buffer),
         )
         self.metrics = Metrics()
+        self._metric_salts = SaltRanking(self.index, METRIC_SALT_RANKING_S)
         self.bad_frames = BadFrameCounter()
         self.started_at = time.monotonic()
         self._stop = threading.Event()
@@ -282,7 +286,8 @@ class CacheServer:
 
     def _publish(self) -> None:
         tiers = {k: v for k, v in self.tiers.stats().items() if k.startswith("tier:")} if self.tiers else {}
-        snapshot = MetricsSnapshot(self.index.stats(), self.endpoint.counters, self.bad_frames.snapshot(), tiers)
+        listed = self._metric_salts.listed(MAX_SALT_LABELS, time.monotonic())
+        snapshot = MetricsSnapshot(self.index.stats(listed), self.endpoint.counters, self.bad_frames.snapshot(), tiers)
         self.metrics.publish(snapshot)
 
     def _count_bad_frames_per_peer(self) -> None:
