@@ -215,8 +215,8 @@ def _add_log_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._server import CacheServer, ServerConfig
+    from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._tiering import DEFAULT_READ_DEADLINE
 
     fmt = configure_logging(args.log_format, args.log_level)
