@@ -35,7 +35,7 @@ VALKEY_DEPS = [
 ]
 TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "tokenizers", *VALKEY_DEPS]
 # mypy checks the remote tier against redis-py's own types, as the tests' environment has them.
-LINT_DEPS = ["ruff", "mypy", "redis>=5.0.1", "hiredis>=2.0"]
+LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1", "hiredis>=2.0"]
 
 
 def _needs_torch() -> bool:
@@ -86,11 +86,12 @@ for _name in PACKAGES:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """Ruff, mypy, and the import-layer contracts."""
+    """Ruff, mypy, and the import-layer contracts (import-linter, `[tool.importlinter]`)."""
     _install_workspace(session, *LINT_DEPS, "pytest>=8")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
     session.run("mypy", *[f"packages/{name}/src" for name in PACKAGES])
+    session.run("lint-imports")
     session.run("pytest", "tests/test_layering.py")
 
 

@@ -37,9 +37,9 @@ from kvdepot.transport import (
     LookupReply,
     LookupResult,
     Request,
-    ServerEndpoint,
     Slot,
-    encode,
+    encode_request,
+    open_endpoint,
 )
 
 KEYS_PER_REQUEST = 16
@@ -66,7 +66,7 @@ def _serve_endpoint(address: str, ready: Any) -> None:
     import structlog
 
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(40))
-    ep = ServerEndpoint(address, _Handler())
+    ep = open_endpoint(address, _Handler())
     ready.set()
     ep.serve_forever()
 
@@ -92,7 +92,7 @@ def _start(target: Any, address: str) -> mp.Process:
 
 
 def _lookup_frame() -> bytes:
-    return encode(Request(2, Lookup([LookupItem("salt", [b"k" * 32])])))
+    return encode_request(Request(2, Lookup([LookupItem("salt", [b"k" * 32])])))
 
 
 def round_trips(bare_addr: str, kv_addr: str, client: CacheClient, rounds: int, n: int) -> dict[str, list[float]]:
@@ -110,7 +110,7 @@ def round_trips(bare_addr: str, kv_addr: str, client: CacheClient, rounds: int, 
     raw.setsockopt(zmq.ROUTING_ID, b"bench-raw-peer")
     bare.connect(bare_addr)
     raw.connect(kv_addr)
-    raw.send(encode(Request(1, Hello(PROTOCOL_VERSION, "bench-raw-peer"))))
+    raw.send(encode_request(Request(1, Hello(PROTOCOL_VERSION, "bench-raw-peer"))))
     raw.recv()
     frame = _lookup_frame()
     item = [("salt", [b"k" * 32])]

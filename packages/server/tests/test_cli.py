@@ -48,6 +48,33 @@ def test_stats_without_server_exits_1_naming_the_command(tmp_path, capsys):
     assert "kvdepot serve" in capsys.readouterr().err
 
 
+def test_stats_reaches_a_tcp_server_with_a_secret(make_server, tmp_path, capsys):
+    """`kvdepot stats --auth-secret-file` says Hello with the server's secret; without it, it is refused."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = make_server(address=f"tcp://127.0.0.1:{port}", auth_secret="s3cret")
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("s3cret\n")
+    code = main(["stats", "--address", server.address, "--auth-secret-file", str(secret_file), "--json"])
+    out = capsys.readouterr().out  # the server thread's log lines come first
+    assert code == 0
+    assert json.loads(out[out.index('{\n  "') :])["clients"] >= 1
+    assert main(["stats", "--address", server.address, "--timeout", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "kvdepot stats: " in err
+    assert "secret" in err
+
+
+def test_stats_with_an_unreadable_secret_file_exits_1(tmp_path, capsys):
+    """A secret file that cannot be read fails before any connection, naming the option."""
+    code = main(["stats", "--auth-secret-file", str(tmp_path / "missing"), "--timeout", "0.3"])
+    assert code == 1
+    assert "--auth-secret-file" in capsys.readouterr().err
+
+
 def test_entry_point_commands_are_added_and_broken_ones_skipped(monkeypatch, capsys):
     """Subcommands from the kvdepot.commands group run; a plugin that fails to load is skipped."""
 

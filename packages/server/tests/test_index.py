@@ -359,7 +359,7 @@ def test_clear_keeps_leased_and_pending():
 
 def test_per_client_lease_limit(monkeypatch):
     """One client cannot hold more leases than the per-client limit."""
-    monkeypatch.setattr("kvdepot.server._index.MAX_LEASES_PER_CLIENT", 2)
+    monkeypatch.setattr("kvdepot.server._sessions.MAX_LEASES_PER_CLIENT", 2)
     index = make_index()
     store(index, [k(1)])
     index.lookup("a", [("", [k(1)])], 0.0)
@@ -402,7 +402,7 @@ def test_several_clients_together_cannot_pin_the_whole_pool_as_pending():
 
 def test_leases_of_all_clients_together_are_bounded(monkeypatch):
     """Past MAX_LEASES live leases in all, a lookup is refused with a typed error until some end."""
-    monkeypatch.setattr("kvdepot.server._index.MAX_LEASES", 3)
+    monkeypatch.setattr("kvdepot.server._sessions.MAX_LEASES", 3)
     index = make_index()
     store(index, [k(1)])
     for client in ("a", "b", "a"):

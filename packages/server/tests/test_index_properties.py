@@ -59,7 +59,7 @@ def test_any_sequence_keeps_salts_apart_and_data_intact(ops):
                     index.commit(client, rid, None, now)
             else:
                 index.commit(client, rid, [0, 1], now)
-                if rid not in index._reservations:  # nothing left pending: the reservation ended
+                if rid not in index.sessions.reservations:  # nothing left pending: the reservation ended
                     reservations[client].remove(rid)
         elif name == "lookup":
             keys = [i.to_bytes(4, "big") for i in extra]
@@ -80,10 +80,10 @@ def test_any_sequence_keeps_salts_apart_and_data_intact(ops):
             gone = index.expire(now)
             if gone.leases or gone.reservations:
                 # expired: the model forgets what the index forgot
-                live = set(index._leases)
+                live = set(index.sessions.leases)
                 for c in CLIENTS:
                     leases[c] = [lease for lease in leases[c] if lease[0] in live]
-                    reservations[c] = [r for r in reservations[c] if r in index._reservations]
+                    reservations[c] = [r for r in reservations[c] if r in index.sessions.reservations]
         elif name == "close":
             index.close_session(client)
             leases[client].clear()

@@ -11,6 +11,7 @@ import pytest
 
 import kvdepot.transport as t
 from kvdepot.transport._address import check_bind, is_loopback_tcp
+from kvdepot.transport.testing import DictHandler, MemoryServerEndpoint
 
 
 def test_default_address_uses_the_runtime_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -50,26 +51,32 @@ def test_wide_tcp_binds_need_auth() -> None:
 def test_ipc_socket_is_owner_only(tmp_path: Path) -> None:
     """The socket directory is 0o700 and the socket 0o600; a second server cannot steal it."""
     path = tmp_path / "run" / "kv.sock"
-    endpoint = t.ServerEndpoint(f"ipc://{path}", t.DictHandler())
+    endpoint = t.open_endpoint(f"ipc://{path}", DictHandler())
     try:
         assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
         with pytest.raises(t.LocalProtocolError, match="already serving"):
-            t.ServerEndpoint(f"ipc://{path}", t.DictHandler())
+            t.open_endpoint(f"ipc://{path}", DictHandler())
     finally:
         endpoint.close()
     assert not path.exists()
 
 
 def test_memory_address_gives_a_memory_endpoint() -> None:
-    """ServerEndpoint picks the in-memory transport for memory:// addresses, and names are exclusive."""
-    endpoint = t.ServerEndpoint("memory://addr-test", t.DictHandler())
+    """open_endpoint picks the in-memory transport for memory:// addresses, and names are exclusive."""
+    endpoint = t.open_endpoint("memory://addr-test", DictHandler())
     try:
-        assert isinstance(endpoint, t.MemoryServerEndpoint)
+        assert isinstance(endpoint, MemoryServerEndpoint)
         with pytest.raises(t.LocalProtocolError, match="already bound"):
-            t.ServerEndpoint("memory://addr-test", t.DictHandler())
+            t.open_endpoint("memory://addr-test", DictHandler())
     finally:
         endpoint.close()
+
+
+def test_server_endpoint_refuses_a_memory_address() -> None:
+    """The ZMQ endpoint class never turns into another one: memory:// goes through open_endpoint."""
+    with pytest.raises(t.LocalProtocolError, match="open_endpoint"):
+        t.ServerEndpoint("memory://addr-test-zmq", DictHandler())
 
 
 # -- a client refuses a socket another local user could control ------------------------------

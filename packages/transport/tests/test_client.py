@@ -14,7 +14,7 @@ import zmq
 import kvdepot.transport as t
 from kvdepot.transport._io import IOLoop
 from kvdepot.transport._zmq_link import WAIT_ON_CALLER_S
-from kvdepot.transport.testing import MemoryPair, ZmqPair, key, wait_until
+from kvdepot.transport.testing import DictHandler, MemoryPair, ZmqPair, key, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -124,7 +124,7 @@ def test_closed_client_fails_pending_and_new_requests() -> None:
 def test_too_large_request_fails_locally() -> None:
     """A request above max_frame_bytes fails its future with FrameTooLargeError, sending nothing."""
     with MemoryPair() as pair:
-        pair.start_server(t.DictHandler())
+        pair.start_server(DictHandler())
         client = pair.client(max_frame_bytes=1024)
         with pytest.raises(t.FrameTooLargeError):
             client.reserve("s", [key(i) for i in range(100)], 1).result(5)
@@ -134,7 +134,7 @@ def test_too_large_request_fails_locally() -> None:
 def test_all_clients_share_one_io_thread() -> None:
     """Creating clients does not create threads: one I/O thread serves them all."""
     with MemoryPair() as pair:
-        pair.start_server(t.DictHandler())
+        pair.start_server(DictHandler())
         first = pair.client()
         first.ping().result(5)
         before = threading.active_count()
@@ -151,7 +151,7 @@ def test_all_clients_share_one_io_thread() -> None:
 def test_restart_under_load(make_pair: Any) -> None:
     """Several threads keep looking up through three server restarts; all recover and re-register."""
     with make_pair() as pair:
-        pair.start_server(t.DictHandler())
+        pair.start_server(DictHandler())
         clients = [pair.client(timeout=1.0) for _ in range(3)]
         for i, c in enumerate(clients):
             c.register(f"layout-{i}", 256, 4096).result(5)
@@ -178,7 +178,7 @@ def test_restart_under_load(make_pair: Any) -> None:
             for _ in range(3):
                 assert wait_until(lambda: min(ok) > 0)
                 pair.stop_server()
-                handler = t.DictHandler()
+                handler = DictHandler()
                 pair.start_server(handler)
                 ok[:] = [0] * 6
                 assert wait_until(lambda: min(ok) > 0, timeout=10), ok
@@ -213,7 +213,7 @@ def run_in_threads(work: Any, count: int, *, timeout: float) -> list[BaseExcepti
 def test_many_threads_one_client(make_pair: Any) -> None:
     """Sixteen threads submitting through one client all get their own replies."""
     with make_pair() as pair:
-        pair.start_server(t.DictHandler())
+        pair.start_server(DictHandler())
         client = pair.client()
 
         def work(n: int) -> None:
@@ -230,7 +230,7 @@ def test_curve_encryption(tmp_path: Any) -> None:
     """With a CURVE key the server talks only to clients holding its public key; others get a clear error."""
     public, secret = zmq.curve_keypair()
     address = "tcp://127.0.0.1:0"
-    endpoint = t.ServerEndpoint(address, t.DictHandler(), curve_secret_key=secret)
+    endpoint = t.open_endpoint(address, DictHandler(), curve_secret_key=secret)
     thread = threading.Thread(target=endpoint.serve_forever, daemon=True)
     thread.start()
     good = t.CacheClient(endpoint.address, curve_server_key=public, timeout=5)

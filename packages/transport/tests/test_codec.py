@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import kvdepot.transport as t
 from kvdepot.transport._dispatch import peek_id
+from kvdepot.transport._messages import REPLY_TYPES, REQUEST_TYPES
 from kvdepot.transport.testing import key
 
 REQUESTS = [
@@ -50,9 +51,9 @@ REPLIES = [
 
 def test_every_request_type_has_an_example_and_a_reply_type() -> None:
     """The examples cover the whole closed set, and every request names its reply type."""
-    assert {type(r) for r in REQUESTS} == set(t.REQUEST_TYPES)
-    assert {type(r) for r in REPLIES} == set(t.REPLY_TYPES)
-    assert set(t.REPLY_FOR) == set(t.REQUEST_TYPES)
+    assert {type(r) for r in REQUESTS} == set(REQUEST_TYPES)
+    assert {type(r) for r in REPLIES} == set(REPLY_TYPES)
+    assert set(t.REPLY_FOR) == set(REQUEST_TYPES)
 
 
 @pytest.mark.parametrize("body", REQUESTS, ids=lambda b: type(b).__name__)

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvdepot.transport import CacheClient, Deferred, PeerInfo, ServerEndpoint
+from kvdepot.transport import CacheClient, Deferred, PeerInfo, open_endpoint
 from kvdepot.transport._messages import ErrorReply, RequestBody, Stats, StatsReply
 from kvdepot.transport.testing import DictHandler
 
@@ -38,7 +38,7 @@ def poll_until(endpoint, done, timeout: float = 5.0) -> None:
 def test_a_deferred_reply_comes_later_and_others_are_answered_meanwhile(scheme, tmp_path):
     handler = LateStats()
     address = f"memory://deferred-{time.monotonic_ns()}" if scheme == "memory" else f"ipc://{tmp_path}/s.sock"
-    endpoint = ServerEndpoint(address, handler)
+    endpoint = open_endpoint(address, handler)
     try:
         with CacheClient(address, timeout=5) as client:
             poll_until(endpoint, lambda: client.server_id is not None)

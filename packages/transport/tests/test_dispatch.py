@@ -9,6 +9,7 @@ import pytest
 import kvdepot.transport as t
 from kvdepot.core import InvalidArgumentError
 from kvdepot.transport._dispatch import Dispatcher, error_reply_from
+from kvdepot.transport.testing import DictHandler
 
 
 class _Clock:
@@ -34,12 +35,12 @@ def clock() -> _Clock:
 
 
 @pytest.fixture
-def handler() -> t.DictHandler:
-    return t.DictHandler()
+def handler() -> DictHandler:
+    return DictHandler()
 
 
 @pytest.fixture
-def disp(handler: t.DictHandler, clock: _Clock) -> Dispatcher:
+def disp(handler: DictHandler, clock: _Clock) -> Dispatcher:
     return Dispatcher(handler, clock=clock, peer_timeout=5.0)
 
 
@@ -74,7 +75,7 @@ def test_exceptions_become_error_replies(exc: Exception, code: str) -> None:
     assert error_reply_from(exc).code == code
 
 
-def test_handler_exception_and_wrong_reply_type(disp: Dispatcher, handler: t.DictHandler) -> None:
+def test_handler_exception_and_wrong_reply_type(disp: Dispatcher, handler: DictHandler) -> None:
     """A raising handler and a handler answering with the wrong type both give one error reply."""
     handler._stats = lambda peer, body: t.Pong()  # type: ignore[method-assign]
     handler._clear = lambda peer, body: 1 / 0  # type: ignore[method-assign]
@@ -84,7 +85,7 @@ def test_handler_exception_and_wrong_reply_type(disp: Dispatcher, handler: t.Dic
     assert disp.counters["handler_failures"] == 2
 
 
-def test_silent_peers_are_gone_once(disp: Dispatcher, handler: t.DictHandler, clock: _Clock) -> None:
+def test_silent_peers_are_gone_once(disp: Dispatcher, handler: DictHandler, clock: _Clock) -> None:
     """expire() reports a peer silent past peer_timeout exactly once, and keeps talking peers."""
     _ask(disp, b"a", _hello("a"))
     _ask(disp, b"b", _hello("b"))
@@ -98,7 +99,7 @@ def test_silent_peers_are_gone_once(disp: Dispatcher, handler: t.DictHandler, cl
     assert disp.next_expiry() == pytest.approx(clock.now + 3.0)
 
 
-def test_end_session_forgets_without_peer_gone(disp: Dispatcher, handler: t.DictHandler, clock: _Clock) -> None:
+def test_end_session_forgets_without_peer_gone(disp: Dispatcher, handler: DictHandler, clock: _Clock) -> None:
     """A peer that ended its session is dropped at once and never reported gone."""
     _ask(disp, b"a", _hello("a"), t.EndSession())
     clock.now += 60
@@ -107,7 +108,7 @@ def test_end_session_forgets_without_peer_gone(disp: Dispatcher, handler: t.Dict
     assert not disp.peers
 
 
-def test_auth_secret_is_checked(handler: t.DictHandler, clock: _Clock) -> None:
+def test_auth_secret_is_checked(handler: DictHandler, clock: _Clock) -> None:
     """With a secret, a Hello without it is unauthorized and one with it is welcome."""
     d = Dispatcher(handler, clock=clock, auth_secret="pw")
     (bad,) = _ask(d, b"a", t.Hello(t.PROTOCOL_VERSION, "a", "", "nope"))
@@ -139,3 +140,25 @@ def test_one_message_carries_a_bounded_amount_of_requests(disp: Dispatcher, monk
     codes = [getattr(r.body, "code", "ok") for r in replies]
     assert codes == ["ok", "ok", "too_large", "too_large"]
     assert [getattr(r.body, "code", "ok") for r in _ask(disp, b"p", ping, request_id=20)] == ["ok"]
+
+
+def test_bad_frames_are_reported_to_the_subscriber(handler: DictHandler, clock: _Clock) -> None:
+    """Each refused frame reaches `on_bad_frame` with the peer's label, the reason and the size."""
+    seen: list[t.BadFrame] = []
+    d = Dispatcher(handler, clock=clock, on_bad_frame=seen.append)
+    _ask(d, b"peer-1", _hello("c1"))
+    d.dispatch(b"peer-1", [b"\xc1garbage"])
+    d.dispatch(b"peer-2", [])
+    assert seen == [t.BadFrame("c1", "malformed", 8), t.BadFrame(b"peer-2".hex(), "frame_count", 0)]
+    assert d.counters["bad_frames"] == 2
+
+
+def test_a_failing_bad_frame_subscriber_does_not_break_the_reply(handler: DictHandler, clock: _Clock) -> None:
+    """A subscriber that raises is logged; the peer still gets its typed error reply."""
+
+    def broken(event: t.BadFrame) -> None:
+        raise RuntimeError("boom")
+
+    d = Dispatcher(handler, clock=clock, on_bad_frame=broken)
+    (reply,) = d.dispatch(b"peer-1", [b"\xc1garbage"])
+    assert isinstance(t.decode_reply(reply).body, t.ErrorReply)

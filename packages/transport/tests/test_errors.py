@@ -6,13 +6,14 @@ import pytest
 
 import kvdepot.transport as t
 from kvdepot.core import InvalidArgumentError, KVDepotError
+from kvdepot.transport._errors import ERROR_CLASSES, ERROR_CODES, remote_error
 
 
-@pytest.mark.parametrize("code", sorted(t.ERROR_CODES))
+@pytest.mark.parametrize("code", sorted(ERROR_CODES))
 def test_every_code_maps_to_its_class(code: str) -> None:
     """remote_error builds the subclass registered for each code, with fields as attributes."""
-    exc = t.remote_error(code, "message", {"lease_id": 3})
-    assert type(exc) is t.ERROR_CLASSES[code]
+    exc = remote_error(code, "message", {"lease_id": 3})
+    assert type(exc) is ERROR_CLASSES[code]
     assert exc.code == code
     assert exc.lease_id == 3
     assert isinstance(exc, t.RemoteError)
@@ -22,7 +23,7 @@ def test_every_code_maps_to_its_class(code: str) -> None:
 
 def test_unknown_codes_keep_their_name() -> None:
     """A code from a newer server becomes a plain RemoteError that still carries the code."""
-    exc = t.remote_error("brand_new", "m", {"code": "shadow"})
+    exc = remote_error("brand_new", "m", {"code": "shadow"})
     assert type(exc) is t.RemoteError
     assert exc.code == "brand_new"
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvdepot.transport as t
 from kvdepot.transport._dispatch import Dispatcher
-from kvdepot.transport.testing import MemoryPair, TransportPair, ZmqPair, hello_frame, key
+from kvdepot.transport.testing import DictHandler, MemoryPair, TransportPair, ZmqPair, hello_frame, key
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -82,7 +82,7 @@ def make_frame(rng: random.Random) -> bytes:
 )
 def test_dispatcher_answers_every_frame(frames: list[bytes]) -> None:
     """Any list of frames gets exactly as many decodable replies, and a Ping still gets a Pong after."""
-    d = Dispatcher(t.DictHandler(), clock=lambda: 0.0, max_frame_bytes=MAX_FRAME)
+    d = Dispatcher(DictHandler(), clock=lambda: 0.0, max_frame_bytes=MAX_FRAME)
     d.dispatch(b"peer", [hello_frame(1, "peer")])
     replies = d.dispatch(b"peer", frames)
     assert len(replies) == len(frames)
@@ -99,7 +99,7 @@ def test_endpoint_survives_ten_thousand_bad_frames(make_pair: Callable[[], Trans
     """10,000 bad frames get one reply each while a good client keeps getting correct answers."""
     rng = random.Random(1234)
     with make_pair() as pair:
-        endpoint = pair.start_server(t.DictHandler(), max_frame_bytes=MAX_FRAME)
+        endpoint = pair.start_server(DictHandler(), max_frame_bytes=MAX_FRAME)
         good = pair.client()
         good.register("fp", 256, 4096).result(5)
         stop = threading.Event()

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from kvdepot.transport import CacheClient, ServerEndpoint, TransportError
+from kvdepot.transport import CacheClient, ServerEndpoint, TransportError, open_endpoint
 from kvdepot.transport._peercred import ZAP_DOMAIN, PeerUserCheck, peer_uid
 from kvdepot.transport.testing import DictHandler
 
@@ -56,7 +56,7 @@ def _reachable(path: Path) -> bool:
 
 
 def serve(address: str) -> tuple[ServerEndpoint, threading.Thread]:
-    endpoint = ServerEndpoint(address, DictHandler())
+    endpoint = open_endpoint(address, DictHandler())
     thread = threading.Thread(target=endpoint.serve_forever, daemon=True)
     thread.start()
     return endpoint, thread

@@ -22,13 +22,14 @@ from kvdepot.server._errors import (
     UnknownReservationError,
 )
 from kvdepot.server._handler import CacheHandler
-from kvdepot.server._index import CLEAR_SLICE, MAX_SESSIONS, ChunkIndex
+from kvdepot.server._index import CLEAR_SLICE, ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file
 from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome, SaltUsage
 from kvdepot.server._server import CacheServer, ServerConfig, default_capacity
+from kvdepot.server._sessions import MAX_SESSIONS
 from kvdepot.server._slabs import MIN_SLOT_BYTES, SLOT_ALIGNMENT, SlabAllocator, auto_page_size
 from kvdepot.server._stats import fetch_stats, format_stats
 from kvdepot.server._tiers import ChunkRef, ChunkWrite, Tier, TierState, TierStats, object_name

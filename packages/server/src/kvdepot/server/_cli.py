@@ -214,19 +214,27 @@ def _add_log_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
 
 
+def read_secret_file(path: Path | None, option: str = "--auth-secret-file") -> str | None:
+    """The shared secret in `path` (stripped), None without a path; a clear error if unreadable."""
+    if path is None:
+        return None
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ServerArgumentError(f"cannot read {option} {path}: {exc.strerror}", path=str(path)) from exc
+
+
 def _run_serve(args: argparse.Namespace) -> int:
-    from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._server import CacheServer, ServerConfig
+    from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._tiering import DEFAULT_READ_DEADLINE
 
     fmt = configure_logging(args.log_format, args.log_level)
     log = structlog.get_logger("kvdepot.server")
-    secret = None
-    if args.auth_secret_file is not None:
-        try:
-            secret = args.auth_secret_file.read_text().strip()
-        except OSError as exc:
-            return _usage_error(f"cannot read --auth-secret-file {args.auth_secret_file}: {exc.strerror}")
+    try:
+        secret = read_secret_file(args.auth_secret_file)
+    except ServerArgumentError as exc:
+        return _usage_error(exc.message)
     metrics_port = args.metrics_port if args.metrics_port is not None else DEFAULT_METRICS_PORT
     config = ServerConfig(
         address=args.address,
@@ -308,6 +316,12 @@ def _configure_stats(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help=f"server address (default {default_address()})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the server")
+    parser.add_argument(
+        "--auth-secret-file",
+        type=Path,
+        default=None,
+        help="file with the shared secret of a tcp server started with --auth-secret-file",
+    )
 
 
 def _run_stats(args: argparse.Namespace) -> int:
@@ -315,7 +329,8 @@ def _run_stats(args: argparse.Namespace) -> int:
 
     configure_logging("pretty", "warning", "stderr")
     try:
-        reply = fetch_stats(args.address, timeout=args.timeout)
+        secret = read_secret_file(args.auth_secret_file)
+        reply = fetch_stats(args.address, timeout=args.timeout, auth_secret=secret)
     except Exception as exc:
         sys.stderr.write(f"kvdepot stats: {getattr(exc, 'message', None) or exc}\n")
         return 1

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import attrs
 
+from kvdepot.server._chunk_state import ChunkState
+
 
 @attrs.define(eq=False)
 class Entry:
-    """A chunk in a slot (``offset`` is the slot's header), pending until committed."""
+    """A chunk in a slot (``offset`` is the slot's header); `state` moves by `_chunk_state`'s table."""
 
     salt: str
     key: bytes
@@ -15,8 +17,8 @@ class Entry:
     length: int
     slot_size: int
     owner: str = ""  # the client that stored it: its bytes count toward that client's fair share
-    committed: bool = False
-    leases: int = 0
+    state: ChunkState = ChunkState.FREE
+    leases: int = 0  # live leases holding it: LEASED exactly while > 0
     used: int = 0  # stamp of the last use (commit, reserve hit, end of the last lease)
 
 

@@ -22,17 +22,18 @@ from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
-from kvdepot.server._index import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL, ChunkIndex
+from kvdepot.server._index import ChunkIndex
 from kvdepot.server._metrics import MAX_SALT_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
+from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
 from kvdepot.server._slabs import SlabAllocator
 from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, TierSet
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import PeerInfo, ServerEndpoint
+from kvdepot.transport import open_endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -131,14 +132,15 @@ class CacheServer:
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
             if config.peer_timeout is not None:
                 kwargs["peer_timeout"] = config.peer_timeout
-            self.endpoint = ServerEndpoint(config.address, self.handler, **kwargs)
+            self.endpoint = open_endpoint(
+                config.address, self.handler, on_bad_frame=lambda bad: self.bad_frames.add(bad.peer), **kwargs
+            )
             self.handler.server_id = self.endpoint.server_id
             self.handler.extra_stats = self._extra_stats
             self.handler.client_connected = self._client_connected
             self.handler.admin_allowed = not (self.address.startswith("tcp://") and not config.auth_secret)
             self.tiers = self._open_tiers(config)
             self.handler.tiers = self.tiers
-            self._count_bad_frames_per_peer()
             if config.metrics_port is not None:
                 try:
                     self.metrics.serve(config.metrics_port, config.metrics_host)
@@ -289,17 +291,3 @@ class CacheServer:
         listed = self._metric_salts.listed(MAX_SALT_LABELS, time.monotonic())
         snapshot = MetricsSnapshot(self.index.stats(listed), self.endpoint.counters, self.bad_frames.snapshot(), tiers)
         self.metrics.publish(snapshot)
-
-    def _count_bad_frames_per_peer(self) -> None:
-        """Count bad frames per peer label, by wrapping the dispatcher's bad-frame hook."""
-        dispatcher = getattr(self.endpoint, "dispatcher", None)
-        original = getattr(dispatcher, "_count_bad", None)
-        if original is None:
-            log.warning("bad_frames_per_peer_unavailable", reason="transport has no bad-frame hook")
-            return
-
-        def count(peer: PeerInfo | None, identity: bytes, reason: str, size: int) -> None:
-            self.bad_frames.add(peer.client_id if peer is not None else identity.hex())
-            original(peer, identity, reason, size)
-
-        dispatcher._count_bad = count  # type: ignore[union-attr]

@@ -1,7 +1,9 @@
 """kvdepot.transport: the typed control protocol between the kvdepot server and its clients.
 
 Messages are msgspec structs (`_messages`), frames are bounded msgpack (`_codec`), and
-every failure is a `TransportError` (`_errors`).
+every failure is a `TransportError` (`_errors`). Clients use `CacheClient`; servers plug a
+`Handler` into `open_endpoint(address, handler)`. Test doubles (an in-memory handler and
+endpoint, transport pairs, the conformance suite) live in `kvdepot.transport.testing`.
 """
 
 from kvdepot.transport._address import default_address
@@ -9,18 +11,14 @@ from kvdepot.transport._cache_client import Batch, CacheClient
 from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
     DEFAULT_MAX_FRAME_BYTES,
-    decode,
     decode_reply,
     decode_request,
-    encode,
     encode_reply,
     encode_request,
 )
-from kvdepot.transport._dict_handler import DictHandler
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT
+from kvdepot.transport._endpoints import open_endpoint
 from kvdepot.transport._errors import (
-    ERROR_CLASSES,
-    ERROR_CODES,
     BadRequestError,
     DeadlineExceededError,
     FrameTooLargeError,
@@ -43,15 +41,11 @@ from kvdepot.transport._errors import (
     UnknownReservationError,
     UntrustedAddressError,
     VersionMismatchError,
-    remote_error,
 )
-from kvdepot.transport._handler import Deferred, Handler, PeerInfo
-from kvdepot.transport._memory import MemoryServerEndpoint
+from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
-    REPLY_TYPES,
-    REQUEST_TYPES,
     Abort,
     AbortReply,
     Clear,
@@ -96,14 +90,11 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_PEER_TIMEOUT",
     "DEFAULT_TIMEOUT",
-    "ERROR_CLASSES",
-    "ERROR_CODES",
     "PROTOCOL_VERSION",
     "REPLY_FOR",
-    "REPLY_TYPES",
-    "REQUEST_TYPES",
     "Abort",
     "AbortReply",
+    "BadFrame",
     "BadRequestError",
     "Batch",
     "CacheClient",
@@ -113,7 +104,6 @@ __all__ = [
     "CommitReply",
     "DeadlineExceededError",
     "Deferred",
-    "DictHandler",
     "EndSession",
     "EndSessionReply",
     "ErrorReply",
@@ -130,7 +120,6 @@ __all__ = [
     "LookupItem",
     "LookupReply",
     "LookupResult",
-    "MemoryServerEndpoint",
     "NotRegisteredError",
     "PeerInfo",
     "Ping",
@@ -168,12 +157,10 @@ __all__ = [
     "UntrustedAddressError",
     "VersionMismatchError",
     "__version__",
-    "decode",
     "decode_reply",
     "decode_request",
     "default_address",
-    "encode",
     "encode_reply",
     "encode_request",
-    "remote_error",
+    "open_endpoint",
 ]

@@ -27,7 +27,7 @@ from kvdepot.transport._errors import (
     FrameTooLargeError,
     RemoteProtocolError,
 )
-from kvdepot.transport._handler import Deferred, Handler, PeerInfo
+from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -110,8 +110,11 @@ class Dispatcher:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         auth_secret: str | None = None,
+        on_bad_frame: Callable[[BadFrame], None] | None = None,
     ) -> None:
         self.handler = handler
+        # Told of every refused frame (per-peer metrics); the counters count them either way.
+        self.on_bad_frame = on_bad_frame
         self.clock = clock
         self.max_frame_bytes = max_frame_bytes
         self.peer_timeout = peer_timeout
@@ -265,14 +268,14 @@ class Dispatcher:
         self.counters["bad_frames"] += 1
         self.counters["errors"] += 1
         count = self.counters["bad_frames"]
+        label = peer.client_id if peer else identity.hex()
         if count <= LOGGED_BAD_FRAMES or count & (count - 1) == 0:  # a flood logs at powers of two
-            log.warning(
-                "bad_frame_received",
-                peer=peer.client_id if peer else identity.hex(),
-                reason=reason,
-                size=size,
-                bad_frames=count,
-            )
+            log.warning("bad_frame_received", peer=label, reason=reason, size=size, bad_frames=count)
+        if self.on_bad_frame is not None:
+            try:
+                self.on_bad_frame(BadFrame(label, reason, size))
+            except Exception:
+                log.exception("bad_frame_callback_failed", peer=label)
 
     def _encode(self, request_id: int, body: ReplyBody) -> bytes:
         try:

@@ -1,4 +1,5 @@
-"""What a server plugs into an endpoint: a `Handler`, and the `PeerInfo` it is handed."""
+"""What a server plugs into an endpoint: a `Handler`, the `PeerInfo` it is handed, and the
+`BadFrame` events it may subscribe to."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ class Deferred:
     identity: bytes = b""
     request_id: int = 0
     request: type | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BadFrame:
+    """A frame the endpoint refused before any handler saw it (the peer sent garbage).
+
+    Endpoints report each one to their `on_bad_frame` callback, on the loop thread.
+    """
+
+    peer: str  # the peer's client id once it said Hello, else its transport identity in hex
+    reason: str  # "frame_count", "too_large" or "malformed"
+    size: int  # bytes of the frame (for "frame_count": frames in the message)
 
 
 class Handler(Protocol):

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.transport._address import MEMORY_SCHEME
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT
 from kvdepot.transport._errors import LocalProtocolError
-from kvdepot.transport._handler import Handler
+from kvdepot.transport._handler import BadFrame, Handler
 from kvdepot.transport._server import MAX_MESSAGES_PER_POLL, ServerEndpoint
 
 if TYPE_CHECKING:
@@ -77,11 +78,16 @@ class MemoryServerEndpoint(ServerEndpoint):
         auth_secret: str | None = None,
         curve_secret_key: bytes | None = None,  # nothing travels on a wire: ignored
         context: Any = None,
+        on_bad_frame: Callable[[BadFrame], None] | None = None,
     ) -> None:
         if not address or not address.startswith(MEMORY_SCHEME):
             raise LocalProtocolError(f"a memory endpoint needs a memory://NAME address, not {address!r}")
         super(ServerEndpoint, self).__init__(
-            handler, max_frame_bytes=max_frame_bytes, peer_timeout=peer_timeout, auth_secret=auth_secret
+            handler,
+            max_frame_bytes=max_frame_bytes,
+            peer_timeout=peer_timeout,
+            auth_secret=auth_secret,
+            on_bad_frame=on_bad_frame,
         )
         self.address = address
         self.name = address[len(MEMORY_SCHEME) :]

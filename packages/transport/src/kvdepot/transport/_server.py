@@ -1,8 +1,8 @@
 """Server endpoints: a poll loop that feeds requests to a handler and sends the replies.
 
-`ServerEndpoint(address, handler)` binds a ZMQ ROUTER for ipc:// and tcp:// addresses and
-returns a `MemoryServerEndpoint` for memory:// addresses. Either way: `poll_once(timeout)`,
-`serve_forever()`, `stop()` (from any thread) and `close()`.
+`ServerEndpoint(address, handler)` binds a ZMQ ROUTER for ipc:// and tcp:// addresses;
+`open_endpoint(address, handler)` (`_endpoints.py`) also takes memory:// addresses. Either
+way: `poll_once(timeout)`, `serve_forever()`, `stop()` (from any thread) and `close()`.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import select
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -30,8 +31,8 @@ from kvdepot.transport._address import (
 )
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
-from kvdepot.transport._errors import TransportClosedError
-from kvdepot.transport._handler import Deferred, Handler, PeerInfo
+from kvdepot.transport._errors import LocalProtocolError, TransportClosedError
+from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import ReplyBody
 from kvdepot.transport._peercred import ZAP_DOMAIN, PeerUserCheck
 
@@ -85,6 +86,7 @@ class _EndpointBase:
         max_frame_bytes: int,
         peer_timeout: float,
         auth_secret: str | None,
+        on_bad_frame: Callable[[BadFrame], None] | None,
     ) -> None:
         self.dispatcher = Dispatcher(
             handler,
@@ -92,6 +94,7 @@ class _EndpointBase:
             max_frame_bytes=max_frame_bytes,
             peer_timeout=peer_timeout,
             auth_secret=auth_secret,
+            on_bad_frame=on_bad_frame,
         )
         self.server_id = uuid.uuid4().hex
         self._stopping = threading.Event()
@@ -176,20 +179,14 @@ class _EndpointBase:
 
 
 class ServerEndpoint(_EndpointBase):
-    """A ZMQ ROUTER endpoint (ipc:// or tcp://); memory:// addresses give a MemoryServerEndpoint.
+    """A ZMQ ROUTER endpoint (ipc:// or tcp://); `open_endpoint` picks the class for an address.
 
     ipc sockets get a 0o700 directory and a 0o600 file; tcp binds other than loopback need
     `auth_secret`, which every client must then present in its Hello. `curve_secret_key`
     (a Z85 key from `zmq.curve_keypair()`) additionally encrypts every connection, so the
-    secret and the traffic cannot be read off the network.
+    secret and the traffic cannot be read off the network. `on_bad_frame` is told of every
+    frame refused before the handler (on the loop thread).
     """
-
-    def __new__(cls, address: str | None = None, handler: Handler | None = None, **kwargs: Any) -> Any:
-        if cls is ServerEndpoint and address is not None and address.startswith(MEMORY_SCHEME):
-            from kvdepot.transport._memory import MemoryServerEndpoint
-
-            return super().__new__(MemoryServerEndpoint)
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -201,10 +198,21 @@ class ServerEndpoint(_EndpointBase):
         auth_secret: str | None = None,
         curve_secret_key: bytes | None = None,
         context: zmq.Context[Any] | None = None,
+        on_bad_frame: Callable[[BadFrame], None] | None = None,
     ) -> None:
         address = address or default_address()
+        if address.startswith(MEMORY_SCHEME):
+            raise LocalProtocolError(
+                f"{address} is an in-memory address; open it with open_endpoint(address, handler)", address=address
+            )
         check_bind(address, authenticated=bool(auth_secret))
-        super().__init__(handler, max_frame_bytes=max_frame_bytes, peer_timeout=peer_timeout, auth_secret=auth_secret)
+        super().__init__(
+            handler,
+            max_frame_bytes=max_frame_bytes,
+            peer_timeout=peer_timeout,
+            auth_secret=auth_secret,
+            on_bad_frame=on_bad_frame,
+        )
         self._own_context = context is None
         self._context = context or zmq.Context()
         self._ipc = ipc_path(address)

@@ -1,6 +1,7 @@
 # ruff: noqa: PT017, PT018, S106
 # (a conformance suite outside pytest: plain asserts carry the checks, and secrets are test values)
-"""Test support: transport pairs, raw peers, and the `check_transport` conformance suite.
+"""Test support: test doubles (`DictHandler`, `MemoryServerEndpoint`), transport pairs, raw
+peers, and the `check_transport` conformance suite.
 
 Every transport (ZMQ over ipc or tcp, in memory) must pass `check_transport(make_pair)`,
 where `make_pair()` returns a fresh, unstarted `TransportPair`. Each check is also in
@@ -26,6 +27,7 @@ import zmq
 from kvdepot.transport._cache_client import CacheClient
 from kvdepot.transport._codec import encode
 from kvdepot.transport._dict_handler import DictHandler
+from kvdepot.transport._endpoints import open_endpoint
 from kvdepot.transport._errors import (
     DeadlineExceededError,
     InternalServerError,
@@ -35,7 +37,7 @@ from kvdepot.transport._errors import (
     UnknownReservationError,
 )
 from kvdepot.transport._handler import Handler
-from kvdepot.transport._memory import MemoryRawPeer
+from kvdepot.transport._memory import MemoryRawPeer, MemoryServerEndpoint
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -55,6 +57,7 @@ __all__ = [
     "CHECKS",
     "DictHandler",
     "MemoryPair",
+    "MemoryServerEndpoint",
     "RawPeer",
     "TransportPair",
     "ZmqPair",
@@ -119,7 +122,7 @@ class TransportPair:
 
     def start_server(self, handler: Handler, **kwargs: Any) -> ServerEndpoint:
         """Binds a server endpoint at `address` and serves it in a background thread."""
-        endpoint = ServerEndpoint(self.address, handler, **kwargs)
+        endpoint = open_endpoint(self.address, handler, **kwargs)
         self.address = endpoint.address  # tcp port 0 resolves here; restarts reuse the port
         self.endpoint = endpoint
         self._thread = threading.Thread(target=endpoint.serve_forever, name="kvdepot-test-server", daemon=True)
@@ -328,7 +331,7 @@ def check_reconnection(make_pair: MakePair) -> None:
 def check_broken_in_flight(make_pair: MakePair) -> None:
     """A request in flight when the server goes away fails with TransportBrokenError at once."""
     with make_pair() as pair:
-        endpoint = ServerEndpoint(pair.address, DictHandler())  # polled by hand, never answers Stats
+        endpoint = open_endpoint(pair.address, DictHandler())  # polled by hand, never answers Stats
         try:
             client = CacheClient(endpoint.address, timeout=30.0)
             hello = client.ping()
