@@ -145,6 +145,9 @@ class TierSet:
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
         index.on_commit = self._committed
+        for tier in self.tiers:
+            if hasattr(tier, "quota_of"):  # a tier that keeps each salt's bytes to its quota (the disk)
+                tier.quota_of = index.quota_of
 
     # -- loop thread ------------------------------------------------------------------------
 
