@@ -108,6 +108,25 @@ def test_a_corrupted_disk_object_is_a_miss_and_is_deleted(serve, workdir):
     assert not victim.exists()
 
 
+def test_quotas_hold_in_the_disk_tier_too(serve, workdir):
+    """A salt that stores far more than its quota keeps at most its quota on disk too (its own
+    oldest chunks go), and another salt's chunks there stay: a restarted server still hits them."""
+    disk = workdir / "disk"
+    args = (*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB", "--default-quota", "512KiB")
+    first = serve(*args)
+    quiet, busy = keys("quiet", 4), keys("busy", 20)
+    store(first.address, "b", quiet)
+    for n in range(0, 20, 4):
+        store(first.address, "a", busy[n : n + 4])
+        wait_for(lambda n=n: extra(first, "tier:disk:writes") == 4 + n + 4 and not first.stats().leases)
+    assert extra(first, "tier:disk:objects") == 4 + 7  # 512 KiB hold 7 files of 64 KiB and a header
+    first.stop()
+    second = serve(*args)
+    assert lookup(second.address, "b", quiet) == (4, True)
+    assert lookup(second.address, "a", busy[13:]) == (7, True)
+    assert lookup(second.address, "a", busy[:4]) == (0, True)
+
+
 def stored_on_one_of_two(serve, workdir, url: str, tag: str, n: int):
     """Two servers with their own pools and one remote tier; `n` chunks stored on the first and
     written behind. Returns (the second server, the keys)."""

@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 
 from kvdepot.server import ChunkRef, ChunkWrite, DiskTier, TierConfigError, TierState, object_name
+from kvdepot.server._disk_tier import SALT_TAG_BYTES
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES
 
 CHUNK = 4096
-OBJECT = FIXED_HEADER_BYTES + 2 + CHUNK  # header with the 2-byte fingerprint b"fp", and the payload
+# header with the salt tag and the 2-byte fingerprint b"fp", and the payload
+OBJECT = FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 + CHUNK
 
 
 def payload(i: int, size: int = CHUNK) -> bytes:
@@ -163,7 +165,7 @@ def test_corrupted_file_is_a_miss_counted_and_deleted(tier, tier_dir, where):
     write(tier, 1)
     path = object_path(tier_dir, 1)
     data = bytearray(path.read_bytes())
-    offset = {"header": 30, "payload": FIXED_HEADER_BYTES + 2 + 100, "last": len(data) - 1}[where]
+    offset = {"header": 30, "payload": FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 + 100, "last": len(data) - 1}[where]
     data[offset] ^= 0x01
     path.write_bytes(data)
     assert read(tier, 1) == [None]
@@ -296,3 +298,43 @@ def test_concurrent_writers_and_readers_keep_accounts(tier_dir):
         assert s.used_bytes == sum(p.stat().st_size for p in files) <= 12 * OBJECT
         assert s.objects == len(files)
         assert not list((tier_dir / "tmp").iterdir())
+
+
+def test_a_salt_over_its_quota_evicts_only_its_own_files(tier_dir):
+    """With a quota, a salt's writes past it evict that salt's least recently used files, never
+    another salt's; a chunk larger than the quota is refused; salts without one are unbounded."""
+    quotas = {"small": 2 * OBJECT}
+    with DiskTier(tier_dir, 16 * OBJECT, quota_of=quotas.get) as tier:
+        assert write(tier, 1, 2, 3, salt="other") == [True, True, True]
+        assert write(tier, 1, 2, 3, 4, 5, salt="small") == [True] * 5
+        assert tier.salt_bytes("small") == 2 * OBJECT
+        assert read(tier, 1, 2, 3, 4, 5, salt="small") == [None, None, None, payload(4), payload(5)]
+        assert read(tier, 1, 2, 3, salt="other") == [payload(1), payload(2), payload(3)]
+        assert tier.salt_bytes("other") == 3 * OBJECT
+        quotas["small"] = OBJECT - 1
+        assert write(tier, 6, salt="small") == [False]
+        assert tier.stats().failed_writes == 1
+
+
+def test_a_salt_cannot_fill_the_tier_past_its_quota(tier_dir):
+    """A salt that writes much more than its quota leaves the rest of the tier to the others: what
+    they stored earlier stays."""
+    with DiskTier(tier_dir, 8 * OBJECT, quota_of=lambda salt: 3 * OBJECT) as tier:
+        assert write(tier, *range(5), salt="b") == [True] * 5
+        assert write(tier, *range(100), salt="a") == [True] * 100
+        assert read(tier, *range(2, 5), salt="b") == [payload(i) for i in range(2, 5)]
+        assert tier.stats().used_bytes == 6 * OBJECT
+
+
+def test_each_salts_usage_is_counted_again_after_a_restart(tier_dir):
+    """The salt tag in each header lets a restarted tier count every salt's bytes, so its quota
+    holds across restarts; files without one (not written by this tier) are removed."""
+    with DiskTier(tier_dir, 16 * OBJECT) as tier:
+        write(tier, 1, 2, salt="x")
+        write(tier, 1, salt="y")
+    with DiskTier(tier_dir, 16 * OBJECT, quota_of=lambda salt: OBJECT) as tier:
+        assert (tier.salt_bytes("x"), tier.salt_bytes("y")) == (2 * OBJECT, OBJECT)
+        assert write(tier, 3, salt="x") == [True]
+        assert tier.salt_bytes("x") == OBJECT
+        assert read(tier, 1, 2, 3, salt="x") == [None, None, payload(3)]
+        assert read(tier, 1, salt="y") == [payload(1)]

@@ -233,3 +233,47 @@ def test_cluster_node_killed_then_back(valkey_cluster, open_tier):
     assert tier.wait_until_up(30), "the tier did not come back after the node restarted"
     assert tier.write(writes(*keys)) == [True] * len(keys)
     assert read(tier, *keys) == [payload(i) for i in keys]
+
+
+def test_a_read_cut_off_by_the_deadline_keeps_the_groups_in_by_then(valkey_server, open_tier, monkeypatch):
+    """A batch split into pipelines keeps the chunks of those in by the deadline; the late ones
+    are misses, counted, and never land in the buffers afterwards."""
+    from kvdepot.server import _remote_tier
+
+    monkeypatch.setattr(_remote_tier, "READ_GROUP_BYTES", CHUNK)
+    tier = open_tier(valkey_server.url)
+    tier.write(writes(1, 2, 3, 4))
+    fetch = tier._fetch
+
+    def slow_after_the_first(client, generation, keys):
+        if keys[0] != tier.key_of("s", b"k1"):
+            time.sleep(0.5)
+        return fetch(client, generation, keys)
+
+    tier._fetch = slow_after_the_first
+    bufs = [bytearray(CHUNK) for _ in range(4)]
+    hits = tier.read(
+        [ChunkRef("s", b"k%d" % i, b"fp", CHUNK) for i in (1, 2, 3, 4)], [memoryview(b) for b in bufs], timeout=0.25
+    )
+    assert hits == [True, False, False, False]
+    assert bytes(bufs[0]) == payload(1)
+    assert tier.stats().late == 3
+    time.sleep(0.5)
+    assert bufs[1:] == [bytearray(CHUNK)] * 3  # the late replies never wrote
+
+
+@pytest.mark.parametrize(
+    ("lengths", "groups"),
+    [
+        ([], []),
+        ([1 << 20] * 8, [(0, 8)]),
+        ([16 << 20] * 3, [(0, 1), (1, 2), (2, 3)]),
+        ([16 << 20] * 8, [(0, 2), (2, 4), (4, 6), (6, 8)]),
+        ([10 << 20] * 3, [(0, 2), (2, 3)]),
+    ],
+)
+def test_read_groups_are_consecutive_large_and_few(lengths, groups):
+    """A batch splits into at most READ_WORKERS consecutive groups of at least READ_GROUP_BYTES."""
+    from kvdepot.server._remote_tier import _groups
+
+    assert _groups(lengths) == groups

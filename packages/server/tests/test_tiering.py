@@ -17,16 +17,27 @@ CHUNK = 4096 - 64  # one 4 KiB slot
 SLOTS = 2 * PAGE // 4096
 
 
-def make(tmp_path, answers: list):
+class SlowDisk(DiskTier):
+    """A real disk tier whose every chunk read takes ``delay`` seconds longer (a sick device)."""
+
+    delay = 0.0
+
+    def _read_one(self, ref, buf):
+        time.sleep(self.delay)
+        return super()._read_one(ref, buf)
+
+
+def make(tmp_path, answers: list, **kw):
     pool = memoryview(bytearray(2 * PAGE))
     index = ChunkIndex(SlabAllocator(2 * PAGE, PAGE), headers=SlotHeaders(pool), max_client_pending_bytes=2 * PAGE)
     tiers = TierSet(
-        [DiskTier(tmp_path / "disk", 1 << 24)],
+        [SlowDisk(tmp_path / "disk", 1 << 24)],
         index,
         pool,
         wake=lambda: None,
         answer=lambda deferred, body: answers.append(body),
         lookup=index.lookup,
+        **kw,
     )
     index.register("a", CHUNK, 0.0)
     tiers.registered(CHUNK)
@@ -104,5 +115,58 @@ def test_a_commit_stands_and_is_written_behind_after_the_tier_session_was_ended(
         assert store(index, pool, "a", [b"\x01" * 32]) == 1
         settle(tiers, lambda: tiers.tiers[0].stats().objects == 1 and index.stats().leased_chunks == 0)
         index.check()
+    finally:
+        tiers.close()
+
+
+def test_a_read_cut_off_by_the_deadline_keeps_the_prefix_it_got(tmp_path):
+    """When the tier is too slow for the whole run, the chunks read before the deadline still hit
+    (in RAM, intact), the rest are misses, and no slot stays reserved."""
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers, read_deadline=0.25, read_deadline_per_chunk=None)
+    try:
+        keys = [bytes([i + 1]) * 32 for i in range(6)]
+        store(index, pool, "a", keys)
+        settle(tiers, lambda: tiers.tiers[0].stats().objects == 6 and index.stats().leased_chunks == 0)
+        index.clear()
+        tiers.tiers[0].delay = 0.1
+        assert tiers.lookup("a", [("", keys)], 0.0) is not None
+        settle(tiers, lambda: answers)
+        (result,) = answers[0]
+        assert 1 <= result.num_hits < 6
+        for (offset, length), key in zip(result.slots, keys, strict=False):
+            assert bytes(pool[offset : offset + length]) == key * (length // 32)
+        assert tiers.tiers[0].stats().late >= 1
+        assert index.stats().pending_chunks == 0
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_the_deadline_grows_with_the_run_the_tiers_hold_up_to_its_cap(tmp_path):
+    """A lookup waits per chunk it would save, never more than the cap; without a per-chunk
+    figure, always the cap."""
+    answers: list = []
+    _, _, tiers = make(tmp_path, answers, read_deadline=0.5, read_deadline_per_chunk=0.04)
+    try:
+        assert tiers.deadline_for(0) == 0.0
+        assert tiers.deadline_for(2) == 0.08
+        assert tiers.deadline_for(100) == 0.5
+        tiers.read_deadline_per_chunk = None
+        assert tiers.deadline_for(1) == 0.5
+    finally:
+        tiers.close()
+
+
+def test_a_run_the_tiers_do_not_hold_costs_no_slot_and_no_wait(tmp_path):
+    """Keys no tier holds are answered at once as misses: nothing reserved, nothing read."""
+    answers: list = []
+    _, index, tiers = make(tmp_path, answers)
+    try:
+        assert tiers.lookup("a", [("", [b"\x07" * 32])], 0.0) is not None
+        settle(tiers, lambda: answers)
+        assert answers[0][0].num_hits == 0
+        assert tiers.tiers[0].stats().hits == tiers.tiers[0].stats().misses == 0
+        assert index.stats().pending_chunks == 0
     finally:
         tiers.close()

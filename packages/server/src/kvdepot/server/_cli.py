@@ -204,6 +204,13 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="seconds a lookup waits at most for the lower tiers; later chunks are misses (default 0.5)",
     )
+    tiers.add_argument(
+        "--tier-deadline-per-chunk",
+        type=_seconds,
+        default=None,
+        help="... and at most this many seconds per chunk the tiers would save: the prefill time of one "
+        "chunk (default: none, --tier-deadline alone)",
+    )
     _add_log_flags(parser)
 
 
@@ -227,7 +234,7 @@ def read_secret_file(path: Path | None, option: str = "--auth-secret-file") -> s
 def _run_serve(args: argparse.Namespace) -> int:
     from kvdepot.server._server import CacheServer, ServerConfig
     from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
-    from kvdepot.server._tiering import DEFAULT_READ_DEADLINE
+    from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK
 
     fmt = configure_logging(args.log_format, args.log_level)
     log = structlog.get_logger("kvdepot.server")
@@ -257,6 +264,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         remote_prefix=args.remote_prefix,
         remote_ttl=args.remote_ttl,
         tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
+        tier_deadline_per_chunk=args.tier_deadline_per_chunk or DEFAULT_READ_DEADLINE_PER_CHUNK,
     )
     try:
         server = CacheServer(config)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import os
 import re
 import secrets
@@ -32,7 +33,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -59,7 +60,21 @@ _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 class _Entry:
     size: int  # bytes of the file: header and payload
     length: int
-    fingerprint: bytes
+    fingerprint: bytes  # the caller's, without the salt tag
+    tag: bytes  # `salt_tag` of the chunk's salt
+
+
+#: Bytes of the salt tag the disk tier puts in front of the caller's fingerprint in each header.
+SALT_TAG_BYTES = 16
+_TAG_PERSON = b"kvdepot-dsalt-v1"
+
+
+def salt_tag(salt: str) -> bytes:
+    """A short digest of ``salt``, kept in each file's header so that a restarted tier can count
+    each salt's bytes again (the file's name mixes the salt in, but cannot be read back)."""
+    raw = salt.encode()
+    prefixed = len(raw).to_bytes(4, "little") + raw
+    return hashlib.blake2b(prefixed, digest_size=SALT_TAG_BYTES, person=_TAG_PERSON).digest()
 
 
 def _private_dir(path: Path) -> None:
@@ -80,16 +95,21 @@ def _private_dir(path: Path) -> None:
         )
 
 
-def _read_full(fd: int, buffers: list[memoryview], offset: int) -> int:
-    """Fill ``buffers`` from ``offset`` of ``fd`` (looping on short reads); bytes read (less only at EOF)."""
+def _read_full(fd: int, buffers: list[memoryview], offset: int, enough: int) -> int:
+    """Fill ``buffers`` from ``offset`` of ``fd``; bytes read (less only at EOF).
+
+    A short read of a regular file means its end, so once ``enough`` bytes are in, a short read
+    ends the loop without the extra call that would return 0: one syscall for a whole chunk.
+    """
     total = 0
     want = sum(b.nbytes for b in buffers)
     buffers = list(buffers)
     while buffers:
+        asked = sum(b.nbytes for b in buffers)
         n = os.preadv(fd, buffers, offset + total)
-        if n == 0:
-            break
         total += n
+        if n == 0 or (n < asked and total >= enough):
+            break
         while buffers and n >= buffers[0].nbytes:
             n -= buffers[0].nbytes
             buffers.pop(0)
@@ -114,15 +134,26 @@ class DiskTier:
 
     kind = "disk"
 
-    def __init__(self, directory: str | os.PathLike[str], capacity: int) -> None:
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        capacity: int,
+        *,
+        quota_of: Callable[[str], int | None] | None = None,
+    ) -> None:
         if capacity <= 0:
             raise TierConfigError(f"the disk tier's capacity must be positive, got {capacity}", capacity=capacity)
         self.directory = Path(directory)
         self.capacity = capacity
+        #: The bytes a salt may hold in this tier (its RAM quota; None: no limit of its own).
+        #: Called on the writing thread; the server sets it to the index's quotas.
+        self.quota_of = quota_of
         _private_dir(self.directory)
         self._lock_fd = self._take_lock()
         self._objects = self.directory / "objects"
+        self._objects_str = str(self._objects)
         self._tmp = self.directory / "tmp"
+        self._tmp_str = str(self._tmp)
         _private_dir(self._objects)
         _private_dir(self._tmp)
         for fan in range(256):  # made once here, so that a write needs no mkdir
@@ -130,6 +161,8 @@ class DiskTier:
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._used = 0  # bytes of the files in the index
+        self._salts: dict[bytes, OrderedDict[bytes, None]] = {}  # per salt tag: its digests, LRU first
+        self._salt_used: dict[bytes, int] = {}  # per salt tag: bytes of its files, and of one being written
         self._reserved = 0  # bytes of files being written
         self._counters = Counters()
         self._closed = False
@@ -194,8 +227,7 @@ class DiskTier:
                 found.append((mtime, bytes.fromhex(name), entry))
         found.sort(key=lambda item: item[0])
         for _, digest, entry in found:
-            self._index[digest] = entry
-            self._used += entry.size
+            self._add(digest, entry)
         return corrupt
 
     @staticmethod
@@ -213,35 +245,80 @@ class DiskTier:
             header = parse_header(head)
         except CorruptObjectError:
             return None, 0.0
-        if not stat.S_ISREG(st.st_mode) or header.digest != digest or st.st_size != header.object_size:
+        if (
+            not stat.S_ISREG(st.st_mode)
+            or header.digest != digest
+            or st.st_size != header.object_size
+            or len(header.fingerprint) < SALT_TAG_BYTES  # not written by this tier
+        ):
             return None, 0.0
-        return _Entry(size=header.object_size, length=header.length, fingerprint=header.fingerprint), st.st_mtime
+        tag, fingerprint = header.fingerprint[:SALT_TAG_BYTES], header.fingerprint[SALT_TAG_BYTES:]
+        return _Entry(size=header.object_size, length=header.length, fingerprint=fingerprint, tag=tag), st.st_mtime
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _path(self, digest: bytes) -> Path:
+    def _path(self, digest: bytes) -> str:
         name = digest.hex()
-        return self._objects / name[:2] / name
+        return f"{self._objects_str}/{name[:2]}/{name}"  # a string: pathlib costs ~10 us a read
 
     def _make_room(self, size: int) -> int:
         """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
         evicted = 0
         while self._index and self._used + self._reserved + size > self.capacity:
-            digest, entry = self._index.popitem(last=False)
-            self._used -= entry.size
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(digest))
+            self._evict(next(iter(self._index)))
             evicted += 1
         return evicted
+
+    def _make_salt_room(self, tag: bytes, size: int, quota: int) -> bool:
+        """Evict the salt's own least recently used files until ``size`` more bytes fit in its
+        quota (lock held); False when they cannot (the chunk alone is larger)."""
+        if size > quota:
+            return False
+        own = self._salts.get(tag)
+        while own and self._salt_used.get(tag, 0) + size > quota:
+            self._evict(next(iter(own)))
+        return self._salt_used.get(tag, 0) + size <= quota
+
+    def _add(self, digest: bytes, entry: _Entry) -> None:
+        """Index a file (lock held), most recently used."""
+        self._index[digest] = entry
+        self._used += entry.size
+        self._salts.setdefault(entry.tag, OrderedDict())[digest] = None
+        self._salt_used[entry.tag] = self._salt_used.get(entry.tag, 0) + entry.size
+
+    def _forget(self, digest: bytes) -> _Entry | None:
+        """Drop a file from the index (lock held); its entry, or None."""
+        entry = self._index.pop(digest, None)
+        if entry is not None:
+            self._used -= entry.size
+            own = self._salts[entry.tag]
+            del own[digest]
+            if not own:
+                del self._salts[entry.tag]
+            self._charge(entry.tag, -entry.size)
+        return entry
+
+    def _charge(self, tag: bytes, delta: int) -> None:
+        used = self._salt_used.get(tag, 0) + delta
+        if used:
+            self._salt_used[tag] = used
+        else:
+            self._salt_used.pop(tag, None)
+
+    def _touch(self, digest: bytes, entry: _Entry) -> None:
+        """Mark a file most recently used (lock held)."""
+        self._index.move_to_end(digest)
+        self._salts[entry.tag].move_to_end(digest)
+
+    def _evict(self, digest: bytes) -> None:
+        self._forget(digest)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._path(digest))
 
     def _drop(self, digest: bytes) -> None:
         """Forget and delete one object (a corrupt or vanished one)."""
         with self._lock:
-            entry = self._index.pop(digest, None)
-            if entry is not None:
-                self._used -= entry.size
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._path(digest))
+            self._evict(digest)
 
     # -- the tier API ------------------------------------------------------------------------
 
@@ -250,28 +327,38 @@ class DiskTier:
         return [self._write_one(item) for item in items]
 
     def _write_one(self, item: ChunkWrite) -> bool:
-        if self._closed:
+        if self._closed or len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES:
             self._counters.add(failed_writes=1)
             return False
         digest = item.digest
+        tag = salt_tag(item.salt)
         payload = memoryview(item.payload).cast("B")
-        header = encode_header(digest, item.fingerprint, payload)
+        header = encode_header(digest, tag + item.fingerprint, payload)
         size = len(header) + payload.nbytes
+        quota = None if self.quota_of is None else self.quota_of(item.salt)
         if size > self.capacity:
             self._counters.add(failed_writes=1)
             return False
         with self._lock:
             entry = self._index.get(digest)
             if entry is not None and entry.length == payload.nbytes and entry.fingerprint == item.fingerprint:
-                self._index.move_to_end(digest)
+                self._touch(digest, entry)
                 return True
+            if entry is not None:  # a stale object under this name: it goes, whatever happens next
+                self._evict(digest)
+            # The salt's quota first, from its own files; then the capacity, from everyone's LRU.
+            if quota is not None and not self._make_salt_room(tag, size, quota):
+                self._counters.add(failed_writes=1)
+                return False
             self._make_room(size)
             if self._used + self._reserved + size > self.capacity:  # the rest is being written now
                 self._counters.add(failed_writes=1)
                 return False
             self._reserved += size
+            self._charge(tag, size)  # counts toward the salt's quota while it is written
         final = self._path(digest)
-        tmp = self._tmp / f"{final.name}.{secrets.token_hex(4)}"
+        tmp = f"{self._tmp_str}/{digest.hex()}.{secrets.token_hex(4)}"
+        ok = False
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
             try:
@@ -279,23 +366,22 @@ class DiskTier:
             finally:
                 os.close(fd)
             with self._lock:
-                self._reserved -= size
                 os.rename(tmp, final)
-                old = self._index.pop(digest, None)
-                if old is not None:
-                    self._used -= old.size
-                self._index[digest] = _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint)
-                self._used += size
+                ok = True
+                self._forget(digest)  # written meanwhile by another thread: the new file replaced it
+                self._add(digest, _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag))
         except OSError as exc:
-            with self._lock:
-                self._reserved -= size
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             self._counters.add(failed_writes=1, errors=1)
             self._warn("disk_tier_write_failed", path=str(self.directory), error=exc.strerror or str(exc))
-            return False
-        self._counters.add(writes=1, bytes_written=payload.nbytes)
-        return True
+        finally:
+            with self._lock:
+                self._reserved -= size
+                self._charge(tag, -size)
+        if ok:
+            self._counters.add(writes=1, bytes_written=payload.nbytes)
+        return ok
 
     def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
         """Read each chunk found into its buffer, checked; ``timeout`` bounds the whole batch."""
@@ -320,7 +406,8 @@ class DiskTier:
             entry = self._index.get(digest)
             if entry is None:
                 return False
-            self._index.move_to_end(digest)
+            self._touch(digest, entry)
+        fingerprint = entry.tag + ref.fingerprint  # the tag: the name mixes the salt in, so it matches
         if entry.length != ref.length or entry.fingerprint != ref.fingerprint:
             self._corrupt(digest, "length" if entry.length != ref.length else "fingerprint")
             return False
@@ -333,11 +420,11 @@ class DiskTier:
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         try:
-            header = bytearray(FIXED_HEADER_BYTES + len(ref.fingerprint))
+            header = bytearray(FIXED_HEADER_BYTES + len(fingerprint))
             payload = buf.cast("B")
             beyond = bytearray(1)  # a byte read here means the file is longer than its header says
             total = len(header) + payload.nbytes
-            got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0)
+            got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
@@ -347,9 +434,9 @@ class DiskTier:
         try:
             if got != total:
                 # Another fingerprint or length makes the header itself a mismatch, so say why.
-                check_header(parse_header(header), digest=digest, fingerprint=ref.fingerprint, length=ref.length)
+                check_header(parse_header(header), digest=digest, fingerprint=fingerprint, length=ref.length)
                 raise CorruptObjectError("the file is shorter or longer than its header says", reason="length")
-            verify(header, payload, digest=digest, fingerprint=ref.fingerprint, length=ref.length)
+            verify(header, payload, digest=digest, fingerprint=fingerprint, length=ref.length)
         except CorruptObjectError as exc:
             self._corrupt(digest, exc.fields.get("reason"))
             return False
@@ -388,6 +475,11 @@ class DiskTier:
         for digest in digests:
             self._drop(digest)
         return len(digests)
+
+    def salt_bytes(self, salt: str) -> int:
+        """Bytes of ``salt``'s files in the tier (headers included), as its quota counts them."""
+        with self._lock:
+            return self._salt_used.get(salt_tag(salt), 0)
 
     def stats(self) -> TierStats:
         with self._lock:

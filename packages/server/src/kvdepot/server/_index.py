@@ -293,6 +293,10 @@ class ChunkIndex:
     def quotas(self) -> dict[str, int]:
         return dict(self._quotas)
 
+    def quota_of(self, salt: str) -> int | None:
+        """The bytes `salt` may hold (None: no limit); one dict read, safe from the tiers' threads."""
+        return self._quotas.get(salt, self.default_quota)
+
     def expire(self, now: float) -> Reclaimed:
         """End leases and reservations past their deadline and sessions silent too long."""
         leases = reservations = chunks = 0

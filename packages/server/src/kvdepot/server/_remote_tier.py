@@ -14,9 +14,10 @@ Failure: every command has short socket timeouts and no client-side retries. The
 connection error or timeout marks the tier DOWN (one warning, ``outages`` counted); while
 down, reads miss and writes are dropped at once. A background thread tries a fresh
 connection every ``retry_interval`` seconds and marks the tier UP again when it works.
-Reads run on a small pool of I/O threads, so a caller waits at most its deadline: a batch
-not in by then is counted ``late`` and missed (the bytes are copied into the caller's buffers
-only by the caller, so a late reply never writes into a slot the caller gave up).
+Reads run on a small pool of I/O threads, so a caller waits at most its deadline: a large batch
+is split into ordered pipelines that run side by side, and the chunks of those not in by then
+are counted ``late`` and missed, while those in time still hit (the bytes are copied into the
+caller's buffers only by the caller, so a late reply never writes into a slot it gave up).
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ MAX_SCRATCH_BYTES = 64 << 20
 LARGE_VALUE_BYTES = 6000
 # Threads that run reads, so that a caller can stop waiting at its deadline.
 READ_WORKERS = 4
+# Bytes of values one read pipeline asks for at least (the last may have less): a batch past
+# this is split into ordered pipelines that run side by side, so that one that misses the
+# deadline costs only its own chunks. 16 MiB is ~10 ms on a 10 Gb/s link, where a round trip
+# is ~0.1 ms: the split costs no throughput.
+READ_GROUP_BYTES = 16 << 20
 
 
 def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
@@ -369,7 +375,8 @@ class RemoteTier:
             pipe.reset()
 
     def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
-        """GET every chunk in one pipeline and copy the intact ones into ``into``, within the deadline."""
+        """GET every chunk (one pipeline per `READ_GROUP_BYTES`, side by side) and copy the intact
+        ones into ``into``; groups not in by the deadline are misses, those before them still hit."""
         check_batch(refs, into)
         if not refs:
             return []
@@ -380,16 +387,27 @@ class RemoteTier:
         client, generation = current
         digests = [ref.digest for ref in refs]
         timeout = self.read_timeout if timeout is None else timeout
-        future = self._reads.submit(self._fetch, client, generation, [self._key(d) for d in digests])
-        try:
-            values = future.result(timeout=max(0.0, timeout))
-        except concurrent.futures.TimeoutError:
-            future.add_done_callback(_consume)
-            self._counters.add(late=len(refs), misses=len(refs))
-            return [False] * len(refs)
-        except self._errors:
-            self._counters.add(misses=len(refs))
-            return [False] * len(refs)
+        deadline = time.monotonic() + max(0.0, timeout)
+        # Ordered groups, each one pipeline on its own read thread: at the deadline the groups
+        # in by then still count, so a slow tier yields the prefix it managed, not nothing.
+        groups = _groups([ref.length for ref in refs])
+        futures = [
+            self._reads.submit(self._fetch, client, generation, [self._key(d) for d in digests[lo:hi]])
+            for lo, hi in groups
+        ]
+        values: list[Any] = []
+        late = 0
+        for (lo, hi), future in zip(groups, futures, strict=True):
+            try:
+                values += future.result(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                future.add_done_callback(_consume)
+                late += hi - lo
+                values += [None] * (hi - lo)
+            except self._errors:  # the tier went down (marked by `_fetch`): these are misses
+                values += [None] * (hi - lo)
+        if late:
+            self._counters.add(late=late)
         results: list[bool] = []
         corrupt: list[str] = []
         failures = [v for v in values if isinstance(v, BaseException)]
@@ -532,6 +550,23 @@ def _zero_copy_connection() -> Any:
 
         _CONNECTION_CLASS = ZeroCopyConnection
     return _CONNECTION_CLASS
+
+
+def _groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Split a batch into consecutive (start, stop) groups of at least `READ_GROUP_BYTES`, at
+    most `READ_WORKERS` of them."""
+    total = sum(lengths)
+    per = max(READ_GROUP_BYTES, -(-total // READ_WORKERS))
+    groups: list[tuple[int, int]] = []
+    start = size = 0
+    for i, length in enumerate(lengths):
+        size += length
+        if size >= per:
+            groups.append((start, i + 1))
+            start, size = i + 1, 0
+    if start < len(lengths):
+        groups.append((start, len(lengths)))
+    return groups
 
 
 def _consume(future: concurrent.futures.Future[Any]) -> None:

@@ -29,7 +29,7 @@ from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
 from kvdepot.server._slabs import SlabAllocator
-from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, TierSet
+from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK, TierSet
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
@@ -91,6 +91,7 @@ class ServerConfig:
     remote_prefix: str = "kvd:"
     remote_ttl: float | None = None
     tier_deadline: float = DEFAULT_READ_DEADLINE
+    tier_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK  # None: always `tier_deadline`
 
 
 class CacheServer:
@@ -281,6 +282,7 @@ class CacheServer:
             answer=self.endpoint.send_deferred,
             lookup=self.handler.lookup_reply,
             read_deadline=config.tier_deadline,
+            read_deadline_per_chunk=config.tier_deadline_per_chunk,
         )
 
     def _client_connected(self, client: str) -> bool:

@@ -11,12 +11,16 @@ Write-behind (every committed chunk, written to every tier):
     dropped: the tier's queue was full, or the tier is down (both counted).
 
 Read-through (a lookup that misses RAM):
-    keys past the RAM prefix --> reader thread: each tier in turn reads the chunks still
-        missing (one batch per tier), within the deadline --> loop: reserve RAM slots for the
-        chunks found that continue the prefix (owned by the asking client), copy them in,
-        commit, then answer the lookup as if they had been in RAM (a deferred reply).
-    Slots are taken only for chunks found, so a cold prompt evicts nothing from RAM. A chunk
-    not found by the deadline is a miss; the engine recomputes it.
+    keys past the RAM prefix --> reader thread: which of them each tier holds (`contains`: the
+        disk's index, one EXISTS pipeline on the remote); the deadline follows from the longest
+        run held (`deadline_for`) --> loop: reserve RAM slots for those runs (owned by the
+        asking client) --> reader thread: each tier reads its chunks straight into their
+        slots (one batch per tier, within the deadline; where a read fails, the next tier
+        that holds the chunk is asked) --> loop: commit the slots filled, abort the others,
+        then answer the lookup as if they had been in RAM (a deferred reply).
+    Slots are taken only for chunks a tier holds, so a cold prompt evicts nothing from RAM. A
+    chunk not in by the deadline is a miss, the chunks before it still hit: the engine
+    recomputes from there.
 """
 
 from __future__ import annotations
@@ -46,6 +50,12 @@ log = structlog.get_logger(__name__)
 TIER_CLIENT = "kvdepot/tiers"
 #: How long a lookup waits at most for the lower tiers (seconds), unless `--tier-deadline` says.
 DEFAULT_READ_DEADLINE = 0.5
+#: ... and, when set, at most this per chunk of the longest run the tiers hold past the RAM
+#: prefix (seconds): the prefill one chunk costs, so a short hit is never waited for longer
+#: than the prefill it saves. Off by default: only the operator knows the model's prefill
+#: speed (256 tokens take ~10 ms on a GPU for a 1B model, seconds on a CPU), and a figure set
+#: too low turns healthy hits into misses (a cold read-pool connection alone takes ~50 ms).
+DEFAULT_READ_DEADLINE_PER_CHUNK: float | None = None
 
 
 @attrs.define(eq=False)
@@ -96,7 +106,11 @@ class _Read:
     missing: list[tuple[str, list[bytes]]]  # per item: the keys past its RAM prefix
     deadline: float
     size: int
-    found: list[list[bytes]] = attrs.field(factory=list)  # per item: the chunks found, in order
+    # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
+    holders: list[list[list[int]]] = attrs.field(factory=list)
+    # per item: (reservation id, [(index in missing keys, payload offset, length)]) of the slots to fill
+    targets: list[tuple[int, list[tuple[int, int, int]]]] = attrs.field(factory=list)
+    filled: list[set[int]] = attrs.field(factory=list)  # per item: the indices whose slots now hold their chunk
 
 
 class TierSet:
@@ -112,11 +126,13 @@ class TierSet:
         answer: Callable[[Deferred, Any], None],
         lookup: Callable[[str, list[tuple[str, Sequence[bytes]]], float], Any],
         read_deadline: float = DEFAULT_READ_DEADLINE,
+        read_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK,
     ) -> None:
         self.tiers = list(tiers)
         self.index = index
         self.pool = pool
         self.read_deadline = read_deadline
+        self.read_deadline_per_chunk = read_deadline_per_chunk
         self._wake = wake
         self._answer = answer
         self._lookup = lookup
@@ -129,6 +145,9 @@ class TierSet:
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
         index.on_commit = self._committed
+        for tier in self.tiers:
+            if hasattr(tier, "quota_of"):  # a tier that keeps each salt's bytes to its quota (the disk)
+                tier.quota_of = index.quota_of
 
     # -- loop thread ------------------------------------------------------------------------
 
@@ -184,29 +203,48 @@ class TierSet:
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
             return None
-        read = _Read(Deferred(), client, items, missing, time.monotonic() + self.read_deadline, size)
+        read = _Read(Deferred(), client, items, missing, time.monotonic(), size)
         self.counters["reads_deferred"] += 1
-        self._reader.submit(self._read, read)
+        self._reader.submit(self._probe, read)
         return read.deferred
 
-    def _finish(self, read: _Read) -> None:
-        """Bring the chunks found into RAM and answer the lookup (loop thread)."""
+    def _place(self, read: _Read) -> None:
+        """Reserve RAM slots for the run of chunks the tiers hold past each RAM prefix, then
+        have the reader fill them straight from the tiers (loop thread)."""
         now = time.monotonic()
-        self.index.register(TIER_CLIENT, read.size, now)
-        for (salt, keys), found in zip(read.missing, read.found, strict=False):
-            self.counters["read_hits"] += len(found)
-            self.counters["read_misses"] += len(keys) - len(found)
-            if not found:
+        try:
+            self.index.register(TIER_CLIENT, read.size, now)  # also re-opens a session a peer ended
+        except ServerError as exc:
+            log.warning("tier_read_not_placed", error=str(exc))
+            read.holders = []
+        for (salt, keys), holders in zip(read.missing, read.holders, strict=False):
+            out = None
+            if holders:
+                try:
+                    out = self.index.reserve(TIER_CLIENT, salt, keys[: len(holders)], read.size, now, owner=read.client)
+                except ServerError as exc:  # too many reservations: a miss
+                    log.warning("tier_read_not_placed", error=str(exc))
+            read.targets.append((out.reservation_id, out.slots) if out is not None else (0, []))
+        if now >= read.deadline or not any(slots for _, slots in read.targets):
+            self._settle(read)
+        else:
+            self._reader.submit(self._fill, read)
+
+    def _settle(self, read: _Read) -> None:
+        """Publish the slots filled in time, give back the others, and answer the lookup (loop thread)."""
+        now = time.monotonic()
+        for item, (reservation_id, _slots) in enumerate(read.targets):
+            filled = read.filled[item] if item < len(read.filled) else set()
+            self.counters["read_hits"] += len(filled)
+            self.counters["read_misses"] += len(read.missing[item][1]) - len(filled)
+            if not reservation_id:
                 continue
             try:
-                out = self.index.reserve(TIER_CLIENT, salt, keys[: len(found)], read.size, now, owner=read.client)
-            except Exception as exc:  # the pool cannot take them now: a miss
+                if filled:
+                    self.index.commit(TIER_CLIENT, reservation_id, filled, now)
+                self.index.abort(TIER_CLIENT, reservation_id)  # the slots not filled (a no-op when none)
+            except ServerError as exc:  # a peer ended the tiers' session meanwhile: those chunks are misses
                 log.warning("tier_read_not_placed", error=str(exc))
-                continue
-            for i, offset, length in out.slots:
-                self.pool[offset : offset + length] = found[i]
-            if out.reservation_id:
-                self.index.commit(TIER_CLIENT, out.reservation_id, None, now)
         try:
             reply = self._lookup(read.client, read.items, now)
         except Exception as exc:  # the client left meanwhile, or its leases are at their limit
@@ -245,44 +283,62 @@ class TierSet:
         if isinstance(item, DeferredWrite) and isinstance(item.load, _Copy):
             item.load.done()
 
-    def _read(self, read: _Read) -> None:
-        """Each tier in turn reads the chunks still missing that continue an item's prefix
-        (reader thread): an existence check first (in memory for the disk, one round trip for
-        the remote), so a cold prompt costs no transfer and no buffers."""
-        chunks: list[dict[int, bytes]] = [{} for _ in read.missing]
+    def _probe(self, read: _Read) -> None:
+        """Ask each tier which of the keys past the RAM prefixes it holds (reader thread): the
+        disk from its index, the remote with one EXISTS pipeline; nothing is transferred, so a
+        cold prompt costs no bytes and no slots. Sets the lookup's deadline from what it would save."""
+        runs: list[list[list[int]]] = [[] for _ in read.missing]
         try:
-            for tier in self.tiers:
+            refs = [self._ref(read, item, i) for item, (_, keys) in enumerate(read.missing) for i in range(len(keys))]
+            held = [tier.contains(refs) if _up(tier) else [False] * len(refs) for tier in self.tiers]
+            flat = 0
+            for item, (_, keys) in enumerate(read.missing):
+                for i in range(len(keys)):
+                    holders = [t for t in range(len(self.tiers)) if held[t][flat + i]]
+                    if not holders or len(runs[item]) != i:
+                        continue  # the run ends at the first key no tier holds
+                    runs[item].append(holders)
+                flat += len(keys)
+        except Exception:
+            log.exception("tier_read_failed")
+            runs = [[] for _ in read.missing]
+        longest = max((len(run) for run in runs), default=0)
+        read.deadline += self.deadline_for(longest)
+        read.holders = runs
+        self._post(lambda: self._place(read))
+
+    def deadline_for(self, chunks: int) -> float:
+        """Seconds a lookup may wait for the tiers when they hold a run of ``chunks``: the prefill
+        that run saves (``read_deadline_per_chunk`` each), at most ``read_deadline``."""
+        if self.read_deadline_per_chunk is None:
+            return self.read_deadline
+        return min(self.read_deadline, chunks * self.read_deadline_per_chunk)
+
+    def _fill(self, read: _Read) -> None:
+        """Read the chunks straight into their reserved slots, each from the first tier that
+        holds it and, where that read fails, from the next (reader thread). A tier's read
+        returns by the deadline, and writes a slot only before it returns."""
+        read.filled = [set() for _ in read.targets]
+        try:
+            for t, tier in enumerate(self.tiers):
+                places = [
+                    (item, i, offset, length)
+                    for item, (_, slots) in enumerate(read.targets)
+                    for i, offset, length in slots
+                    if i not in read.filled[item] and t in read.holders[item][i]
+                ]
                 left = read.deadline - time.monotonic()
-                if left <= 0 or not _up(tier):
+                if not places or left <= 0 or not _up(tier):
                     continue
-                wanted = [(item, i) for item, (_, keys) in enumerate(read.missing) for i in range(len(keys))]
-                wanted = [(item, i) for item, i in wanted if i not in chunks[item]]
-                refs = [self._ref(read, item, i) for item, i in wanted]
-                present = dict(zip(wanted, tier.contains(refs), strict=True)) if refs else {}
-                places = []
-                for item, got in enumerate(chunks):
-                    i = 0
-                    while i in got or present.get((item, i)):
-                        if i not in got:
-                            places.append((item, i))
-                        i += 1
-                if not places:
-                    continue
-                buffers = [bytearray(read.size) for _ in places]
-                refs = [self._ref(read, item, i) for item, i in places]
-                found = tier.read(refs, [memoryview(b) for b in buffers], timeout=read.deadline - time.monotonic())
-                for (item, i), buffer, ok in zip(places, buffers, found, strict=True):
+                refs = [self._ref(read, item, i) for item, i, _, _ in places]
+                into = [self.pool[offset : offset + length] for _, _, offset, length in places]
+                for (item, i, _, _), ok in zip(places, tier.read(refs, into, timeout=left), strict=True):
                     if ok:
-                        chunks[item][i] = bytes(buffer)
+                        read.filled[item].add(i)
         except Exception:
             log.exception("tier_read_failed")
         finally:
-            for got in chunks:
-                prefix: list[bytes] = []
-                while len(prefix) in got:
-                    prefix.append(got[len(prefix)])
-                read.found.append(prefix)
-            self._post(lambda: self._finish(read))
+            self._post(lambda: self._settle(read))
 
     @staticmethod
     def _ref(read: _Read, item: int, i: int) -> ChunkRef:
