@@ -68,6 +68,21 @@ def test_stats_reaches_a_tcp_server_with_a_secret(make_server, tmp_path, capsys)
     assert "secret" in err
 
 
+def test_fetch_stats_leaves_no_thread_behind(make_server, tmp_path):
+    """Repeated Stats probes (the connector's on-demand start asks in a loop) start no threads
+    past the transport's shared ones, and each ends its session on the server."""
+    import threading
+
+    from kvdepot.server import fetch_stats
+
+    server = make_server(address=f"ipc://{tmp_path}/stats.sock")
+    fetch_stats(server.address, timeout=5.0)  # starts the transport's shared threads, once
+    threads = threading.active_count()
+    for _ in range(5):
+        assert fetch_stats(server.address, timeout=5.0).clients == 1  # only the asking client
+    assert threading.active_count() == threads
+
+
 def test_stats_with_an_unreadable_secret_file_exits_1(tmp_path, capsys):
     """A secret file that cannot be read fails before any connection, naming the option."""
     code = main(["stats", "--auth-secret-file", str(tmp_path / "missing"), "--timeout", "0.3"])

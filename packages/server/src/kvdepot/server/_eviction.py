@@ -39,11 +39,8 @@ class EvictionPolicy:
         self._owner_bytes: dict[str, int] = {}  # slot bytes per client that stored them
         self._sharers = 0  # clients with a session that own bytes: the pool's fair share is split among them
         # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
-        self._page_pinned: list[int] = [0] * allocator.num_pages
-
-    def pin(self, entry: Entry, delta: int) -> None:
-        """Count `entry` as pinning its page (+1) or no longer (-1)."""
-        self._page_pinned[entry.offset // self.allocator.page_size] += delta
+        # The index counts into it directly as chunks move (`ChunkIndex._step`, a hot path).
+        self.page_pinned: list[int] = [0] * allocator.num_pages
 
     def own(self, owner: str, delta: int) -> None:
         """Count `delta` slot bytes to the client that stored them."""
@@ -70,7 +67,7 @@ class EvictionPolicy:
         if self._over_share(owner, slot_size) and (own := self.order.oldest_of_owner(owner, slot_size)):
             return [own]  # a client past its fair share makes room from its own chunks
         oldest = self.order.oldest_of_size(slot_size)
-        found = self.order.pages.oldest(self._page_pinned)
+        found = self.order.pages.oldest(self.page_pinned)
         if oldest is not None and (found is None or oldest.used <= found[0]):
             return [oldest]
         if found is None:
@@ -107,7 +104,7 @@ class EvictionPolicy:
             assert (entry in self.order) == (entry.state not in PINNED), "the order holds exactly the evictable"
             evictable += entry.state not in PINNED
             stamps.append((entry.offset // page_size, entry.used))
-        assert pinned == self._page_pinned
+        assert pinned == self.page_pinned
         self.order.pages.check(stamps)
         self.order.check(evictable)
         assert owners == self._owner_bytes

@@ -28,7 +28,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
-from kvdepot.server._chunk_state import LIVE, PINNED, VISIBLE, ChunkEvent, ChunkState, next_state
+from kvdepot.server._chunk_state import LIVE, MOVES, VISIBLE, ChunkEvent, ChunkState, move
 from kvdepot.server._errors import ServerArgumentError, UnknownReservationError
 from kvdepot.server._eviction import EvictionPolicy
 from kvdepot.server._pool import SlotHeaders
@@ -56,6 +56,9 @@ MAX_KEYS_PER_REQUEST = 1 << 16
 
 EntryKey = tuple[str, bytes]
 S, E = ChunkState, ChunkEvent
+# Module globals: cheaper than an Enum class's attributes on the hot paths.
+_FREE, _COMMITTED = S.FREE, S.COMMITTED
+_RESERVE, _COMMIT, _ABORT, _LEASE, _UNLEASE, _REMOVE = E.RESERVE, E.COMMIT, E.ABORT, E.LEASE, E.UNLEASE, E.REMOVE
 
 
 class ChunkIndex:
@@ -86,6 +89,7 @@ class ChunkIndex:
             client_pending_floor=int(allocator.capacity * CLIENT_PENDING_FLOOR_FRACTION),
         )
         self.policy = EvictionPolicy(allocator, self._residents, self.sessions)
+        self._page_pinned, self._page_size = self.policy.page_pinned, allocator.page_size
         self._entries: dict[EntryKey, Entry] = {}
         self._by_offset: dict[int, Entry] = {}
         self._in_state = dict.fromkeys(LIVE, 0)  # chunks per state
@@ -191,7 +195,7 @@ class ChunkIndex:
             entry = reservation.pending.pop(index, None)
             if entry is None:
                 continue
-            self._step(entry, E.COMMIT)
+            self._step(entry, _COMMIT)
             self.headers.published(entry.offset)
             self.sessions.pend(session, -entry.slot_size)
             self.bytes_stored += entry.length
@@ -248,7 +252,7 @@ class ChunkIndex:
             for entry in hits:
                 entry.leases += 1
                 if entry.leases == 1:
-                    self._step(entry, E.LEASE)
+                    self._step(entry, _LEASE)
             lease = self.sessions.new_lease(session, hits, now)
             results.append(LookupOutcome(len(hits), lease.id, [(e.offset + SLOT_HEADER_BYTES, e.length) for e in hits]))
         return results
@@ -363,18 +367,24 @@ class ChunkIndex:
     def _step(self, entry: Entry, event: ChunkEvent) -> None:
         """Move `entry` by the state table, and keep every figure that depends on its state."""
         old = entry.state
-        new = entry.state = next_state(old, event)
-        if old is not S.FREE:
-            self._in_state[old] -= 1
-        if new is not S.FREE:
-            self._in_state[new] += 1
-        if old is S.COMMITTED:
+        try:
+            new, pinned, visible = MOVES[old, event]
+        except KeyError:
+            move(old, event)  # raises InvalidTransitionError, which says what was asked
+            raise
+        entry.state = new
+        in_state = self._in_state
+        if old is not _FREE:
+            in_state[old] -= 1
+        if new is not _FREE:
+            in_state[new] += 1
+        if old is _COMMITTED:
             self.policy.order.drop(entry)
-        if (old in PINNED) != (new in PINNED):
-            self.policy.pin(entry, 1 if new in PINNED else -1)
-        if (old in VISIBLE) != (new in VISIBLE):
-            _add(self._salt_chunks, entry.salt, 1 if new in VISIBLE else -1)
-        if new is S.COMMITTED:
+        if pinned:
+            self._page_pinned[entry.offset // self._page_size] += pinned
+        if visible:
+            _add(self._salt_chunks, entry.salt, visible)
+        if new is _COMMITTED:
             self.policy.order.add(entry)
 
     def _residents(self, page: int) -> Iterator[Entry]:
@@ -407,7 +417,7 @@ class ChunkIndex:
         self._by_offset[entry.offset] = entry
         self.policy.own(entry.owner, entry.slot_size)
         _add(self._salt_bytes, entry.salt, entry.slot_size)
-        self._step(entry, E.RESERVE)
+        self._step(entry, _RESERVE)
         self.headers.writing(entry.offset, entry.salt, entry.key, entry.length)
         return entry
 
@@ -416,7 +426,7 @@ class ChunkIndex:
         self.evictions += 1
 
     def _remove(self, entry: Entry) -> None:
-        self._step(entry, E.REMOVE)
+        self._step(entry, _REMOVE)
         self._free_slot(entry)
         self.policy.removed(entry)
 
@@ -432,7 +442,7 @@ class ChunkIndex:
         session = self.sessions.end_reservation(reservation)
         for entry in reservation.pending.values():
             self.sessions.pend(session, -entry.slot_size)
-            self._step(entry, E.ABORT)
+            self._step(entry, _ABORT)
             self._free_slot(entry)
         return len(reservation.pending)
 
@@ -442,7 +452,7 @@ class ChunkIndex:
             entry.leases -= 1
             if not entry.leases:
                 assert self._entries.get((entry.salt, entry.key)) is entry, "a leased chunk left the index"
-                self._step(entry, E.UNLEASE)
+                self._step(entry, _UNLEASE)
 
     def check(self) -> None:
         """Assert every invariant of the index, its allocator, policy and sessions (for tests)."""
