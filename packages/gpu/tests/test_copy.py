@@ -9,6 +9,7 @@ import tempfile
 import pytest
 import torch
 
+import kvdepot.gpu
 from kvdepot.core import KVDepotError
 from kvdepot.gpu import (
     BlockIdError,
@@ -17,53 +18,38 @@ from kvdepot.gpu import (
     CpuCopier,
     CudaCopier,
     KVLayout,
+    NativeCopyError,
     PoolBoundsError,
     PoolDtypeError,
+    ReferenceCopier,
     SlotSizeError,
-    _copy,
-    _flat,
+    _copier,
     gather,
-    open_copier,
     scatter,
 )
-from kvdepot.gpu._layout import PlaneGroup
 from kvdepot.gpu.testing import DTYPES, Case, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
 FILL = 0xA5  # pool bytes outside every slot must keep this value
 
 
-@pytest.fixture(
-    autouse=True, params=["runs", "rows", "strided", "flat-native", "flat-native-1", "flat-put", "flat-runs", "auto"]
-)
-def strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run every copy test through each CPU strategy: per plane group, copy_ per run or index ops over
-    rows or strided views; or all layers as one row matrix, copied by the native row copy both ways
-    (on torch's threads, or on one), or by index_select and then numpy.put or memmove per run."""
-    if request.param.startswith("flat"):
-        monkeypatch.setattr(_flat, "FLAT_MIN_ROW_BYTES", 1)  # every test layout qualifies
-        if request.param.startswith("flat-native"):
-            if not _flat.FLAT_NATIVE:
-                pytest.fail("the native row copy (kvdepot.gpu._rowcopy) was not built")
-            if request.param == "flat-native-1":
-                monkeypatch.setattr(_flat, "native_threads", lambda: 1)
-            return str(request.param)
-        monkeypatch.setattr(_flat, "FLAT_NATIVE", False)
-        if request.param == "flat-put":
-            monkeypatch.setattr(_flat, "FLAT_RUNS_MAX", -1)
-            monkeypatch.setattr(_flat, "FLAT_RUN_MIN_BYTES", 10**18)
-        else:
-            monkeypatch.setattr(_flat, "FLAT_RUNS_MAX", 10**9)
-        return str(request.param)
-    if request.param != "auto":
-        monkeypatch.setattr(_flat, "FLAT_MIN_ROW_BYTES", 10**18)
-    if request.param == "runs":
-        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", 10**9)
-    elif request.param in ("rows", "strided"):
-        monkeypatch.setattr(_copy, "RUN_COPY_MAX_RUNS", -1)
-        monkeypatch.setattr(_copy, "RUN_COPY_MIN_BYTES", 10**18)
-    if request.param in ("runs", "strided"):
-        monkeypatch.setattr(PlaneGroup, "rows_addressable", property(lambda self: False))
+@pytest.fixture(autouse=True, params=["native", "native-1", "reference"])
+def method(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run every copy test through the CPU copier's native copy (on torch's threads, and on one) and
+    through the plain-torch reference copier, which every test checks against the independent
+    per-tensor reference of kvdepot.gpu.testing."""
+    if request.param == "native-1":
+        monkeypatch.setattr(_copier, "native_threads", lambda: 1)
+    if request.param == "reference":  # what gather, scatter and open_copier below open
+        real = _copier.open_copier
+        monkeypatch.setattr(_copier, "open_copier", lambda *a, **kw: real(*a, **{**kw, "method": "reference"}))
     return str(request.param)
+
+
+def open_copier(layout: KVLayout, pool: torch.Tensor) -> CpuCopier | ReferenceCopier:
+    """The copier of the test's method."""
+    copier = _copier.open_copier(layout, pool)
+    assert isinstance(copier, (CpuCopier, ReferenceCopier))
+    return copier
 
 
 def layout_of(case: Case) -> KVLayout:
@@ -303,14 +289,12 @@ def test_cuda_copier_refuses_a_cpu_cache(make_case) -> None:
     pool = filled_pool(layout.chunk_bytes(1))
     with pytest.raises(CopyArgumentError, match="CUDA KV cache"):
         CudaCopier(layout, pool)
-    assert isinstance(open_copier(layout, pool), CpuCopier)
+    assert isinstance(kvdepot.gpu.open_copier(layout, pool), CpuCopier)
+    assert isinstance(kvdepot.gpu.open_copier(layout, pool, method="reference"), ReferenceCopier)
 
 
-def test_layers_apart_share_one_row_matrix(strategy: str) -> None:
-    """Layers in several storages become rows of one matrix when rows are long enough; the copies
-    still match the reference, and rows under FLAT_MIN_ROW_BYTES keep the per-group path."""
-    if strategy != "auto":
-        pytest.skip("checks the default choice")
+def test_layers_apart_with_gaps_between_them() -> None:
+    """Layers in several storages, with gaps between them and blocks of 8 bytes or 4 KiB, copy exactly."""
     shape = (12, 2, 16, 64)  # [blocks, heads, tokens, 2 * head] fp16: 4 KiB blocks per layer
     layer_bytes = 12 * 4096
     whole = random_bytes(7 * layer_bytes, seed=5)  # one buffer, gaps between the layers
@@ -318,27 +302,23 @@ def test_layers_apart_share_one_row_matrix(strategy: str) -> None:
         f"layers.{i}": whole[at * layer_bytes :][:layer_bytes].view(torch.float16).view(shape)
         for i, at in enumerate([0, 3, 5, 6])
     }
-    layout = KVLayout.from_kv_caches(kv, backend_hint="CPU_ATTN")
-    assert len(layout.groups) > 1
-    size = layout.chunk_bytes(3)
-    pool = filled_pool(2 * size)
-    with open_copier(layout, pool) as copier:
-        assert isinstance(copier, CpuCopier)
-        assert copier.flat is not None
-        copier.gather([[9, 2, 3]], [size]).wait()
-        expected = torch.cat([kv[name][[9, 2, 3]].reshape(-1).view(torch.uint8) for name in kv])
-        assert torch.equal(pool[size:], expected)
-        copier.scatter([size], [[0, 1, 11]]).wait()
-    for name in kv:
-        assert torch.equal(kv[name][[0, 1, 11]].view(torch.int16), kv[name][[9, 2, 3]].view(torch.int16))
-    tiny_layout = KVLayout.from_kv_caches(  # 8-byte blocks in separate tensors
-        {f"layers.{i}": torch.zeros((12, 1, 1, 4), dtype=torch.float16) for i in range(3)}, backend_hint="CPU_ATTN"
-    )
-    assert CpuCopier(tiny_layout, filled_pool(1 << 12)).flat is None
+    tiny = {f"layers.{i}": random_bytes(12 * 8, seed=i).view(torch.float16).view(12, 1, 1, 4) for i in range(3)}
+    for caches in (kv, tiny):
+        layout = KVLayout.from_kv_caches(caches, backend_hint="CPU_ATTN")
+        assert len(layout.groups) > 1
+        size = layout.chunk_bytes(3)
+        pool = filled_pool(2 * size)
+        expected = torch.cat([t[[9, 2, 3]].reshape(-1).view(torch.uint8) for t in caches.values()])
+        with open_copier(layout, pool) as copier:
+            copier.gather([[9, 2, 3]], [size]).wait()
+            assert torch.equal(pool[size:], expected)
+            copier.scatter([size], [[0, 1, 11]]).wait()
+        for t in caches.values():
+            assert torch.equal(t[[0, 1, 11]].view(torch.int16), t[[9, 2, 3]].view(torch.int16))
 
 
 def test_chunks_in_adjacent_slots(case: Case) -> None:
-    """Chunks whose slots follow each other (copied together where the strategy can) land where
+    """Chunks whose slots follow each other land where
     the reference says; a chunk with skipped blocks among them keeps its leading blocks."""
     layout = layout_of(case)
     size = layout.chunk_bytes(2)
@@ -362,8 +342,8 @@ def test_chunks_in_adjacent_slots(case: Case) -> None:
     assert all(torch.equal(block_bytes(case, *key), before[key]) for key in before if key[1] < 6)
 
 
-def test_layers_of_different_sizes(strategy: str) -> None:
-    """Layers whose blocks differ in size (several row bands in the flat path) gather and scatter exactly."""
+def test_layers_of_different_sizes() -> None:
+    """Layers whose blocks differ in size (table rows of different lengths) gather and scatter exactly."""
     shapes = [(12, 2, 16, 64), (12, 4, 16, 64), (12, 2, 16, 64)]  # fp16: 4, 8 and 4 KiB per block
     sizes = [12 * 2 * 16 * 64 * 2, 12 * 4 * 16 * 64 * 2, 12 * 2 * 16 * 64 * 2]
     whole = random_bytes(sum(sizes) + 4096, seed=11)
@@ -388,14 +368,24 @@ def test_layers_of_different_sizes(strategy: str) -> None:
     assert not torch.equal(expected([0]), expected([9]))
 
 
-def test_describe_names_the_copy_path(strategy: str) -> None:
-    """A copier says how it copies, for the connector's log: the native copy and its threads where it runs."""
-    if strategy not in ("auto", "flat-put"):
-        pytest.skip("checks the default choice and the fallback")
+def test_describe_names_the_copy_path(method: str) -> None:
+    """A copier says how it copies, for the connector's log: the native copy and its threads, or the reference."""
     layout = KVLayout.from_kv_caches({"l": torch.zeros((8, 4, 16, 64), dtype=torch.float16)}, backend_hint="CPU_ATTN")
     with open_copier(layout, filled_pool(1 << 16)) as copier:
         text = copier.describe()
-    if strategy == "auto":
-        assert text == f"cpu: native block copy over one row matrix of 8192-byte rows, {_flat.native_threads()} threads"
+    if method == "reference":
+        assert text == "cpu: plain-torch reference copy (slow)"
     else:
-        assert "native copy not built" in text
+        assert text == f"cpu: native block copy by copy table, {_copier.native_threads()} threads"
+
+
+def test_a_missing_native_copy_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the native copy a CPU copier refuses to open and says how to get it; the reference still opens."""
+    monkeypatch.setattr(_copier, "_rowcopy", None)
+    monkeypatch.setattr(_copier, "_NATIVE_IMPORT_ERROR", "No module named 'kvdepot.gpu._rowcopy'", raising=False)
+    layout = KVLayout.from_kv_caches({"l": torch.zeros((8, 4, 16, 64), dtype=torch.float16)}, backend_hint="CPU_ATTN")
+    with pytest.raises(NativeCopyError, match="C compiler") as info:
+        kvdepot.gpu.open_copier(layout, filled_pool(1 << 16))
+    assert isinstance(info.value, KVDepotError)
+    assert "_rowcopy" in info.value.cause
+    assert isinstance(kvdepot.gpu.open_copier(layout, filled_pool(1 << 16), method="reference"), ReferenceCopier)

@@ -1,4 +1,4 @@
-"""The native block copy (kvdepot.gpu._rowcopy) against a numpy reference, and its argument checks."""
+"""The native copy (kvdepot.gpu._rowcopy) against a numpy reference, and its argument checks."""
 
 from __future__ import annotations
 
@@ -13,21 +13,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdepot.gpu import _flat
+from kvdepot.gpu import _copier
 
-rowcopy = _flat._rowcopy  # None when the install could not compile it: every test here then fails
+rowcopy = _copier._rowcopy  # None when the install could not build it: every test here then fails
 
 
 def test_the_extension_is_built() -> None:
-    """The install builds it wherever a C compiler exists, as on every machine the tests run on;
-    without it the CPU path silently falls back to slower copies."""
+    """The install builds it (setup.py makes it required); without it a CPU copier refuses to open."""
     assert rowcopy is not None
-    assert _flat.FLAT_NATIVE
 
 
 def test_built_with_openmp_and_sharing_torchs_runtime() -> None:
-    """On this project's machines the row copy is built with OpenMP and runs on the libgomp torch
-    loaded (no second runtime is mapped for it), so copies use torch's threads."""
+    """On this project's machines the copy is built with OpenMP and runs on the libgomp torch loaded
+    (no second runtime is mapped for it), so copies use torch's threads."""
     assert rowcopy.OPENMP == 1
     library = rowcopy.openmp_library()
     assert library is not None
@@ -35,261 +33,213 @@ def test_built_with_openmp_and_sharing_torchs_runtime() -> None:
     with open("/proc/self/maps") as maps:
         runtimes = {line.split()[-1] for line in maps if os.path.basename(line.split()[-1]) == "libgomp.so.1"}
     assert runtimes == {library}
-    assert _flat._shares_torch_openmp()
-    assert _flat.native_threads() == torch.get_num_threads()
+    assert _copier._shares_torch_openmp()
+    assert _copier.native_threads() == torch.get_num_threads()
 
 
 class Geometry:
-    """A KV row matrix of `planes` planes of `blocks` blocks of `rpb` rows, layer-major or interleaved."""
+    """A KV buffer of `planes` layers of `blocks` blocks of `segments` segments of `length` bytes,
+    layer-major or interleaved (block-major), and its copy table for chunks of `chunk` blocks."""
 
-    def __init__(self, planes: int, blocks: int, rpb: int, *, interleaved: bool) -> None:
-        self.planes, self.blocks, self.rpb = planes, blocks, rpb
-        p = np.arange(planes, dtype=np.int64)[:, None]
-        r = np.arange(rpb, dtype=np.int64)[None, :]
-        if interleaved:  # block-major: every plane's rows of block 0, then of block 1...
-            self.pattern = p * rpb + r
-            self.block_rows = np.full(planes, planes * rpb, dtype=np.int64)
-        else:  # layer-major: all blocks of plane 0, then of plane 1...
-            self.pattern = p * blocks * rpb + r
-            self.block_rows = np.full(planes, rpb, dtype=np.int64)
-        self.kv_rows = planes * blocks * rpb
+    def __init__(
+        self, planes: int, blocks: int, segments: int, length: int, chunk: int, *, interleaved: bool, gap: int = 0
+    ) -> None:
+        self.blocks, self.chunk = blocks, chunk
+        block = segments * length
+        self.kv = np.random.default_rng(planes * 7 + length).integers(0, 256, planes * blocks * block, dtype=np.uint8)
+        rows = []
+        for p in range(planes):
+            for s in range(segments):
+                kv = (p * block if interleaved else p * blocks * block) + s * length
+                step = planes * block if interleaved else block
+                rows.append((kv, step, p * (chunk * block + gap) + s * length, block, length))
+        self.offsets = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        self.slot_bytes = planes * (chunk * block + gap)
 
-    def kv_row(self, p: int, block: int, r: int) -> int:
-        return int(self.pattern[p, r] + block * self.block_rows[p])
+    def table(self) -> np.ndarray:
+        table = self.offsets.copy()
+        table[:, 0] += self.kv.ctypes.data
+        return table
 
-
-def matrix(rows: int, row_bytes: int, seed: int, *, misalign: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """(the whole buffer, a [rows, row_bytes] view starting `misalign` bytes into it) of random bytes."""
-    whole = np.random.default_rng(seed).integers(0, 256, rows * row_bytes + 64, dtype=np.uint8)
-    return whole, whole[misalign : misalign + rows * row_bytes].reshape(rows, row_bytes)
-
-
-def reference(g: Geometry, kv: np.ndarray, slot: np.ndarray, ids: list[int], plane_rows: int, *, to_slot: bool) -> None:
-    for p in range(g.planes):
-        for j, block in enumerate(ids):
-            for r in range(g.rpb):
-                s, k = p * plane_rows + j * g.rpb + r, g.kv_row(p, block, r)
+    def reference(self, slot: np.ndarray, ids: list[int], skip: int, *, to_slot: bool) -> None:
+        for kv, step, at, slot_step, length in self.offsets.tolist():
+            for j in range(skip, len(ids)):
+                k, s = kv + ids[j] * step, at + j * slot_step
                 if to_slot:
-                    slot[s] = kv[k]
+                    slot[s : s + length] = self.kv[k : k + length]
                 else:
-                    kv[k] = slot[s]
+                    self.kv[k : k + length] = slot[s : s + length]
 
 
-def copy(g: Geometry, kv: np.ndarray, slot: np.ndarray, ids: list[int], plane_rows: int, **kwargs: object) -> None:
-    rowcopy.copy_blocks(
-        kv.ctypes.data, kv.shape[0], slot.ctypes.data, slot.shape[0], ids, g.pattern, g.block_rows, plane_rows,
-        kv.shape[1], **kwargs,
-    )  # fmt: skip
+def slot_buffer(nbytes: int, seed: int, *, misalign: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(the whole buffer, `nbytes` of it starting `misalign` bytes in) of random bytes."""
+    whole = np.random.default_rng(seed).integers(0, 256, nbytes + 64, dtype=np.uint8)
+    return whole, whole[misalign : misalign + nbytes]
+
+
+def copy(g: Geometry, slot: np.ndarray, ids: list[int], skip: int = 0, **kwargs: Any) -> None:
+    rowcopy.copy_chunk(g.table(), ids, skip, slot.ctypes.data, slot.size, g.blocks, **kwargs)
+
+
+def round_trip(g: Geometry, ids: list[int], targets: list[int], skip: int, misalign: int, **kwargs: Any) -> None:
+    """Gather `ids` into a slot, then scatter it into `targets` past `skip`; both equal the reference."""
+    _, slot = slot_buffer(max(g.slot_bytes, 1), 2, misalign=misalign)
+    expected = slot.copy()
+    g.reference(expected, ids, 0, to_slot=True)
+    copy(g, slot, ids, to_slot=True, **kwargs)
+    assert np.array_equal(slot, expected)
+    kv_before = g.kv.copy()
+    g.reference(expected, targets, skip, to_slot=False)  # the reference writes g.kv: compare against a copy
+    kv_expected, g.kv[:] = g.kv.copy(), kv_before
+    copy(g, slot, targets, skip, to_slot=False, **kwargs)
+    assert np.array_equal(g.kv, kv_expected)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "plain"])
-@pytest.mark.parametrize("row_bytes", [1, 3, 16, 17, 63, 64, 65, 4096 + 24])
+@pytest.mark.parametrize("length", [1, 3, 16, 17, 63, 64, 65, 4096 + 24])
 @pytest.mark.parametrize("misalign", [0, 1, 13])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["layer-major", "interleaved"])
 def test_gather_and_scatter_match_the_reference(
-    row_bytes: int, misalign: int, stream: bool, threads: int, interleaved: bool
+    length: int, misalign: int, stream: bool, threads: int, interleaved: bool
 ) -> None:
-    """Blocks into a slot (gather) and from a slot into other blocks (scatter), with a gap between the
-    slot's planes: the bytes equal the reference for rows of any length at any alignment, and rows
-    not named (KV rows of other blocks, slot rows in the gaps) keep theirs."""
-    g = Geometry(3, 10, 2, interleaved=interleaved)
-    ids = [7, 0, 9, 3]
-    plane_rows = len(ids) * g.rpb + 1  # one slot row between planes is not written
-    _, kv = matrix(g.kv_rows, row_bytes, 1)
-    _, slot = matrix(3 * plane_rows, row_bytes, 2, misalign=misalign)
-    expected = slot.copy()
-    reference(g, kv, expected, ids, plane_rows, to_slot=True)
-    copy(g, kv, slot, ids, plane_rows, to_slot=True, stream=stream, threads=threads)
-    assert np.array_equal(slot, expected)
-
-    expected_kv = kv.copy()
-    targets = [2, 8, 5, 1]
-    reference(g, expected_kv, slot, targets, plane_rows, to_slot=False)
-    copy(g, kv, slot, targets, plane_rows, to_slot=False, stream=stream, threads=threads)
-    assert np.array_equal(kv, expected_kv)
-    assert not np.array_equal(kv[g.kv_row(0, 2, 0)], kv[g.kv_row(0, 4, 0)])  # block 4 was not written
+    """Blocks into a slot (gather) and from a slot into other blocks past a skip (scatter), with a gap
+    between the slot's layers: the bytes equal the reference for pieces of any length at any alignment,
+    and bytes not named (other blocks, skipped blocks, the gaps) keep theirs."""
+    g = Geometry(3, 10, 2, length, 4, interleaved=interleaved, gap=5)
+    round_trip(g, [7, 0, 9, 3], [2, 8, 5, 1], 1, misalign, stream=stream, threads=threads)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     planes=st.integers(1, 4),
-    rpb=st.integers(1, 3),
-    row_bytes=st.integers(1, 200),
-    ids=st.lists(st.integers(0, 11), max_size=12, unique=True),
-    gap=st.integers(0, 2),
+    segments=st.integers(1, 3),
+    length=st.integers(1, 200),
+    ids=st.lists(st.integers(0, 11), min_size=1, max_size=12, unique=True),
+    skip=st.integers(0, 12),
+    gap=st.integers(0, 9),
     interleaved=st.booleans(),
     stream=st.booleans(),
 )
 def test_any_geometry(
-    planes: int, rpb: int, row_bytes: int, ids: list[int], gap: int, interleaved: bool, stream: bool
+    planes: int, segments: int, length: int, ids: list[int], skip: int, gap: int, interleaved: bool, stream: bool
 ) -> None:
-    g = Geometry(planes, 12, rpb, interleaved=interleaved)
-    plane_rows = len(ids) * rpb + gap
-    _, kv = matrix(g.kv_rows, row_bytes, 3)
-    _, slot = matrix(max(1, planes * plane_rows), row_bytes, 4)
-    expected = slot.copy()
-    reference(g, kv, expected, ids, plane_rows, to_slot=True)
-    copy(g, kv, slot, ids, plane_rows, to_slot=True, stream=stream)
-    assert np.array_equal(slot, expected)
-    expected_kv = kv.copy()
-    back = ids[::-1]
-    reference(g, expected_kv, slot, back, plane_rows, to_slot=False)
-    copy(g, kv, slot, back, plane_rows, to_slot=False, stream=stream)
-    assert np.array_equal(kv, expected_kv)
+    """Any number of layers, segments, lengths, ids and skips copies what the reference copies."""
+    g = Geometry(planes, 12, segments, length, len(ids), interleaved=interleaved, gap=gap)
+    round_trip(g, ids, ids[::-1], skip, 0, stream=stream)
 
 
 @pytest.mark.parametrize("threads", [2, 3, 8])
-@pytest.mark.parametrize("row_bytes", [24, 4096, 70_000])
-def test_rows_shared_among_threads(row_bytes: int, threads: int) -> None:
+@pytest.mark.parametrize("length", [24, 4096, 70_000])
+def test_pieces_shared_among_threads(length: int, threads: int) -> None:
     """Copies of several 64 KiB batches and a short one, shared among OpenMP threads, equal the reference."""
-    blocks = max(4, (200 * 1024) // (2 * row_bytes) + 1)
-    g = Geometry(2, 2 * blocks, 1, interleaved=False)
+    blocks = max(4, (200 * 1024) // (2 * length) + 1)
+    g = Geometry(2, 2 * blocks, 1, length, blocks, interleaved=False)
     ids = np.random.default_rng(5).permutation(2 * blocks)[:blocks].tolist()
-    _, kv = matrix(g.kv_rows, row_bytes, 6)
-    _, slot = matrix(2 * blocks, row_bytes, 7)
-    expected = slot.copy()
-    reference(g, kv, expected, ids, blocks, to_slot=True)
-    copy(g, kv, slot, ids, blocks, to_slot=True, stream=False, threads=threads)
-    assert np.array_equal(slot, expected)
-    expected_kv = kv.copy()
     targets = np.random.default_rng(8).permutation(2 * blocks)[:blocks].tolist()
-    reference(g, expected_kv, slot, targets, blocks, to_slot=False)
-    copy(g, kv, slot, targets, blocks, to_slot=False, threads=threads)
-    assert np.array_equal(kv, expected_kv)
+    round_trip(g, ids, targets, 0, 0, stream=False, threads=threads)
 
 
 @pytest.mark.parametrize(
-    ("ids", "message"),
-    [
-        (
-            [0, 1, 10],
-            r"ids\[2\] = 10: plane 1's rows of that block are outside a matrix of 40 rows",
-        ),
-        ([0, -1], r"ids\[1\] = -1"),
-        ([2**62], "outside"),  # the row number overflows 64 bits
-    ],
+    ("ids", "message"), [([0, 1, 10], r"ids\[2\] = 10 is outside \[0, 10\)"), ([0, -1], r"ids\[1\] = -1")]
 )
 def test_blocks_out_of_range_move_nothing(ids: list[int], message: str) -> None:
-    """Every block is checked before any byte moves: a bad id late in the list leaves both sides as they were."""
-    g = Geometry(2, 10, 2, interleaved=False)
-    _, kv = matrix(g.kv_rows, 64, 8)
-    _, slot = matrix(2 * len(ids) * 2, 64, 9)
-    kv_before, slot_before = kv.copy(), slot.copy()
+    """Every copied block is checked before any byte moves: a bad id late in the list leaves both sides as they
+    were; a bad id among the skipped leading blocks is never read, so it is not checked."""
+    g = Geometry(2, 10, 1, 64, len(ids), interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 9)
+    kv_before, slot_before = g.kv.copy(), slot.copy()
     for to_slot in (True, False):
         with pytest.raises(IndexError, match=message):
-            copy(g, kv, slot, ids, len(ids) * 2, to_slot=to_slot)
-    assert np.array_equal(kv, kv_before)
+            copy(g, slot, ids, to_slot=to_slot)
+    assert np.array_equal(g.kv, kv_before)
     assert np.array_equal(slot, slot_before)
+    copy(g, slot, [-1, 3], 1, to_slot=True)
+
+
+def test_rows_outside_the_slot_move_nothing() -> None:
+    """A table row that would run past the slot's end, or whose addresses overflow, is refused before any copy."""
+    g = Geometry(2, 10, 1, 64, 2, interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 10)
+    before = slot.copy()
+    with pytest.raises(IndexError, match="table row 1 does not fit a slot of 255 bytes"):
+        rowcopy.copy_chunk(g.table(), [1, 2], 0, slot.ctypes.data, g.slot_bytes - 1, 10, True)
+    huge = g.table()
+    huge[0, 1] = 2**62
+    with pytest.raises(IndexError, match="table row 0"):
+        rowcopy.copy_chunk(huge, [1, 2], 0, slot.ctypes.data, g.slot_bytes, 10, True)
+    assert np.array_equal(slot, before)
 
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"slot_rows": 7}, IndexError, "2 planes of 2 blocks do not fit a slot of 7 rows"),
-        ({"plane_rows": 3}, ValueError, "plane_rows 3 is under the 4 rows of one plane"),
         ({"ids": [1, 2.0]}, TypeError, r"ids\[1\] must be an int"),
         ({"ids": [1, "2"]}, TypeError, r"ids\[1\] must be an int"),
         ({"ids": 5}, TypeError, "ids must be a sequence"),
-        ({"pattern": np.zeros(4, dtype=np.int32)}, TypeError, "pattern must hold 64-bit signed integers"),
-        ({"pattern": np.zeros(8, dtype=np.uint64)}, TypeError, "64-bit signed"),
-        ({"pattern": np.zeros(6, dtype=np.int64)[::2]}, (TypeError, ValueError, BufferError), None),
-        ({"pattern": np.zeros(3, dtype=np.int64)}, ValueError, "pattern of 3 rows does not split into 2 planes"),
-        ({"block_rows": np.zeros(0, dtype=np.int64)}, ValueError, "does not split into 0 planes"),
-        ({"block_rows": np.array([2, -1], dtype=np.int64)}, IndexError, "plane 1"),
-        ({"pattern": np.array([0, 1, -2, 3], dtype=np.int64)}, IndexError, "plane 1"),
-        ({"row_bytes": 0}, ValueError, "row_bytes and threads > 0"),
-        ({"threads": 0}, ValueError, "row_bytes and threads > 0"),
-        ({"kv_rows": -1}, ValueError, "row counts must be >= 0"),
+        ({"table": np.zeros(5, dtype=np.int32)}, TypeError, "table must be C-contiguous int64 rows of 5 columns"),
+        ({"table": np.zeros(5, dtype=np.uint64)}, TypeError, "int64 rows"),
+        ({"table": np.zeros(6, dtype=np.int64)}, TypeError, "int64 rows"),
+        ({"table": np.zeros(10, dtype=np.int64)[::2]}, (TypeError, ValueError, BufferError), None),
+        ({"table": np.array([[0, 64, 0, 64, 64]], dtype=np.int64)}, IndexError, "table row 0"),
+        ({"table": np.array([[1, 64, -1, 64, 64]], dtype=np.int64)}, IndexError, "table row 0"),
+        ({"skip": -1}, ValueError, "must be >= 0"),
+        ({"threads": 0}, ValueError, "threads > 0"),
+        ({"num_blocks": -1}, ValueError, "must be >= 0"),
         ({"slot": 0}, ValueError, "non-null pointer"),
-        ({"kv": -1}, (OverflowError, ValueError), None),
-        ({"kv": 1.5}, TypeError, "an address must be an int"),
+        ({"slot": -1}, (OverflowError, ValueError), None),
+        ({"slot": 1.5}, TypeError, "an address must be an int"),
     ],
 )
 def test_bad_arguments_are_typed_errors(kwargs: dict[str, object], error: type[Exception], message: str | None) -> None:
-    g = Geometry(2, 10, 2, interleaved=False)
-    _, kv = matrix(g.kv_rows, 64, 10)
-    _, slot = matrix(8, 64, 11)
-    kv_before, slot_before = kv.copy(), slot.copy()
+    """Malformed arguments raise TypeError, ValueError or IndexError, and move nothing."""
+    g = Geometry(2, 10, 1, 64, 2, interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 11)
+    kv_before, slot_before = g.kv.copy(), slot.copy()
     args: dict[str, object] = {
-        "kv": kv.ctypes.data,
-        "kv_rows": g.kv_rows,
-        "slot": slot.ctypes.data,
-        "slot_rows": 8,
-        "ids": [1, 2],
-        "pattern": g.pattern,
-        "block_rows": g.block_rows,
-        "plane_rows": 4,
-        "row_bytes": 64,
-        "to_slot": True,
-    }
+        "table": g.table(), "ids": [1, 2], "skip": 0, "slot": slot.ctypes.data, "slot_bytes": g.slot_bytes,
+        "num_blocks": 10, "to_slot": True,
+    }  # fmt: skip
     args.update(kwargs)
     with pytest.raises(error, match=message):
-        rowcopy.copy_blocks(**args)
-    assert np.array_equal(kv, kv_before)
+        rowcopy.copy_chunk(**args)
+    assert np.array_equal(g.kv, kv_before)
     assert np.array_equal(slot, slot_before)
 
 
-def test_no_blocks_is_a_no_op() -> None:
-    g = Geometry(2, 4, 1, interleaved=True)
-    _, kv = matrix(g.kv_rows, 32, 12)
-    _, slot = matrix(1, 32, 13)
+def test_nothing_to_copy_is_a_no_op() -> None:
+    """No ids, every id skipped, or an empty table: nothing moves."""
+    g = Geometry(2, 4, 1, 32, 1, interleaved=True)
+    _, slot = slot_buffer(g.slot_bytes, 13)
     before = slot.copy()
-    copy(g, kv, slot, [], 0, to_slot=True)
+    copy(g, slot, [], to_slot=True)
+    copy(g, slot, [1], 1, to_slot=True)
+    rowcopy.copy_chunk(np.zeros((0, 5), dtype=np.int64), [1], 0, slot.ctypes.data, slot.size, 4, True)
     assert np.array_equal(slot, before)
-
-
-def test_row_counts_that_overflow_are_refused() -> None:
-    """A plane_rows so large that the slot's last row number wraps around 64 bits is refused, not
-    turned into a write before the slot."""
-    g = Geometry(2, 4, 1, interleaved=False)
-    _, kv = matrix(g.kv_rows, 16, 14)
-    whole, slot = matrix(1, 16, 15, misalign=32)
-    before = whole.copy()
-    for plane_rows in (2**63 - 1, 2**62):
-        with pytest.raises((OverflowError, IndexError)):
-            copy(g, kv, slot, [1], plane_rows, to_slot=True)
-    assert np.array_equal(whole, before)
 
 
 def test_more_threads_than_work_or_cores() -> None:
     """Thread counts far above the batches or the cores are capped (libgomp would otherwise exit the
     process when it cannot create them)."""
-    g = Geometry(1, 8, 1, interleaved=False)
-    _, kv = matrix(g.kv_rows, 70_000, 16)
-    _, slot = matrix(3, 70_000, 17)
-    expected = slot.copy()
-    reference(g, kv, expected, [5, 0, 7], 3, to_slot=True)
-    copy(g, kv, slot, [5, 0, 7], 3, to_slot=True, threads=100_000)
-    assert np.array_equal(slot, expected)
+    g = Geometry(1, 8, 1, 70_000, 3, interleaved=False)
+    round_trip(g, [5, 0, 7], [1, 2, 3], 0, 0, threads=100_000)
 
 
-def test_pattern_shape_must_match_the_planes() -> None:
-    g = Geometry(2, 4, 3, interleaved=False)  # pattern [2, 3]
-    _, kv = matrix(g.kv_rows, 8, 18)
-    _, slot = matrix(9, 8, 19)
-    with pytest.raises(ValueError, match="does not split into 3 planes"):
-        rowcopy.copy_blocks(
-            kv.ctypes.data, g.kv_rows, slot.ctypes.data, 9, [1], g.pattern, np.ones(3, dtype=np.int64), 3, 8, True
-        )
-
-
-def test_arrays_changed_by_another_thread_during_a_copy() -> None:
-    """The copy works on its own copy of pattern and block_rows: another thread writing them once the
-    GIL is released cannot send rows outside the matrix or change which rows move."""
-    g = Geometry(2, 512, 1, interleaved=False)
+def test_a_table_changed_by_another_thread_during_a_copy() -> None:
+    """The copy works on its own copy of the table: another thread writing it once the GIL is released
+    cannot send bytes outside the slot or change which bytes move."""
+    g = Geometry(2, 512, 1, 4096, 256, interleaved=False)
     ids = list(range(0, 512, 2))
-    _, kv = matrix(g.kv_rows, 4096, 20)
-    _, slot = matrix(2 * len(ids), 4096, 21)
+    _, slot = slot_buffer(g.slot_bytes, 21)
     expected = slot.copy()
-    reference(g, kv, expected, ids, len(ids), to_slot=True)
-    pattern, original = g.pattern, g.pattern.copy()
+    g.reference(expected, ids, 0, to_slot=True)
+    table, original = g.table(), g.table()
     stop = threading.Event()
 
     def scribble() -> None:
         while not stop.is_set():
-            pattern[0, 0] = 1 << 40
-            pattern[0, 0] = original[0, 0]
+            table[0, 2] = 1 << 40
+            table[0, 2] = original[0, 2]
 
     writer = threading.Thread(target=scribble)
     writer.start()
@@ -297,11 +247,8 @@ def test_arrays_changed_by_another_thread_during_a_copy() -> None:
         for _ in range(20):
             slot[...] = 0
             try:
-                rowcopy.copy_blocks(
-                    kv.ctypes.data, g.kv_rows, slot.ctypes.data, slot.shape[0], ids, pattern, g.block_rows,
-                    len(ids), 4096, True, False, 2,
-                )  # fmt: skip
-            except IndexError:  # its snapshot held the scribbled value: refused before any byte moved
+                rowcopy.copy_chunk(table, ids, 0, slot.ctypes.data, slot.size, g.blocks, True, False, 2)
+            except IndexError:  # its copy held the scribbled value: refused before any byte moved
                 assert not slot.any()
                 continue
             assert np.array_equal(slot, expected)
@@ -311,24 +258,22 @@ def test_arrays_changed_by_another_thread_during_a_copy() -> None:
 
 
 def _copy_in_child(queue: Any) -> None:
-    g = Geometry(2, 64, 1, interleaved=False)
-    _, kv = matrix(g.kv_rows, 4096, 22)
-    _, slot = matrix(2 * 32, 4096, 23)
+    g = Geometry(2, 64, 1, 4096, 32, interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 23)
     expected = slot.copy()
-    reference(g, kv, expected, list(range(32)), 32, to_slot=True)
-    threads = _flat.native_threads()
-    copy(g, kv, slot, list(range(32)), 32, to_slot=True, threads=threads)
+    g.reference(expected, list(range(32)), 0, to_slot=True)
+    threads = _copier.native_threads()
+    copy(g, slot, list(range(32)), to_slot=True, threads=threads)
     queue.put((threads, bool(np.array_equal(slot, expected))))
 
 
 def test_a_child_forked_after_threaded_copies_copies_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     """libgomp's threads do not survive fork(): a child of a process that ran threaded copies copies
     on one thread (a parallel region there would wait forever) and finishes."""
-    g = Geometry(2, 64, 1, interleaved=False)
-    _, kv = matrix(g.kv_rows, 4096, 24)
-    _, slot = matrix(2 * 32, 4096, 25)
-    copy(g, kv, slot, list(range(32)), 32, to_slot=True, threads=2)  # this process's team exists now
-    monkeypatch.setattr(_flat, "_ran_threads", True)  # as after a copier's threaded copy
+    g = Geometry(2, 64, 1, 4096, 32, interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 25)
+    copy(g, slot, list(range(32)), to_slot=True, threads=2)  # this process's team exists now
+    monkeypatch.setattr(_copier, "_ran_threads", True)  # as after a copier's threaded copy
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_copy_in_child, args=(queue,))

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvdepot.gpu import KVLayout
-from kvdepot.gpu._copier import pool_words, triton_copy
 from kvdepot.gpu._copy import plan_copy
+from kvdepot.gpu._cuda import pool_words, triton_copy
+from kvdepot.gpu._table import CopyTables
 from kvdepot.gpu.testing import LAYOUT_NAMES, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
 pytest.importorskip("triton")
@@ -25,11 +26,12 @@ def test_kernel_gather_and_scatter_match_reference(name: str) -> None:
     """The kernel writes the reference bytes into slots, and back into named blocks only, skipping leaders."""
     case = build_case(name, torch.float16, seed=11)
     layout = KVLayout.from_kv_caches(case.kv, case.block_size, backend_hint=case.hint)
+    tables = CopyTables(layout)
     size = layout.chunk_bytes(3)
     pool = torch.full((3 * size,), FILL, dtype=torch.uint8)
     chunks, offsets = [[9, 2, 4], [0, 11, 3]], [2 * size, 0]
     plan = plan_copy(layout, pool, offsets, chunks, writes_kv=False)
-    triton_copy(layout, plan, pool, lambda width: pool_words(pool, width), to_pool=True)
+    triton_copy(layout, plan, pool, lambda width: pool_words(pool, width), tables, to_pool=True)
     for blocks, offset in zip(chunks, offsets, strict=True):
         assert torch.equal(pool[offset : offset + size], chunk_bytes(case, blocks))
     assert bool((pool[size : 2 * size] == FILL).all())
@@ -38,7 +40,7 @@ def test_kernel_gather_and_scatter_match_reference(name: str) -> None:
     before = snapshot(case)
     targets = [[5, 6, 7], [8, 1, 10]]
     plan = plan_copy(layout, source, offsets, targets, skip_blocks=[1, 0], writes_kv=True)
-    triton_copy(layout, plan, source, lambda width: pool_words(source, width), to_pool=False)
+    triton_copy(layout, plan, source, lambda width: pool_words(source, width), tables, to_pool=False)
     for blocks, offset, skip in zip(targets, offsets, (1, 0), strict=True):
         slot = source[offset : offset + size].view(len(case.layers), 3, -1)
         for position, block in enumerate(blocks):

@@ -1,12 +1,14 @@
 """kvdepot.gpu: KV-cache layouts of inference engines, and block copies to and from the pool."""
 
-from kvdepot.gpu._copier import CpuCopier, CudaCopier, CudaCopyHandle, gather, open_copier, scatter
+from kvdepot.gpu._copier import CpuCopier, ReferenceCopier, gather, open_copier, scatter
 from kvdepot.gpu._copy import CopyHandle
+from kvdepot.gpu._cuda import CudaCopier, CudaCopyHandle
 from kvdepot.gpu._errors import (
     BlockIdError,
     CopierClosedError,
     CopyArgumentError,
     GpuError,
+    NativeCopyError,
     PoolBoundsError,
     PoolDtypeError,
     SlotSizeError,
@@ -25,8 +27,10 @@ __all__ = [
     "CudaCopyHandle",
     "GpuError",
     "KVLayout",
+    "NativeCopyError",
     "PoolBoundsError",
     "PoolDtypeError",
+    "ReferenceCopier",
     "SlotSizeError",
     "UnsupportedLayoutError",
     "__version__",

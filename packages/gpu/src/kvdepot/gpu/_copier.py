@@ -1,115 +1,91 @@
 """Copiers: one object per (layout, pool) that gathers and scatters chunks.
 
-`open_copier` returns a `CpuCopier` for a CPU KV cache (copies run synchronously on the
-calling thread) or a `CudaCopier` (copies run on a side stream, ordered after the
-compute stream, and complete asynchronously). Both return a handle with `done()` and
-`wait()`. `gather` and `scatter` are one-shot helpers around a copier.
+`open_copier` gives each device its one fast path, and nothing chooses between others:
+
+- CPU: `CpuCopier`, the native copy (`_rowcopy.c`) reading the layout's copy table; one
+  call per chunk whatever the layout. It is built with the package and required.
+- CUDA: `CudaCopier` (`_cuda.py`), the Triton kernel, or DMA copies where Triton or a
+  registered pool is missing.
+- Any other device, or `method="reference"`: `ReferenceCopier`, plain torch indexing
+  (`_reference.py`), the copy the tests check every path against.
+
+Every copier returns a handle with `done()` and `wait()`. `gather` and `scatter` are
+one-shot helpers around a copier.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import structlog
 import torch
 
-from kvdepot.gpu import _flat, _triton
-from kvdepot.gpu._copy import (
-    BlockIds,
-    CompletedCopy,
-    CopyHandle,
-    CopyPlan,
-    check_pool,
-    gather_cpu,
-    plan_copy,
-    scatter_cpu,
-)
-from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError
-from kvdepot.gpu._flat import flat_rows, gather_flat, scatter_flat
-from kvdepot.gpu._layout import KVLayout, dtype_of_width, width_of
-from kvdepot.gpu._segments import SegmentTable, segment_tables
+from kvdepot.gpu._copy import BlockIds, CompletedCopy, CopyHandle, CopyPlan, check_pool, plan_copy
+from kvdepot.gpu._cuda import CudaCopier
+from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError, NativeCopyError
+from kvdepot.gpu._layout import KVLayout
+from kvdepot.gpu._reference import reference_copy
+from kvdepot.gpu._table import CopyTables
+
+try:
+    from kvdepot.gpu import _rowcopy
+except ImportError as exc:  # a broken install: the copier says so when it opens
+    _rowcopy = None  # type: ignore[assignment]
+    _NATIVE_IMPORT_ERROR = str(exc)
 
 log = structlog.get_logger(__name__)
 
-Method = Literal["auto", "triton", "dma"]
-
-# With "auto", a plane group whose merged contiguous runs average at least this many
-# bytes goes to the DMA copy engines: few large descriptors run at full link speed
-# there and leave the SMs to compute. Smaller runs go to the Triton kernel, whose one
-# launch costs the same for 10 or 10,000 segments. (vLLM measured the crossover for
-# single descriptors near 28 KiB on H100 PCIe Gen5; here a run pays a Python call too.)
-DMA_MIN_RUN_BYTES = 1 << 20
-
-# cudaHostRegisterPortable | cudaHostRegisterMapped: usable from every context, and
-# mapped into the device address space so kernels can read and write it.
-_HOST_REGISTER_FLAGS = 0x1 | 0x2
+Method = Literal["auto", "triton", "dma", "reference"]
 
 
-def triton_copy(layout: KVLayout, plan: CopyPlan, pool: torch.Tensor, pool_arg: Any, *, to_pool: bool) -> list[Any]:
-    """Run `plan` through the Triton kernel, one launch per plane group.
+@functools.cache
+def _shares_torch_openmp() -> bool:
+    """Whether the native copy's OpenMP loops run on torch's own OpenMP runtime (and so its thread team).
 
-    `pool_arg(width)` is what the kernel gets for the pool: a word view of the pool
-    tensor (CPU, under TRITON_INTERPRET=1) or a `DevicePointer` (CUDA). Returns the
-    tensors that must stay alive until the copy completes.
+    They do when the runtime the extension resolved lies in torch's package: torch loaded
+    its libgomp.so.1 first and the loader reused it. A runtime from elsewhere (a system
+    libgomp beside a torch that bundles a renamed one, an Intel OpenMP preloaded for the
+    engine) would bring a second team competing with torch's for the cores.
     """
-    keep: list[Any] = []
-    max_width = width_of(8, pool.data_ptr(), pool.storage_offset())
-    for table in segment_tables(layout, plan, pool.data_ptr(), max_width=max_width):
-        keep += launch_table(table, pool_arg(table.width), layout.device, to_pool=to_pool)
-    return keep
+    ours = _rowcopy.openmp_library() if _rowcopy is not None and _rowcopy.OPENMP else None
+    if ours is None or "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info():
+        return False
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    return os.path.realpath(ours).startswith((torch_dir + os.sep, torch_dir + ".libs" + os.sep))
 
 
-def launch_table(table: SegmentTable, pool_words: Any, device: torch.device, *, to_pool: bool) -> list[Any]:
-    """One kernel launch for every segment of one plane group."""
-    if table.num_segments == 0:
-        return []
-    kv_words = table.group.base(table.width)
-    kv_offsets, slot_offsets = _to_device(table, device)
-    if to_pool:
-        _triton.copy_segments(kv_words, pool_words, kv_offsets, slot_offsets, table.seg_words)
-    else:
-        _triton.copy_segments(pool_words, kv_words, slot_offsets, kv_offsets, table.seg_words)
-    return [kv_offsets, slot_offsets]
+# libgomp's thread team does not survive fork(): in a child of a process that ran a
+# threaded copy, a parallel region waits forever for threads that are gone (torch's own
+# parallel ops in such a child hang the same way). Copies in such a child use one thread.
+_forked_after_threads = False
+_ran_threads = False
 
 
-def _to_device(table: SegmentTable, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if device.type == "cpu":
-        return table.kv_offsets, table.slot_offsets
-    both = torch.stack([table.kv_offsets, table.slot_offsets]).pin_memory().to(device, non_blocking=True)
-    return both[0], both[1]
+def _after_fork_in_child() -> None:
+    global _forked_after_threads  # noqa: PLW0603 - process-wide state, set by the fork hook
+    _forked_after_threads = _forked_after_threads or _ran_threads
 
 
-def pool_words(pool: torch.Tensor, width: int) -> torch.Tensor:
-    """The whole pool as `width`-byte words."""
-    usable = pool.numel() - pool.numel() % width
-    return pool[:usable].view(dtype_of_width(width))
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def dma_copy(layout: KVLayout, plan: CopyPlan, pool: torch.Tensor, *, to_pool: bool, tables: Any = None) -> None:
-    """Run `plan` as one `copy_` per contiguous run (cudaMemcpyAsync on CUDA)."""
-    max_width = width_of(8, pool.data_ptr(), pool.storage_offset())
-    for table in tables if tables is not None else segment_tables(layout, plan, pool.data_ptr(), max_width=max_width):
-        kv_words = table.group.base(table.width)
-        words = pool_words(pool, table.width)
-        kv_starts, slot_starts, lengths = (t.tolist() for t in table.runs())
-        for kv, slot, n in zip(kv_starts, slot_starts, lengths, strict=True):
-            if to_pool:
-                words[slot : slot + n].copy_(kv_words[kv : kv + n], non_blocking=True)
-            else:
-                kv_words[kv : kv + n].copy_(words[slot : slot + n], non_blocking=True)
+def native_threads() -> int:
+    """Threads for one native copy: torch's intra-op threads when they can be shared, else 1."""
+    if _forked_after_threads or not _shares_torch_openmp():
+        return 1
+    return int(torch.get_num_threads())
 
 
-class CpuCopier:
-    """Gather and scatter for a KV cache in host memory; copies finish before the call returns."""
+class _SyncCopier:
+    """Gather and scatter that finish before the call returns; subclasses move the bytes."""
 
     def __init__(self, layout: KVLayout, pool: torch.Tensor) -> None:
         self.layout = layout
         self.pool = check_pool(pool)
         self._closed = False
-        # every layer's blocks as rows of one matrix, when the addresses allow (see _flat)
-        self.flat = flat_rows(layout)
-        self._pool_bytes = self.pool.numpy()
 
     def gather(
         self, block_ids_per_chunk: Sequence[BlockIds], slot_offsets: Sequence[int], *, slot_size: int | None = None
@@ -119,10 +95,7 @@ class CpuCopier:
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )
-        if self.flat is not None:
-            gather_flat(self.flat, self.pool, plan)
-        else:
-            gather_cpu(self.layout, self.pool, plan)
+        self._copy(plan, to_slot=True)
         return CompletedCopy()
 
     def scatter(
@@ -140,20 +113,11 @@ class CpuCopier:
             writes_kv=True,
             check=False,
         )  # fmt: skip
-        if self.flat is not None:
-            scatter_flat(self.flat, self._pool_bytes, plan)
-        else:
-            scatter_cpu(self.layout, self.pool, plan)
+        self._copy(plan, to_slot=False)
         return CompletedCopy()
 
-    def describe(self) -> str:
-        """How copies run, for logs."""
-        if self.flat is None:
-            return "cpu: one tensor op per layer group and chunk"
-        rows = f"one row matrix of {self.flat.row_bytes}-byte rows"
-        if _flat.FLAT_NATIVE:
-            return f"cpu: native block copy over {rows}, {_flat.native_threads()} threads"
-        return f"cpu: index_select / numpy.put over {rows} (native copy not built)"
+    def _copy(self, plan: CopyPlan, *, to_slot: bool) -> None:
+        raise NotImplementedError
 
     def close(self) -> None:
         self._closed = True
@@ -162,179 +126,72 @@ class CpuCopier:
         if self._closed:
             raise CopierClosedError("this copier is closed; open a new one with open_copier(layout, pool).")
 
-    def __enter__(self) -> CpuCopier:
+    def __enter__(self) -> _SyncCopier:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-class CudaCopyHandle:
-    """Completion of a copy on the copier's side stream, observable without blocking."""
+class CpuCopier(_SyncCopier):
+    """Gather and scatter for a KV cache in host memory, by the native copy: one call per chunk.
 
-    def __init__(self, event: Any, keep: list[Any]) -> None:
-        self.event = event
-        self._keep = keep  # device tables the side stream still reads
-
-    def done(self) -> bool:
-        finished = bool(self.event.query())
-        if finished:
-            self._keep = []
-        return finished
-
-    def wait(self) -> None:
-        self.event.synchronize()
-        self._keep = []
-
-    def wait_stream(self, stream: Any = None) -> None:
-        """Make `stream` (default: the current stream) wait for the copy, without blocking the host."""
-        (stream if stream is not None else torch.cuda.current_stream(self.event.device)).wait_event(self.event)
-
-
-class CudaCopier:
-    """Gather and scatter for a KV cache on a CUDA device.
-
-    The pool is registered for DMA (cudaHostRegister) once, here, and unregistered by
-    `close()`; where registration fails the copies still run, as pageable DMA copies.
-    Each copy runs on a side stream after an event of the compute stream (or `after`),
-    so it never reads a block before the kernels queued before it have written it, and
-    overlaps the compute queued after it.
+    The copy reads the layout's copy table for the chunk's size (`_table.py`), checks every
+    block id, and moves each (layer, block) with prefetched reads, streaming writes on
+    scatter, on torch's OpenMP threads.
     """
 
-    def __init__(self, layout: KVLayout, pool: torch.Tensor, *, method: Method = "auto", register: bool = True) -> None:
-        if layout.device.type != "cuda":
-            raise CopyArgumentError(f"CudaCopier needs a CUDA KV cache, got {layout.device}.", got=str(layout.device))
-        if method not in ("auto", "triton", "dma"):
-            raise CopyArgumentError(f"method must be 'auto', 'triton' or 'dma', got {method!r}.", got=method)
-        self.layout = layout
-        self.pool = check_pool(pool)
-        self.device = layout.device
-        self.stream = torch.cuda.Stream(device=self.device)
-        self.registered = False
-        if register and not pool.is_pinned():
-            self.registered = _host_register(pool)
-        can_zero_copy = (self.registered or pool.is_pinned()) and _triton.available()
-        if method == "triton" and not can_zero_copy:
-            raise CopyArgumentError(
-                "method='triton' needs the triton package and a pool registered for DMA; use method='auto'.",
-                got=method,
+    def __init__(self, layout: KVLayout, pool: torch.Tensor) -> None:
+        if layout.device.type != "cpu":
+            raise CopyArgumentError(f"CpuCopier needs a CPU KV cache, got {layout.device}.", got=str(layout.device))
+        if _rowcopy is None:
+            raise NativeCopyError(
+                f"kvdepot.gpu's native CPU copy (kvdepot.gpu._rowcopy) is not built or does not load "
+                f"({_NATIVE_IMPORT_ERROR}); reinstall kvdepot-gpu where a C compiler and the Python headers are "
+                "installed (`pip install --force-reinstall --no-deps kvdepot-gpu`), or pass method='reference' to "
+                "open_copier for the slow plain-torch copy.",
+                cause=_NATIVE_IMPORT_ERROR,
             )
-        self.method: Method = method if method != "auto" or can_zero_copy else "dma"
-        self._closed = False
+        super().__init__(layout, pool)
+        self.tables = CopyTables(layout)
+
+    def _copy(self, plan: CopyPlan, *, to_slot: bool) -> None:
+        global _ran_threads  # noqa: PLW0603 - process-wide state read by the fork hook
+        threads = native_threads()
+        _ran_threads = _ran_threads or threads > 1
+        address, num_blocks = self.pool.data_ptr(), self.layout.num_blocks
+        for offset, ids, skip in plan.chunks():
+            table = self.tables(len(ids))
+            _rowcopy.copy_chunk(
+                table.rows, ids, skip, address + offset, table.chunk_bytes, num_blocks, to_slot, not to_slot, threads
+            )
 
     def describe(self) -> str:
         """How copies run, for logs."""
-        return f"cuda: {self.method}, pool {'registered for DMA' if self.registered else 'pageable'}"
-
-    def gather(
-        self,
-        block_ids_per_chunk: Sequence[BlockIds],
-        slot_offsets: Sequence[int],
-        *,
-        slot_size: int | None = None,
-        after: Any = None,
-    ) -> CudaCopyHandle:
-        """Queue copies of each chunk's blocks into its slot; returns at once."""
-        plan = plan_copy(
-            self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
-        )
-        return self._run(plan, to_pool=True, after=after)
-
-    def scatter(
-        self,
-        slot_offsets: Sequence[int],
-        block_ids_per_chunk: Sequence[BlockIds],
-        *,
-        skip_blocks: int | Sequence[int] = 0,
-        slot_size: int | None = None,
-        after: Any = None,
-    ) -> CudaCopyHandle:
-        """Queue copies of each slot into its blocks; call `wait_stream()` on the handle before reading them."""
-        plan = plan_copy(
-            self.layout, self.pool, slot_offsets, block_ids_per_chunk, skip_blocks=skip_blocks, slot_size=slot_size,
-            writes_kv=True,
-            check=False,
-        )  # fmt: skip
-        return self._run(plan, to_pool=False, after=after)
-
-    def _run(self, plan: CopyPlan, *, to_pool: bool, after: Any) -> CudaCopyHandle:
-        if self._closed:
-            raise CopierClosedError("this copier is closed; open a new one with open_copier(layout, pool).")
-        ready = after
-        if ready is None:
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
-        keep: list[Any] = []
-        max_width = width_of(8, self.pool.data_ptr(), self.pool.storage_offset())
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            self.stream.wait_event(ready)
-            tables = segment_tables(self.layout, plan, self.pool.data_ptr(), max_width=max_width)
-            for table in tables:
-                if not table.num_segments:
-                    continue
-                if self._use_dma(table):
-                    dma_copy(self.layout, plan, self.pool, to_pool=to_pool, tables=[table])
-                else:
-                    keep += self._launch(table, to_pool=to_pool)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return CudaCopyHandle(done, keep)
-
-    def _use_dma(self, table: SegmentTable) -> bool:
-        if self.method != "auto":
-            return self.method == "dma"
-        _, _, lengths = table.runs()
-        return bool(lengths.numel()) and float(lengths.double().mean()) * table.width >= DMA_MIN_RUN_BYTES
-
-    def _launch(self, table: SegmentTable, *, to_pool: bool) -> list[Any]:
-        pool_ptr = _triton.DevicePointer(self.pool.data_ptr(), dtype_of_width(table.width))
-        return launch_table(table, pool_ptr, self.device, to_pool=to_pool)
-
-    def close(self) -> None:
-        """Wait for queued copies, then unregister the pool. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.stream.synchronize()
-        if self.registered:
-            _host_unregister(self.pool)
-            self.registered = False
-
-    def __enter__(self) -> CudaCopier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        return f"cpu: native block copy by copy table, {native_threads()} threads"
 
 
-def _cuda_status(result: Any) -> int:
-    return int(getattr(result, "value", result))
+class ReferenceCopier(_SyncCopier):
+    """Gather and scatter by plain torch indexing, on any device: slow, and the tests' oracle."""
 
+    def _copy(self, plan: CopyPlan, *, to_slot: bool) -> None:
+        reference_copy(self.layout, self.pool, plan, to_slot=to_slot)
 
-def _host_register(pool: torch.Tensor) -> bool:
-    """Pin the pool mapping for DMA and device access; False (and a log line) where that fails."""
-    try:
-        status = _cuda_status(torch.cuda.cudart().cudaHostRegister(pool.data_ptr(), pool.numel(), _HOST_REGISTER_FLAGS))
-    except (RuntimeError, AttributeError) as exc:
-        log.warning("pool_registration_failed", error=repr(exc), pool_bytes=pool.numel())
-        return False
-    if status != 0:
-        log.warning("pool_registration_failed", cuda_error=status, pool_bytes=pool.numel())
-        return False
-    log.info("pool_registered", pool_bytes=pool.numel())
-    return True
-
-
-def _host_unregister(pool: torch.Tensor) -> None:
-    status = _cuda_status(torch.cuda.cudart().cudaHostUnregister(pool.data_ptr()))
-    if status != 0:
-        log.warning("pool_unregistration_failed", cuda_error=status)
+    def describe(self) -> str:
+        """How copies run, for logs."""
+        return f"{self.layout.device.type}: plain-torch reference copy (slow)"
 
 
 def open_copier(
     layout: KVLayout, pool: torch.Tensor, *, method: Method = "auto", register: bool = True
-) -> CpuCopier | CudaCopier:
-    """The copier for this layout's device: `CpuCopier` or `CudaCopier` (same methods)."""
+) -> CpuCopier | CudaCopier | ReferenceCopier:
+    """The copier of this layout's device (same methods on each); see the module docstring.
+
+    `method` picks the CUDA path ("triton" or "dma"; "auto": Triton where it can run) or,
+    on any device, "reference". `register` (CUDA): register the pool for DMA.
+    """
+    if method == "reference" or layout.device.type not in ("cpu", "cuda"):
+        return ReferenceCopier(layout, pool)
     if layout.device.type == "cpu":
         return CpuCopier(layout, pool)
     return CudaCopier(layout, pool, method=method, register=register)

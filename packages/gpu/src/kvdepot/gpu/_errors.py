@@ -39,3 +39,7 @@ class PoolBoundsError(CopyArgumentError):
 
 class CopierClosedError(GpuError):
     """The copier was closed; open a new one with `open_copier`."""
+
+
+class NativeCopyError(GpuError):
+    """The native CPU copy (`kvdepot.gpu._rowcopy`) is not built or does not load (field `cause`)."""

@@ -8,7 +8,7 @@ layout reduces to the same geometry per layer:
 
 with one segment when the block's bytes are one dense range (CPU, flashinfer, MLA) and
 two when K and V live apart (flash-attention). Layers that sit in one storage at a
-uniform distance from each other form a *plane group* and are copied by one tensor op.
+uniform distance from each other form a *plane group* (one view, one Triton launch).
 """
 
 from __future__ import annotations
@@ -168,48 +168,6 @@ class PlaneGroup:
             )
             self._views[width] = cached
         return cached
-
-    @property
-    def rows_addressable(self) -> bool:
-        """True when every segment starts at a multiple of `seg_bytes` in the storage.
-
-        Then the storage is a contiguous [rows, seg_bytes] matrix and a segment is a row,
-        which lets a gather be one contiguous-source `index_select` over rows.
-        """
-        return all(
-            v % self.seg_bytes == 0 for v in (self.offset, self.plane_stride, self.block_stride, self.seg_stride)
-        )
-
-    def rows(self, width: int) -> torch.Tensor:
-        """The storage as a contiguous [rows, seg_bytes / width] matrix (needs `rows_addressable`)."""
-        key = -width
-        cached = self._views.get(key)
-        if cached is None:
-            words = self.seg_bytes // width
-            flat = self.base(width)
-            cached = flat[: flat.numel() - flat.numel() % words].view(-1, words)
-            self._views[key] = cached
-        return cached
-
-    def row_items(self) -> Any:
-        """The storage as a 1-D numpy array of `seg_bytes`-byte items, one per row (needs `rows_addressable`)."""
-        cached = self._views.get(-1_000_000)
-        if cached is None:
-            import numpy as np
-
-            cached = self.rows(1).numpy().view(np.dtype((np.void, self.seg_bytes))).reshape(-1)
-            self._views[-1_000_000] = cached
-        return cached
-
-    def row_index(self, ids: torch.Tensor) -> torch.Tensor:
-        """Row numbers of the segments of blocks `ids`, in slot order (plane, block, segment)."""
-        base = self._views.get(0)
-        if base is None:
-            planes = torch.arange(self.num_planes, dtype=torch.int64).view(-1, 1, 1) * self.plane_stride
-            segments = torch.arange(self.num_segments, dtype=torch.int64).view(1, 1, -1) * self.seg_stride
-            base = (self.offset + planes + segments) // self.seg_bytes
-            self._views[0] = base
-        return (base + ids.view(1, -1, 1) * (self.block_stride // self.seg_bytes)).view(-1)
 
 
 @attrs.define(eq=False)

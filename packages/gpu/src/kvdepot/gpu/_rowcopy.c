@@ -1,32 +1,31 @@
 /*
- * kvdepot.gpu._rowcopy: copy KV blocks between a KV cache seen as one row matrix and a
- * pool slot.
+ * kvdepot.gpu._rowcopy: the CPU copy of KV blocks between a KV cache and a pool slot.
  *
- * The CPU copy path (kvdepot.gpu._flat) sees every KV storage as rows of one matrix: row
- * `pattern[p, r] + block_id * block_rows[p]` holds row `r` of a block in plane (layer) `p`,
- * and a slot holds a chunk's rows plane by plane. numpy and torch copy each row with
- * memcpy, which loses to one long memcpy when rows are a few KiB at random addresses:
+ * What to copy comes from a copy table (kvdepot.gpu._table), one row per layer and segment:
+ *
+ *     (kv, kv_step, slot, slot_step, length)
+ *
+ * Block ids[j] of that row is the `length` bytes at address kv + ids[j] * kv_step, and its
+ * place in the slot starts `slot + j * slot_step` bytes past the slot's first byte. A copy is
+ * one memcpy per (table row, block), which loses to one long memcpy when blocks are a few
+ * KiB at random addresses; three things win it back:
  *
  *   - Writes: every store to a line that is not cached first reads that line (read for
  *     ownership); a long memcpy avoids it with non-temporal stores, a memcpy per 4 KiB
- *     row does not. Here rows are written with non-temporal (streaming) stores when
- *     asked. Scatters use them: a scattered block is next read by a forward pass over
- *     the whole sequence, not straight away from the cache.
- *   - Reads: every listed source row starts in a cold page the hardware prefetcher has
- *     not reached; the lines of the next few rows are prefetched in software while the
- *     current row is copied.
- *   - Threads: one core keeps too few misses in flight to read rows at random places at
- *     full speed. With `threads` > 1 the rows are shared out in 64 KiB batches over an
- *     OpenMP parallel loop. The module links libgomp.so.1, and torch (imported first)
- *     has already loaded its own libgomp.so.1, so the loader reuses it: these loops run
- *     on torch's intra-op thread team, which is hot after a forward pass, rather than
- *     on threads of our own that would compete with it for the cores.
- *     `openmp_library()` names the runtime the loops resolved to, so the caller can check.
+ *     piece does not. Scatters write with non-temporal (streaming) stores: a scattered
+ *     block is next read by a forward pass over the whole sequence, not from the cache.
+ *   - Reads: every source piece of a gather starts in a cold page the hardware prefetcher
+ *     has not reached; the lines of the next pieces are prefetched while one is copied.
+ *   - Threads: one core keeps too few misses in flight to read at random places at full
+ *     speed. With `threads` > 1 the pieces are shared out in batches over an OpenMP loop.
+ *     The module links libgomp.so.1, and torch (imported first) has already loaded its
+ *     own libgomp.so.1, so the loader reuses it: these loops run on torch's intra-op
+ *     thread team, hot after a forward pass. `openmp_library()` names the runtime the
+ *     loops resolved to, so the caller can check.
  *
- * Row numbers are computed here from the block ids, with no index array built per call
- * in Python (that cost about 10% of a 2 MiB chunk's copy). The GIL is released while
- * bytes move. Every row is checked against its matrix before any byte moves. Only the C library, SSE2 (x86-64's baseline) and OpenMP are
- * used; without SSE2 rows are copied with memcpy, without OpenMP on one thread.
+ * Every block id is checked, and every table row against the slot, before any byte moves.
+ * The GIL is released while bytes move. Only the C library, SSE2 (x86-64's baseline) and
+ * OpenMP are used; without SSE2 pieces are copied with memcpy, without OpenMP on one thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,6 +48,10 @@
 /* Software prefetch keeps about this many source bytes in flight ahead of the copy. */
 #define PREFETCH_BYTES (16 * 1024)
 #define LINE 64
+/* Pieces are shared among threads in batches of at least this many bytes. */
+#define BATCH_MIN_BYTES (64 * 1024)
+/* Columns of a copy table row. */
+enum { KV, KV_STEP, SLOT, SLOT_STEP, LENGTH, COLUMNS };
 
 static void copy_plain(char *dst, const char *src, size_t n) { memcpy(dst, src, n); }
 
@@ -78,82 +81,42 @@ static void copy_stream(char *dst, const char *src, size_t n)
 }
 #endif
 
-static void prefetch_row(const char *row, size_t row_bytes)
+static void prefetch(const char *src, size_t n)
 {
 #if defined(__GNUC__)
-    size_t n = row_bytes < PREFETCH_BYTES ? row_bytes : PREFETCH_BYTES;
+    n = n < PREFETCH_BYTES ? n : PREFETCH_BYTES;
     for (size_t k = 0; k < n; k += LINE) {
-        __builtin_prefetch(row + k, 0, 3);
+        __builtin_prefetch(src + k, 0, 3);
     }
 #else
-    (void)row;
-    (void)row_bytes;
+    (void)src;
+    (void)n;
 #endif
 }
 
-/* A C-contiguous buffer of 64-bit integers, or an error naming `name`. */
 typedef struct {
-    Py_buffer view;
-    const int64_t *items;
-    Py_ssize_t count;
-} Int64s;
-
-static int int64s(PyObject *obj, const char *name, Int64s *out)
-{
-    out->view.obj = NULL;
-    if (PyObject_GetBuffer(obj, &out->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
-        return -1;
-    }
-    const char *fmt = out->view.format ? out->view.format : "B";
-    if (*fmt == '<' || *fmt == '=' || *fmt == '@') {
-        fmt++;
-    }
-    if (out->view.itemsize != 8 || strlen(fmt) != 1 || strchr("ql", *fmt) == NULL) {
-        PyErr_Format(PyExc_TypeError, "%s must hold 64-bit signed integers, not format '%s' of %zd bytes", name,
-                     out->view.format ? out->view.format : "B", out->view.itemsize);
-        PyBuffer_Release(&out->view);
-        out->view.obj = NULL;
-        return -1;
-    }
-    out->items = (const int64_t *)out->view.buf;
-    out->count = out->view.len / 8;
-    return 0;
-}
-
-static void release(Int64s *ints)
-{
-    if (ints->view.obj != NULL) {
-        PyBuffer_Release(&ints->view);
-        ints->view.obj = NULL;
-    }
-}
-
-typedef struct {
-    const char *kv;          /* row 0 of the KV matrix */
-    char *slot;              /* the slot's first row */
-    const int64_t *ids;      /* block ids, in slot order */
-    Py_ssize_t num_ids;
-    const int64_t *pattern;  /* [planes, rows_per_block]: KV rows of block 0 */
-    const int64_t *block_rows; /* [planes]: KV rows from one block to the next */
-    Py_ssize_t rows_per_block;
-    Py_ssize_t plane_rows;   /* slot rows from one plane to the next */
-    Py_ssize_t count;        /* planes * num_ids * rows_per_block, set by check_job */
-    size_t row_bytes;
+    const int64_t *table;  /* [rows, COLUMNS], a private copy */
+    Py_ssize_t rows;
+    const int64_t *ids;    /* the chunk's block ids; positions before `skip` are not copied */
+    Py_ssize_t skip;
+    Py_ssize_t kept;       /* ids copied: num_ids - skip */
+    char *slot;            /* the slot's first byte */
+    size_t piece_bytes;    /* average bytes of one piece (row, block), for batches and prefetch */
     int to_slot;
     int stream;
 } Job;
 
-/* The KV row and the slot row of the job's row `k` (plane-major, then block, then row). */
-static inline void job_rows(const Job *job, Py_ssize_t k, size_t *kv_row, size_t *slot_row)
+/* Piece k of the job: table row k / kept, block position skip + k % kept. */
+static inline void piece(const Job *job, Py_ssize_t k, char **kv, char **slot, size_t *n)
 {
-    Py_ssize_t per_plane = job->num_ids * job->rows_per_block;
-    Py_ssize_t p = k / per_plane, in_plane = k % per_plane;
-    Py_ssize_t j = in_plane / job->rows_per_block, r = in_plane % job->rows_per_block;
-    *kv_row = (size_t)(job->pattern[p * job->rows_per_block + r] + job->ids[j] * job->block_rows[p]);
-    *slot_row = (size_t)(p * job->plane_rows + in_plane);
+    const int64_t *row = job->table + (k / job->kept) * COLUMNS;
+    Py_ssize_t j = job->skip + k % job->kept;
+    *kv = (char *)(uintptr_t)(row[KV] + job->ids[j] * row[KV_STEP]);
+    *slot = job->slot + row[SLOT] + j * row[SLOT_STEP];
+    *n = (size_t)row[LENGTH];
 }
 
-/* Copy rows [lo, hi) of `job`; a gather prefetches the KV rows a few rows ahead. */
+/* Copy pieces [lo, hi) of `job`; a gather prefetches the KV pieces a few pieces ahead. */
 static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 {
     void (*copy)(char *, const char *, size_t) = copy_plain;
@@ -162,29 +125,28 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
         copy = copy_stream;
     }
 #endif
-    size_t row_bytes = job->row_bytes, kv_row, slot_row;
-    /* Only a gather reads scattered rows; a scatter reads the slot, which the hardware
+    char *kv, *slot;
+    size_t n;
+    /* Only a gather reads scattered pieces; a scatter reads the slot, which the hardware
        prefetcher follows. */
     Py_ssize_t ahead = 0;
     if (job->to_slot) {
-        ahead = row_bytes >= PREFETCH_BYTES ? 1 : (Py_ssize_t)(PREFETCH_BYTES / row_bytes);
+        ahead = job->piece_bytes >= PREFETCH_BYTES ? 1 : (Py_ssize_t)(PREFETCH_BYTES / (job->piece_bytes + 1)) + 1;
         for (Py_ssize_t k = lo; k < lo + ahead && k < hi; k++) {
-            job_rows(job, k, &kv_row, &slot_row);
-            prefetch_row(job->kv + kv_row * row_bytes, row_bytes);
+            piece(job, k, &kv, &slot, &n);
+            prefetch(kv, n);
         }
     }
     for (Py_ssize_t k = lo; k < hi; k++) {
         if (ahead && k + ahead < hi) {
-            job_rows(job, k + ahead, &kv_row, &slot_row);
-            prefetch_row(job->kv + kv_row * row_bytes, row_bytes);
+            piece(job, k + ahead, &kv, &slot, &n);
+            prefetch(kv, n);
         }
-        job_rows(job, k, &kv_row, &slot_row);
-        char *slot = job->slot + slot_row * row_bytes;
-        char *kv = (char *)job->kv + kv_row * row_bytes;
+        piece(job, k, &kv, &slot, &n);
         if (job->to_slot) {
-            copy(slot, kv, row_bytes);
+            copy(slot, kv, n);
         } else {
-            copy(kv, slot, row_bytes);
+            copy(kv, slot, n);
         }
     }
 #if KVD_STREAM
@@ -194,32 +156,28 @@ static void copy_range(const Job *job, Py_ssize_t lo, Py_ssize_t hi)
 #endif
 }
 
-/* Rows are shared among threads in batches of at least this many bytes. */
-#define BATCH_MIN_BYTES (64 * 1024)
-
-/* Copy every row of `job`, on `threads` OpenMP threads when the module was built with OpenMP.
+/* Copy every piece of `job`, on `threads` OpenMP threads when the module was built with OpenMP.
    Each thread takes about two batches: long enough that the prefetches ahead of a gather
-   stay in flight (a batch starts with a stall while its first rows arrive; 64 KiB batches
-   measured 5% slower than 1 MiB ones for a 2 MiB gather on 2 threads), short enough that
-   a thread the OS preempts leaves work for the others. */
-static void copy_job(const Job *job, int threads)
+   stay in flight (a batch starts with a stall while its first pieces arrive), short enough
+   that a thread the OS preempts leaves work for the others. */
+static void copy_job(const Job *job, Py_ssize_t count, int threads)
 {
 #if defined(_OPENMP)
     if (threads > omp_get_num_procs()) {
         threads = omp_get_num_procs(); /* more would only wait; far more, and libgomp exits the process */
     }
     Py_ssize_t twice = 2 * (Py_ssize_t)threads;
-    Py_ssize_t batch = job->row_bytes >= BATCH_MIN_BYTES ? 1 : (Py_ssize_t)(BATCH_MIN_BYTES / job->row_bytes);
-    Py_ssize_t even = job->count / twice + (job->count % twice != 0);
+    Py_ssize_t batch = job->piece_bytes >= BATCH_MIN_BYTES ? 1 : (Py_ssize_t)(BATCH_MIN_BYTES / (job->piece_bytes + 1)) + 1;
+    Py_ssize_t even = count / twice + (count % twice != 0);
     batch = even > batch ? even : batch;
-    Py_ssize_t batches = job->count / batch + (job->count % batch != 0);
+    Py_ssize_t batches = count / batch + (count % batch != 0);
     if ((Py_ssize_t)threads > batches) {
         threads = (int)batches;
     }
     if (threads > 1) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
         for (Py_ssize_t b = 0; b < batches; b++) {
-            Py_ssize_t hi = (b + 1) * batch < job->count ? (b + 1) * batch : job->count;
+            Py_ssize_t hi = (b + 1) * batch < count ? (b + 1) * batch : count;
             copy_range(job, b * batch, hi);
         }
         return;
@@ -227,7 +185,7 @@ static void copy_job(const Job *job, int threads)
 #else
     (void)threads;
 #endif
-    copy_range(job, 0, job->count);
+    copy_range(job, 0, count);
 }
 
 /* An address: a non-negative int that fits a pointer (PyArg's "K" would wrap -1 around). */
@@ -247,6 +205,35 @@ static int address_arg(PyObject *obj, void *out)
     }
     *(uintptr_t *)out = (uintptr_t)value;
     return 1;
+}
+
+/* The copy table as a private copy (PyMem_Malloc'd; the caller frees it): another thread may
+   write the caller's array once the GIL is released. */
+static int read_table(PyObject *obj, int64_t **out, Py_ssize_t *rows)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return -1;
+    }
+    const char *fmt = view.format ? view.format : "B";
+    fmt += (*fmt == '<' || *fmt == '=' || *fmt == '@');
+    int ok = view.itemsize == 8 && strlen(fmt) == 1 && strchr("ql", *fmt) != NULL;
+    if (!ok || view.len % (COLUMNS * 8) != 0) {
+        PyErr_Format(PyExc_TypeError, "table must be C-contiguous int64 rows of %d columns, not format '%s' of %zd "
+                     "bytes in %zd bytes", COLUMNS, view.format ? view.format : "B", view.itemsize, view.len);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    *out = PyMem_Malloc(view.len > 0 ? (size_t)view.len : 1);
+    if (*out == NULL) {
+        PyBuffer_Release(&view);
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(*out, view.buf, (size_t)view.len);
+    *rows = view.len / (COLUMNS * 8);
+    PyBuffer_Release(&view);
+    return 0;
 }
 
 /* Block ids from a sequence of ints, into `*out` (PyMem_Malloc'd; the caller frees it). */
@@ -284,126 +271,95 @@ static int block_ids(PyObject *obj, int64_t **out, Py_ssize_t *count)
     return 0;
 }
 
-/* Count the job's rows and check that every one lies inside its matrix, before any byte moves. */
-static int check_job(Job *job, Py_ssize_t planes, long long kv_rows, long long slot_rows)
+/* Check every table row against the slot and every copied id against the KV cache, before any
+   byte moves; set the job's average piece size. */
+static int check_job(Job *job, Py_ssize_t num_ids, long long slot_bytes, long long num_blocks)
 {
-    Py_ssize_t per_plane, count, span;
-    if (__builtin_mul_overflow(job->num_ids, job->rows_per_block, &per_plane) ||
-        __builtin_mul_overflow(per_plane, planes, &count) ||
-        __builtin_mul_overflow(planes - 1, job->plane_rows, &span) || __builtin_add_overflow(span, per_plane, &span)) {
-        PyErr_SetString(PyExc_OverflowError, "the copy's row numbers overflow 64 bits");
-        return -1;
-    }
-    if (job->plane_rows < per_plane) {
-        PyErr_Format(PyExc_ValueError, "plane_rows %zd is under the %zd rows of one plane", job->plane_rows, per_plane);
-        return -1;
-    }
-    if (job->num_ids > 0 && span > slot_rows) {
-        PyErr_Format(PyExc_IndexError, "%zd planes of %zd blocks do not fit a slot of %lld rows", planes, job->num_ids,
-                     slot_rows);
-        return -1;
-    }
-    for (Py_ssize_t p = 0; p < planes; p++) {
-        int64_t step = job->block_rows[p];
-        int64_t low = INT64_MAX, high = INT64_MIN;
-        for (Py_ssize_t r = 0; r < job->rows_per_block; r++) {
-            int64_t row = job->pattern[p * job->rows_per_block + r];
-            low = row < low ? row : low;
-            high = row > high ? row : high;
+    long long total = 0;
+    for (Py_ssize_t i = 0; i < job->rows; i++) {
+        const int64_t *row = job->table + i * COLUMNS;
+        int64_t end, kv_end;
+        if (row[KV] <= 0 || row[KV_STEP] < 0 || row[SLOT] < 0 || row[SLOT_STEP] < 0 || row[LENGTH] < 0 ||
+            __builtin_mul_overflow(row[SLOT_STEP], (int64_t)(num_ids > 0 ? num_ids - 1 : 0), &end) ||
+            __builtin_add_overflow(end, row[SLOT], &end) || __builtin_add_overflow(end, row[LENGTH], &end) ||
+            end > slot_bytes || __builtin_mul_overflow(row[KV_STEP], (int64_t)(num_blocks > 0 ? num_blocks - 1 : 0),
+                                                       &kv_end) ||
+            __builtin_add_overflow(kv_end, row[KV], &kv_end) || __builtin_add_overflow(kv_end, row[LENGTH], &kv_end)) {
+            PyErr_Format(PyExc_IndexError, "table row %zd does not fit a slot of %lld bytes holding %zd blocks, or "
+                         "its KV addresses overflow", i, slot_bytes, num_ids);
+            return -1;
         }
-        for (Py_ssize_t j = 0; j < job->num_ids; j++) {
-            int64_t id = job->ids[j], first, last;
-            if (step < 0 || low < 0 || id < 0 || __builtin_mul_overflow(id, step, &first) ||
-                __builtin_add_overflow(first, high, &last) || last >= kv_rows) {
-                PyErr_Format(PyExc_IndexError, "ids[%zd] = %lld: plane %zd's rows of that block are outside a matrix of "
-                             "%lld rows", j, (long long)id, p, kv_rows);
-                return -1;
-            }
+        total += row[LENGTH];
+    }
+    for (Py_ssize_t j = job->skip; j < num_ids; j++) {
+        if (job->ids[j] < 0 || job->ids[j] >= num_blocks) {
+            PyErr_Format(PyExc_IndexError, "ids[%zd] = %lld is outside [0, %lld)", j, (long long)job->ids[j],
+                         num_blocks);
+            return -1;
         }
     }
-    job->count = count;
+    job->piece_bytes = job->rows > 0 ? (size_t)(total / job->rows) : 0;
     return 0;
 }
 
-PyDoc_STRVAR(copy_blocks_doc,
-             "copy_blocks(kv, kv_rows, slot, slot_rows, ids, pattern, block_rows, plane_rows, row_bytes, to_slot,\n"
-             "            stream=True, threads=1)\n"
+PyDoc_STRVAR(copy_chunk_doc,
+             "copy_chunk(table, ids, skip, slot, slot_bytes, num_blocks, to_slot, stream=True, threads=1)\n"
              "--\n\n"
-             "Copy blocks between a KV cache seen as a matrix of `kv_rows` rows of `row_bytes` bytes at\n"
-             "address `kv` and a slot of `slot_rows` rows at address `slot`: gather (`to_slot`) or scatter.\n"
-             "Row r of block ids[j] in plane p is KV row pattern[p, r] + ids[j] * block_rows[p] and slot\n"
-             "row p * plane_rows + j * rows_per_block + r. `ids` is a sequence of ints; `pattern` (planes x\n"
-             "rows_per_block) and `block_rows` (planes) are C-contiguous int64 buffers. Every row is checked\n"
-             "against its matrix before any byte moves (IndexError). `stream` writes with non-temporal\n"
-             "stores where the CPU has them. `threads` > 1 shares the rows among that many OpenMP threads\n"
-             "(when built with OpenMP). The GIL is released while bytes move.");
+             "Copy one chunk between the KV cache and the slot of `slot_bytes` bytes at address `slot`:\n"
+             "gather (`to_slot`) or scatter. `table` holds C-contiguous int64 rows (kv, kv_step, slot,\n"
+             "slot_step, length): for each row and each position j >= skip of `ids` (a sequence of ints,\n"
+             "each in [0, num_blocks)), the `length` bytes at address kv + ids[j] * kv_step go to, or come\n"
+             "from, slot + row's slot + j * slot_step. Every id and every row is checked before any byte\n"
+             "moves (IndexError). `stream` writes with non-temporal stores where the CPU has them.\n"
+             "`threads` > 1 shares the pieces among that many OpenMP threads (when built with OpenMP).\n"
+             "The GIL is released while bytes move.");
 
-static PyObject *copy_blocks(PyObject *self, PyObject *args, PyObject *kwargs)
+static PyObject *copy_chunk(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *keywords[] = {"kv",         "kv_rows",   "slot",    "slot_rows", "ids",     "pattern", "block_rows",
-                               "plane_rows", "row_bytes", "to_slot", "stream",    "threads", NULL};
-    uintptr_t kv, slot;
-    long long kv_rows, slot_rows;
-    Py_ssize_t plane_rows, row_bytes;
-    PyObject *ids_obj, *pattern_obj, *block_rows_obj;
+    static char *keywords[] = {"table",   "ids",    "skip",    "slot", "slot_bytes", "num_blocks",
+                               "to_slot", "stream", "threads", NULL};
+    PyObject *table_obj, *ids_obj;
+    Py_ssize_t skip;
+    uintptr_t slot;
+    long long slot_bytes, num_blocks;
     int to_slot, stream = 1, threads = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O&LO&LOOOnnp|pi:copy_blocks", keywords, address_arg, &kv,
-                                     &kv_rows, address_arg, &slot, &slot_rows, &ids_obj, &pattern_obj,
-                                     &block_rows_obj, &plane_rows, &row_bytes, &to_slot, &stream, &threads)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOnO&LLp|pi:copy_chunk", keywords, &table_obj, &ids_obj, &skip,
+                                     address_arg, &slot, &slot_bytes, &num_blocks, &to_slot, &stream, &threads)) {
         return NULL;
     }
-    if (kv_rows < 0 || slot_rows < 0 || plane_rows < 0 || row_bytes <= 0 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "row counts must be >= 0, row_bytes and threads > 0");
+    if (skip < 0 || slot_bytes < 0 || num_blocks < 0 || threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "skip, slot_bytes and num_blocks must be >= 0, threads > 0");
         return NULL;
     }
-    Int64s pattern = {.view = {.obj = NULL}}, block_rows = {.view = {.obj = NULL}};
-    int64_t *ids = NULL, *geometry = NULL;
-    Py_ssize_t num_ids = 0, planes = 0;
+    int64_t *table = NULL, *ids = NULL;
+    Py_ssize_t rows = 0, num_ids = 0, count = 0;
     PyObject *result = NULL;
-    if (int64s(pattern_obj, "pattern", &pattern) < 0 || int64s(block_rows_obj, "block_rows", &block_rows) < 0 ||
-        block_ids(ids_obj, &ids, &num_ids) < 0) {
+    if (read_table(table_obj, &table, &rows) < 0 || block_ids(ids_obj, &ids, &num_ids) < 0) {
         goto done;
     }
-    planes = block_rows.count;
-    if (planes < 1 || pattern.count < planes || pattern.count % planes != 0 ||
-        (pattern.view.ndim >= 2 && pattern.view.shape[0] != planes)) {
-        PyErr_Format(PyExc_ValueError, "pattern of %zd rows does not split into %zd planes", pattern.count, planes);
-        goto done;
-    }
-    /* Private copies: another thread may write the caller's arrays once the GIL is released. */
-    geometry = PyMem_Malloc((size_t)(pattern.count + planes) * sizeof(int64_t));
-    if (geometry == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(geometry, pattern.items, (size_t)pattern.count * sizeof(int64_t));
-    memcpy(geometry + pattern.count, block_rows.items, (size_t)planes * sizeof(int64_t));
     Job job = {
-        .kv = (const char *)kv,
-        .slot = (char *)slot,
+        .table = table,
+        .rows = rows,
         .ids = ids,
-        .num_ids = num_ids,
-        .pattern = geometry,
-        .block_rows = geometry + pattern.count,
-        .rows_per_block = pattern.count / planes,
-        .plane_rows = plane_rows,
-        .row_bytes = (size_t)row_bytes,
+        .skip = skip < num_ids ? skip : num_ids,
+        .kept = skip < num_ids ? num_ids - skip : 0,
+        .slot = (char *)slot,
         .to_slot = to_slot,
         .stream = stream,
     };
-    release(&pattern);
-    release(&block_rows);
-    if (check_job(&job, planes, kv_rows, slot_rows) < 0) {
+    if (check_job(&job, num_ids, slot_bytes, num_blocks) < 0) {
         goto done;
     }
-    Py_BEGIN_ALLOW_THREADS copy_job(&job, threads);
-    Py_END_ALLOW_THREADS result = Py_NewRef(Py_None);
+    count = rows * job.kept; /* no overflow: both fit in memory */
+    if (count > 0) {
+        Py_BEGIN_ALLOW_THREADS copy_job(&job, count, threads);
+        Py_END_ALLOW_THREADS
+    }
+    result = Py_NewRef(Py_None);
 done:
     PyMem_Free(ids);
-    PyMem_Free(geometry);
-    release(&pattern);
-    release(&block_rows);
+    PyMem_Free(table);
     return result;
 }
 
@@ -425,12 +381,13 @@ static PyObject *openmp_library(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"openmp_library", openmp_library, METH_NOARGS, openmp_library_doc},
-    {"copy_blocks", (PyCFunction)(void (*)(void))copy_blocks, METH_VARARGS | METH_KEYWORDS, copy_blocks_doc},
+    {"copy_chunk", (PyCFunction)(void (*)(void))copy_chunk, METH_VARARGS | METH_KEYWORDS, copy_chunk_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvdepot.gpu._rowcopy", "Block copies between a KV cache row matrix and pool slots.", -1, methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT, "kvdepot.gpu._rowcopy", "Block copies between a KV cache and pool slots, by copy table.", -1,
+    methods, NULL, NULL, NULL, NULL,
 };
 
 PyMODINIT_FUNC PyInit__rowcopy(void)

@@ -5,16 +5,13 @@ STREAMING_STORES: int
 OPENMP: int
 
 def openmp_library() -> str | None: ...
-def copy_blocks(
-    kv: int,
-    kv_rows: int,
-    slot: int,
-    slot_rows: int,
+def copy_chunk(
+    table: Any,
     ids: Sequence[int],
-    pattern: Any,
-    block_rows: Any,
-    plane_rows: int,
-    row_bytes: int,
+    skip: int,
+    slot: int,
+    slot_bytes: int,
+    num_blocks: int,
     to_slot: bool,
     stream: bool = True,
     threads: int = 1,
