@@ -306,34 +306,39 @@ class ClientConnection:
         heap = self._deadlines
         while heap and (heap[0][2].done or heap[0][0] <= now):
             call = heapq.heappop(heap)[2]
-            if call.done:
-                continue
-            self._inflight.pop(call.id, None)
-            if call.token is not None:
-                self._settle(call, error=self._deadline_error(call))
-                continue
-            call.done = True
-            if isinstance(call.body, (Hello, Register)) and self.state is S.HANDSHAKING:
-                self._handshake(In.HANDSHAKE_RETRY, now)  # try the handshake again
+            if not call.done:
+                self._expire(call, now)
         if len(heap) > 2 * (len(self._inflight) + len(self._queue)) + HEAP_SLACK:
-            self._deadlines = [entry for entry in heap if not entry[2].done]
-            heapq.heapify(self._deadlines)
+            self._compact()
         if self.state is S.READY and now - self._last_sent >= self.heartbeat_interval:
             self._send_own(Ping(), now)
+
+    def _compact(self) -> None:
+        """Drops done calls from the deadline heap (answered calls leave it only lazily)."""
+        self._deadlines = [entry for entry in self._deadlines if not entry[2].done]
+        heapq.heapify(self._deadlines)
+
+    def _expire(self, call: Call, now: float) -> None:
+        """`call` reached its deadline unanswered."""
+        self._inflight.pop(call.id, None)
+        if call.token is not None:
+            self._settle(call, error=self._deadline_error(call))
+            return
+        call.done = True
+        if isinstance(call.body, (Hello, Register)) and self.state is S.HANDSHAKING:
+            self._handshake(In.HANDSHAKE_RETRY, now)  # try the handshake again
 
     def next_timer(self) -> float | None:
         """When `timer` should run next, or None if nothing is due."""
         heap = self._deadlines
         while heap and heap[0][2].done:
             heapq.heappop(heap)
-        due = heap[0][0] if heap else None
-        if self.state is S.CONNECTING and self._link_up and (due is None or self._retry_at < due):
-            due = self._retry_at
-        if self.state is S.READY:
-            beat = self._last_sent + self.heartbeat_interval
-            if due is None or beat < due:
-                due = beat
-        return due
+        due = [heap[0][0]] if heap else []
+        if self.state is S.CONNECTING and self._link_up:
+            due.append(self._retry_at)
+        elif self.state is S.READY:
+            due.append(self._last_sent + self.heartbeat_interval)
+        return min(due, default=None)
 
     def close(self) -> None:
         """Fails everything pending with TransportClosedError; later requests fail so too."""
