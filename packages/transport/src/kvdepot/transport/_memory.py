@@ -137,7 +137,7 @@ class MemoryServerEndpoint(ServerEndpoint):
 
 
 class MemoryLink(_Peer):
-    """The client side of a memory connection; callbacks hop onto the I/O thread."""
+    """The client side of a memory connection; what the server delivers hops onto the I/O loop."""
 
     def __init__(self, conn: Connection, loop: IOLoop) -> None:
         self._conn = conn
