@@ -1,10 +1,10 @@
 """`CacheClient`: one method per protocol operation, each returning a future of its reply.
 
-Futures are plain `concurrent.futures.Future`s, settled on the transport's settler thread
-(never on the I/O loop); callbacks added to them run there, so keep them short and
-thread-safe (one that blocks gets its successor a new settler thread). A future fails with
-`DeadlineExceededError`, a `RemoteError` subclass for an error reply, `TransportBrokenError`
-when the connection drops under it, or `TransportClosedError` once the client is closed.
+Futures resolve on the shared I/O thread, or on a thread blocked in `result()` or
+`exception()`, which reads its reply itself; callbacks added to them run on that thread,
+so keep them short and thread-safe. A future fails with `DeadlineExceededError`, a `RemoteError` subclass for an error
+reply, `TransportBrokenError` when the connection drops under it, or
+`TransportClosedError` once the client is closed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from kvdepot.transport._client import (
     ReconnectCallback,
 )
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
-from kvdepot.transport._connection import State
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -164,7 +163,7 @@ class CacheClient(_Operations):
     Thread-safe: any thread may call any method. All clients of a process share one I/O
     thread. The client connects in the background, says Hello first, and after a server
     restart says Hello and repeats the last Register by itself, then calls
-    `on_reconnect(hello_reply, register_reply_or_None)` on the settler thread.
+    `on_reconnect(hello_reply, register_reply_or_None)` on the I/O thread.
     """
 
     def __init__(
@@ -217,7 +216,7 @@ class CacheClient(_Operations):
     @property
     def connected(self) -> bool:
         """True while the handshake is done and the connection is up."""
-        return self._conn.state is State.READY
+        return self._conn.state == "ready"
 
     @property
     def counters(self) -> dict[str, int]:
@@ -230,8 +229,9 @@ class CacheClient(_Operations):
     def request(self, body: RequestBody, *, timeout: float | None = None) -> Future[Any]:
         """Sends any request body; the future resolves to its reply body."""
         call = self._conn.prepare(body, timeout)
-        self._conn.submit((call,))
-        return call.token  # type: ignore[no-any-return]
+        if call.frame:  # else it failed to encode and the future holds the error
+            self._conn.submit_live([call])
+        return call.future
 
     def batch(self, *, timeout: float | None = None) -> Batch:
         """Collects requests (e.g. all of one engine step) to send as one message; see `Batch`."""
@@ -239,11 +239,11 @@ class CacheClient(_Operations):
 
     def close(self, *, end_session: bool = True, timeout: float = 0.5) -> None:
         """Ends the session (best effort, if connected) and fails whatever is still pending."""
-        if end_session and self._conn.state is State.READY:
+        if end_session and self._conn.state == "ready":
             call = self._conn.prepare(EndSession(), timeout)
             self._conn.submit((call,))
             try:
-                call.token.result(timeout + 0.1)
+                call.future.result(timeout + 0.1)
             except Exception as exc:  # the server is gone or slow; closing goes on regardless
                 log.debug("end_session_failed", address=self.address, error=str(exc))
         self._conn.close()
@@ -270,7 +270,7 @@ class Batch(_Operations):
     def _call(self, body: RequestBody) -> Future[Any]:
         call = self._conn.prepare(body, self._timeout)
         self._calls.append(call)
-        return call.token  # type: ignore[no-any-return]
+        return call.future
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -288,5 +288,5 @@ class Batch(_Operations):
             self.send()
         else:
             for call in self._calls:
-                call.token.cancel()
+                call.future.cancel()
             self._calls = []
