@@ -13,10 +13,13 @@ import zmq
 
 import kvdepot.transport as t
 from kvdepot.transport._io import IOLoop
-from kvdepot.transport._zmq_link import WAIT_ON_CALLER_S
 from kvdepot.transport.testing import DictHandler, MemoryPair, ZmqPair, key, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+# A reply this slow arrives while the caller is surely blocked in result() (it was the
+# window in which the old client let a blocked caller read its own reply).
+WAIT_ON_CALLER_S = 0.05
 
 
 class _FakeServer:
@@ -254,8 +257,9 @@ def _record_settling_thread(fut: Any, names: list[str]) -> None:
     fut.add_done_callback(lambda _f: names.append(threading.current_thread().name))
 
 
-def test_blocked_caller_reads_its_own_reply(ipc_address: str) -> None:
-    """A thread blocked in result() reads the reply itself; the I/O thread is not woken for it."""
+def test_blocked_caller_gets_its_reply_from_the_settler(ipc_address: str) -> None:
+    """A thread blocked in result() gets its reply; futures are settled (and callbacks run) on
+    the settler thread, never on the caller's or the I/O loop's."""
 
     def answer(req: t.Request) -> list[bytes]:
         time.sleep(0.005)  # the caller is surely blocked by the time the reply arrives
@@ -270,14 +274,15 @@ def test_blocked_caller_reads_its_own_reply(ipc_address: str) -> None:
             fut = client.ping()
             _record_settling_thread(fut, names)
             assert isinstance(fut.result(5), t.Pong)
-        assert names.count(threading.current_thread().name) >= 10, names
+        assert names == ["kvdepot-transport-io"] * 20, names
+        assert IOLoop.shared().thread.name != "kvdepot-transport-io"
     finally:
         client.close(end_session=False)
         server.close()
 
 
 def test_slow_reply_is_left_to_the_io_thread(ipc_address: str) -> None:
-    """A reply slower than the caller's wait window is read by the I/O thread; result() still gets it."""
+    """A slow reply is settled on the settler thread like any other; result() still gets it."""
 
     def answer(req: t.Request) -> list[bytes]:
         time.sleep(WAIT_ON_CALLER_S * 4)
@@ -370,7 +375,8 @@ def test_callback_may_wait_for_another_reply(ipc_address: str) -> None:
         second = client.get_quotas()
         first.add_done_callback(lambda _f: seen.append((threading.current_thread().name, second.result(5))))
         assert isinstance(first.result(5), t.Pong)
-        assert seen, "the callback's wait timed out: nobody read the muted socket"
+        # result() returns once the future is set; its callbacks run on the settler meanwhile
+        assert wait_until(lambda: bool(seen), timeout=5), "the callback's wait timed out"
         assert isinstance(seen[0][1], t.QuotaReply)
     finally:
         client.close(end_session=False)
@@ -414,7 +420,7 @@ def test_callback_waiting_on_an_unanswered_request_gets_its_deadline(tmp_path: A
         assert isinstance(second.ping().result(5), t.Pong)  # not starved by the waiting callback
         waiter.join(10)
         assert not waiter.is_alive()
-        assert len(outcome) == 1
+        assert wait_until(lambda: len(outcome) == 1, timeout=5)  # the callback runs on the settler
         assert isinstance(outcome[0], t.DeadlineExceededError)
     finally:
         first.close(end_session=False)
@@ -424,16 +430,14 @@ def test_callback_waiting_on_an_unanswered_request_gets_its_deadline(tmp_path: A
 
 
 def test_reply_future_is_a_full_concurrent_future() -> None:
-    """ReplyFuture builds its Condition lazily; stdlib wait/as_completed, cancel, callbacks and
-    timeouts behave as for any concurrent.futures.Future."""
-    from kvdepot.transport._client import ReplyFuture
-
-    class NoLink:
-        def wait(self, future: Any, timeout: float | None) -> float | None:
-            return timeout
+    """The client hands out plain concurrent.futures.Futures; stdlib wait/as_completed, cancel,
+    callbacks and timeouts behave as for any of them."""
+    with MemoryPair() as pair:
+        pair.start_server(DictHandler())
+        assert type(pair.client().ping()) is concurrent.futures.Future
 
     def make() -> Any:
-        return ReplyFuture(NoLink())  # type: ignore[arg-type]
+        return concurrent.futures.Future()
 
     late = make()
     threading.Timer(0.02, late.set_result, (3,)).start()

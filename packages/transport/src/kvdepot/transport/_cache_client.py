@@ -1,10 +1,10 @@
 """`CacheClient`: one method per protocol operation, each returning a future of its reply.
 
-Futures resolve on the shared I/O thread, or on a thread blocked in `result()` or
-`exception()`, which reads its reply itself; callbacks added to them run on that thread,
-so keep them short and thread-safe. A future fails with `DeadlineExceededError`, a `RemoteError` subclass for an error
-reply, `TransportBrokenError` when the connection drops under it, or
-`TransportClosedError` once the client is closed.
+Futures are plain `concurrent.futures.Future`s, settled on the transport's settler thread
+(never on the I/O loop); callbacks added to them run there, so keep them short and
+thread-safe (one that blocks gets its successor a new settler thread). A future fails with
+`DeadlineExceededError`, a `RemoteError` subclass for an error reply, `TransportBrokenError`
+when the connection drops under it, or `TransportClosedError` once the client is closed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvdepot.transport._client import (
     ReconnectCallback,
 )
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
+from kvdepot.transport._connection import State
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -163,7 +164,7 @@ class CacheClient(_Operations):
     Thread-safe: any thread may call any method. All clients of a process share one I/O
     thread. The client connects in the background, says Hello first, and after a server
     restart says Hello and repeats the last Register by itself, then calls
-    `on_reconnect(hello_reply, register_reply_or_None)` on the I/O thread.
+    `on_reconnect(hello_reply, register_reply_or_None)` on the settler thread.
     """
 
     def __init__(
@@ -216,7 +217,7 @@ class CacheClient(_Operations):
     @property
     def connected(self) -> bool:
         """True while the handshake is done and the connection is up."""
-        return self._conn.state == "ready"
+        return self._conn.state is State.READY
 
     @property
     def counters(self) -> dict[str, int]:
@@ -229,9 +230,8 @@ class CacheClient(_Operations):
     def request(self, body: RequestBody, *, timeout: float | None = None) -> Future[Any]:
         """Sends any request body; the future resolves to its reply body."""
         call = self._conn.prepare(body, timeout)
-        if call.frame:  # else it failed to encode and the future holds the error
-            self._conn.submit_live([call])
-        return call.future
+        self._conn.submit((call,))
+        return call.token  # type: ignore[no-any-return]
 
     def batch(self, *, timeout: float | None = None) -> Batch:
         """Collects requests (e.g. all of one engine step) to send as one message; see `Batch`."""
@@ -239,11 +239,11 @@ class CacheClient(_Operations):
 
     def close(self, *, end_session: bool = True, timeout: float = 0.5) -> None:
         """Ends the session (best effort, if connected) and fails whatever is still pending."""
-        if end_session and self._conn.state == "ready":
+        if end_session and self._conn.state is State.READY:
             call = self._conn.prepare(EndSession(), timeout)
             self._conn.submit((call,))
             try:
-                call.future.result(timeout + 0.1)
+                call.token.result(timeout + 0.1)
             except Exception as exc:  # the server is gone or slow; closing goes on regardless
                 log.debug("end_session_failed", address=self.address, error=str(exc))
         self._conn.close()
@@ -270,7 +270,7 @@ class Batch(_Operations):
     def _call(self, body: RequestBody) -> Future[Any]:
         call = self._conn.prepare(body, self._timeout)
         self._calls.append(call)
-        return call.future
+        return call.token  # type: ignore[no-any-return]
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -288,5 +288,5 @@ class Batch(_Operations):
             self.send()
         else:
             for call in self._calls:
-                call.future.cancel()
+                call.token.cancel()
             self._calls = []

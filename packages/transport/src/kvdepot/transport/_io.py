@@ -1,47 +1,114 @@
-"""The one background I/O thread per process that every client shares.
+"""The one background I/O thread per process that every client shares, and its settler.
 
-Other threads hand it work with `call_soon`, which wakes it through an eventfd only when
-it is asleep in poll, so a busy loop pays no system call per submission and an idle one
-wakes at once.
+`IOLoop` is a plain asyncio event loop on a daemon thread; the ZMQ links use pyzmq's
+`zmq.asyncio` sockets on it. Other threads hand it work with `call_soon`.
 
-Plain file descriptors (a DEALER's ZMQ_FD) are watched through an epoll set, which any
-thread may change: a caller blocked on its own reply `mute`s the descriptor, reads the
-reply itself, and the loop is not woken to fight it for the GIL (see `ZmqLink.wait`).
+Futures are settled on another thread, the `Settler`'s, so that done-callbacks never run on
+the loop: a callback may block, or wait on another reply, without stopping the loop that
+would deliver that reply. A settler stuck in a callback for longer than `SETTLER_STALL_S`
+while outcomes queue up behind it is replaced by a fresh one (the stuck one ends when its
+callback returns), so callbacks that wait on each other cannot deadlock.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
+import asyncio
 import os
-import select
+import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from concurrent.futures import Future, InvalidStateError
+from typing import Any
 
 import structlog
 import zmq
+import zmq.asyncio
 
 from kvdepot.transport._peercred import PeerUserCheck
 
 log = structlog.get_logger(__name__)
 
-# Upper bound on one poll, so a lost wake-up (there should be none) costs at most this.
-MAX_POLL_S = 1.0
+# A settler busy this long in one batch of callbacks, with more outcomes waiting, is
+# presumed to wait on one of them and gets a replacement thread.
+SETTLER_STALL_S = 0.05
+SETTLER_THREAD_NAME = "kvdepot-transport-io"
+LOOP_THREAD_NAME = "kvdepot-transport-loop"
+
+# (future, result, error); with no future, `result` is a callable to run there instead
+Outcome = tuple["Future[Any] | None", Any, "BaseException | None"]
 
 
-class TimerOwner(Protocol):
-    """Something with deadlines the loop must honour (a client connection)."""
+def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
+    """Settles `future` unless it is done already (cancelled by its owner)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    except InvalidStateError:
+        pass
 
-    def next_timer(self) -> float | None: ...
 
-    def on_timer(self, now: float) -> None: ...
+class Settler:
+    """Settles futures, in order, on a thread of its own (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[list[Outcome]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._busy_since: float | None = None  # of the current thread's batch
+        self.thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name=SETTLER_THREAD_NAME, daemon=True)
+        self.thread = thread
+        thread.start()
+        return thread
+
+    def put(self, outcomes: list[Outcome]) -> None:
+        """Queues outcomes (any thread)."""
+        self._queue.put(outcomes)
+
+    def busy(self) -> bool:
+        """True while outcomes wait: queued, or in a batch being settled."""
+        return self._busy_since is not None or not self._queue.empty()
+
+    def stalled(self, now: float) -> bool:
+        """True when the settler sits in one batch past SETTLER_STALL_S with more waiting."""
+        since = self._busy_since
+        return since is not None and now - since > SETTLER_STALL_S and not self._queue.empty()
+
+    def replace_if_stalled(self, now: float) -> None:
+        """Starts a fresh settler thread if the current one is stalled."""
+        with self._lock:
+            if self.stalled(now):
+                log.debug("settler_replaced", stalled_s=now - (self._busy_since or now))
+                self._busy_since = None
+                self._start()
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while self.thread is me:
+            batch = self._queue.get()
+            with self._lock:
+                mine = self.thread is me
+                if mine:
+                    self._busy_since = time.monotonic()
+            for future, result, error in batch:
+                try:
+                    if future is None:
+                        result()
+                    else:
+                        settle(future, result, error)
+                except Exception:
+                    log.exception("client_callback_failed")
+            with self._lock:
+                if self.thread is me:
+                    self._busy_since = None
 
 
 class IOLoop:
-    """A daemon thread polling ZMQ sockets and running submitted callables in order."""
+    """An asyncio loop on a daemon thread, shared by every client of the process."""
 
     _shared: IOLoop | None = None
     _shared_lock = threading.Lock()
@@ -58,24 +125,20 @@ class IOLoop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.context: zmq.Context[Any] = zmq.Context()
-        self._commands: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
-        self._sleeping = False
-        self._wake_at = math.inf  # when the loop means to wake from its poll; inf while it computes that
-        self._timers_dirty = False  # a deadline came in while the loop computed its sleep
-        self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        self._epoll = select.epoll()
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_fd, zmq.POLLIN)
-        self._poller.register(self._epoll.fileno(), zmq.POLLIN)
-        self._readers: dict[Any, Callable[[], None]] = {}  # zmq sockets
-        self._fd_readers: dict[int, Callable[[], None]] = {}  # fds, in the epoll set
-        self._fd_lock = threading.Lock()  # guards _fd_readers with the epoll set
-        self._timers: set[TimerOwner] = set()
+        self.async_context = zmq.asyncio.Context.shadow(self.context.underlying)
+        self.loop = asyncio.new_event_loop()
+        self.settler = Settler()
         self._peer_check: PeerUserCheck | None = None
-        self.thread = threading.Thread(target=self._run, name="kvdepot-transport-io", daemon=True)
+        self._checking = False  # a check of the settler is scheduled
+        self._started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=LOOP_THREAD_NAME, daemon=True)
         self.thread.start()
+        self._started.wait()
 
-    # -- any thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._started.set)
+        self.loop.run_forever()
 
     def check_ipc_peers(self) -> None:
         """Runs the handler that lets ipc connections of this context reach only servers of
@@ -84,111 +147,27 @@ class IOLoop:
             if self._peer_check is None:
                 self._peer_check = PeerUserCheck(self.context, "client")
 
-    def wake_by(self, when: float) -> None:
-        """Makes the loop look at its timers again no later than `when` (time.monotonic()).
-
-        A thread that tracks a new deadline without going through the loop calls this: the
-        loop may be asleep until a later time it computed before the deadline existed.
-        """
-        if when < self._wake_at:
-            self._timers_dirty = True
-            if self._sleeping:
-                os.eventfd_write(self._wake_fd, 1)
-
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Runs `fn(*args)` on the I/O thread, after everything submitted before it."""
-        self._commands.append((fn, args))
-        if self._sleeping:
-            os.eventfd_write(self._wake_fd, 1)
+        """Runs `fn(*args)` on the loop, after everything submitted before it (any thread)."""
+        self.loop.call_soon_threadsafe(fn, *args)
 
     def in_loop(self) -> bool:
-        """True when called from the I/O thread itself."""
+        """True when called from the loop's thread itself."""
         return threading.current_thread() is self.thread
 
-    def mute(self, fd: int, muted: bool) -> None:
-        """Stops (or resumes) waking the loop when `fd`, added with `add_reader`, is readable.
+    def settle(self, outcomes: list[Outcome]) -> None:
+        """Hands outcomes to the settler; watches that it does not stall on them (loop thread)."""
+        settler = self.settler
+        busy = settler.busy()
+        settler.put(outcomes)
+        if busy and not self._checking:  # it may be waiting for one of these
+            self._checking = True
+            self.loop.call_later(SETTLER_STALL_S, self._check_settler)
 
-        The fd's owner calls this, from any thread, and keeps the calls in order itself.
-        """
-        with self._fd_lock:
-            if fd not in self._fd_readers:
-                return
-            try:  # noqa: SIM105 - contextlib.suppress costs three calls on this hot path
-                self._epoll.modify(fd, 0 if muted else select.EPOLLIN)
-            except (OSError, ValueError):  # the epoll set closed meanwhile
-                pass
-
-    # -- I/O thread only -----------------------------------------------------------------
-
-    def add_reader(self, sock: Any, callback: Callable[[], None]) -> None:
-        """Calls `callback()` whenever `sock` (a zmq socket or an fd) is readable."""
-        if isinstance(sock, int):
-            with self._fd_lock:
-                self._fd_readers[sock] = callback
-                self._epoll.register(sock, select.EPOLLIN)
-            return
-        self._readers[sock] = callback
-        self._poller.register(sock, zmq.POLLIN)
-
-    def remove_reader(self, sock: Any) -> None:
-        """Stops watching `sock`."""
-        if isinstance(sock, int):
-            with self._fd_lock:
-                if self._fd_readers.pop(sock, None) is not None:
-                    self._epoll.unregister(sock)
-            return
-        if self._readers.pop(sock, None) is not None:
-            self._poller.unregister(sock)
-
-    def add_timers(self, owner: TimerOwner) -> None:
-        """Asks the loop to honour `owner`'s deadlines."""
-        self._timers.add(owner)
-
-    def remove_timers(self, owner: TimerOwner) -> None:
-        """Forgets `owner`'s deadlines."""
-        self._timers.discard(owner)
-
-    def _run(self) -> None:
-        commands = self._commands
-        while True:
-            try:
-                while commands:
-                    fn, args = commands.popleft()
-                    fn(*args)
-                self._wake_at = math.inf
-                self._timers_dirty = False
-                timeout = MAX_POLL_S
-                now = time.monotonic()
-                for owner in self._timers:
-                    due = owner.next_timer()
-                    if due is not None and due - now < timeout:
-                        timeout = due - now
-                self._wake_at = now + timeout
-                self._sleeping = True
-                if commands or self._timers_dirty:
-                    timeout = 0.0
-                events = self._poller.poll(max(0, int(timeout * 1000 + 0.999)))
-                self._sleeping = False
-                for sock, _ in events:
-                    if sock == self._wake_fd:
-                        with contextlib.suppress(BlockingIOError):
-                            os.eventfd_read(self._wake_fd)
-                        continue
-                    if sock == self._epoll.fileno():
-                        for fd, _ in self._epoll.poll(0):
-                            fd_reader = self._fd_readers.get(fd)
-                            if fd_reader is not None:
-                                fd_reader()
-                        continue
-                    reader = self._readers.get(sock)
-                    if reader is not None:
-                        reader()
-                if self._timers:
-                    now = time.monotonic()
-                    for owner in list(self._timers):
-                        due = owner.next_timer()
-                        if due is not None and due <= now:
-                            owner.on_timer(now)
-            except Exception:  # the loop must outlive any one bad callback
-                self._sleeping = False
-                log.exception("io_loop_callback_failed")
+    def _check_settler(self) -> None:
+        """Replaces a stalled settler; looks again later while outcomes wait behind a busy one."""
+        settler = self.settler
+        settler.replace_if_stalled(time.monotonic())
+        self._checking = settler.busy()
+        if self._checking:
+            self.loop.call_later(SETTLER_STALL_S, self._check_settler)

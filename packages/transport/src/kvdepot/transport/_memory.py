@@ -21,8 +21,6 @@ from kvdepot.transport._handler import BadFrame, Handler
 from kvdepot.transport._server import MAX_MESSAGES_PER_POLL, ServerEndpoint
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from kvdepot.transport._client import Connection
     from kvdepot.transport._io import IOLoop
 
@@ -145,7 +143,7 @@ class MemoryServerEndpoint(ServerEndpoint):
 
 
 class MemoryLink(_Peer):
-    """The client side of a memory connection; callbacks hop onto the I/O thread."""
+    """The client side of a memory connection; what the server delivers hops onto the I/O loop."""
 
     def __init__(self, conn: Connection, loop: IOLoop) -> None:
         self._conn = conn
@@ -165,13 +163,6 @@ class MemoryLink(_Peer):
         server.submit(self, list(frames))
         return True
 
-    def wait(self, future: Future[Any], timeout: float | None) -> float | None:
-        """Replies arrive through the loop; nothing to help with."""
-        return timeout
-
-    def nudge(self) -> None:
-        """Nobody waits in `wait` here."""
-
     def close(self) -> None:
         self._closed = True
         _detach(self, self._server)
@@ -190,7 +181,7 @@ class MemoryLink(_Peer):
     def _up(self, server: MemoryServerEndpoint) -> None:
         if not self._closed:
             self._server = server
-            self._conn.on_connected()
+            self._conn.on_link_up()
 
     def server_down(self) -> None:
         self._loop.call_soon(self._down)
@@ -198,7 +189,7 @@ class MemoryLink(_Peer):
     def _down(self) -> None:
         if not self._closed:
             self._server = None
-            self._conn.on_disconnected()
+            self._conn.on_link_down()
 
 
 class MemoryRawPeer(_Peer):

@@ -407,7 +407,7 @@ class SchedulerSide:
         if not future.done() and not self._yielded:
             self._yielded = True
             with contextlib.suppress(TimeoutError):
-                future.exception(timeout=LOOKUP_YIELD_S)  # reads the reply on this thread
+                future.exception(timeout=LOOKUP_YIELD_S)  # lets a reply on its way in arrive
         if not future.done():
             if time.monotonic() - record.sent_at < self.lookup_timeout:
                 return False
@@ -459,7 +459,7 @@ class SchedulerSide:
         if future is None:
             return
 
-        def release(done: Future[Any]) -> None:  # runs on whichever thread reads the reply
+        def release(done: Future[Any]) -> None:  # runs on the transport's settler thread
             try:
                 leases = [r.lease_id for r in done.result().results[first : first + world] if r.lease_id]
             except Exception:

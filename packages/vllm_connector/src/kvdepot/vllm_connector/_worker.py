@@ -185,7 +185,7 @@ class WorkerSide:
         self._stats = KVDepotStats()
         self._stats_lock = threading.Lock()
         self._pool: _PoolMapping | None = None
-        # A re-registration reply from the transport's I/O thread, mapped by the copy thread
+        # A re-registration reply from the transport's settler thread, mapped by the copy thread
         # before its next copy (never while a copy may use the old mapping).
         self._lock = threading.Lock()
         self._pending: tuple[RegisterReply, str] | None = None
@@ -251,7 +251,7 @@ class WorkerSide:
         return text
 
     def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
-        """The client re-registered with a (possibly restarted) server; runs on the I/O thread."""
+        """The client re-registered with a (possibly restarted) server; runs on the transport's settler thread."""
         if register is not None:
             with self._lock:
                 self._pending = (register, hello.server_id)
