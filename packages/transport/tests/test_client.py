@@ -468,3 +468,58 @@ def test_reply_future_is_a_full_concurrent_future() -> None:
     assert seen == [5, 6]
     with pytest.raises(concurrent.futures.InvalidStateError):
         pending.set_result(6)
+
+
+class _RecordingConn:
+    """Stands in for `_client.Connection` behind a `ZmqLink`: records what the link reports."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.client_id = "edge-test"
+        self.max_frame_bytes = 1 << 20
+        self.auth_secret = ""
+        self.curve_server_key = None
+        self.up = threading.Event()
+        self.replies: list[int] = []
+
+    def on_frames(self, frames: list[bytes]) -> None:
+        self.replies.extend(t.decode_reply(f).id for f in frames)
+
+    def on_link_up(self) -> None:
+        self.up.set()
+
+    def on_link_down(self) -> None:
+        self.up.clear()
+
+    def on_security_failure(self, event: int) -> None:
+        raise AssertionError(f"security handshake failed: {event}")
+
+
+def test_a_send_never_strands_a_reply_that_arrived_before_it(ipc_address: str) -> None:
+    """ZMQ_FD is edge-triggered and a send can consume the edge of a reply already waiting.
+    Here each send runs on the loop after the previous reply has arrived and before the loop
+    looked at the socket: every reply must still be read, with no later traffic to wake it."""
+    from kvdepot.transport._zmq_link import ZmqLink
+
+    server = _FakeServer(ipc_address, lambda req: [t.encode_reply(t.Reply(req.id, t.Pong()))])
+    loop = IOLoop.shared()
+    conn = _RecordingConn(ipc_address)
+    link = ZmqLink(conn, loop)  # type: ignore[arg-type]
+    sent: list[bool] = []
+
+    def two_pings(first: int) -> None:
+        sent.append(link.send([t.encode_request(t.Request(first, t.Ping()))]))
+        time.sleep(0.02)  # its reply lands on the socket while the loop is busy here
+        sent.append(link.send([t.encode_request(t.Request(first + 1, t.Ping()))]))  # takes the FD's edge
+
+    try:
+        loop.call_soon(link.open)
+        assert conn.up.wait(5)
+        for first in range(1, 21, 2):
+            loop.call_soon(two_pings, first)
+            assert wait_until(lambda n=first + 1: len(conn.replies) == n, timeout=2.0), conn.replies
+        assert conn.replies == list(range(1, 21))
+        assert all(sent)
+    finally:
+        loop.call_soon(link.close)
+        server.close()

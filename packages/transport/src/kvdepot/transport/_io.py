@@ -1,7 +1,7 @@
 """The one background I/O thread per process that every client shares, and its settler.
 
-`IOLoop` is a plain asyncio event loop on a daemon thread; the ZMQ links use pyzmq's
-`zmq.asyncio` sockets on it. Other threads hand it work with `call_soon`.
+`IOLoop` is a plain asyncio event loop on a daemon thread; the ZMQ links register their
+sockets' FDs with it (`add_reader`). Other threads hand it work with `call_soon`.
 
 Futures are settled on another thread, the `Settler`'s, so that done-callbacks never run on
 the loop: a callback may block, or wait on another reply, without stopping the loop that
@@ -23,7 +23,6 @@ from typing import Any
 
 import structlog
 import zmq
-import zmq.asyncio
 
 from kvdepot.transport._peercred import PeerUserCheck
 
@@ -125,7 +124,6 @@ class IOLoop:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.context: zmq.Context[Any] = zmq.Context()
-        self.async_context = zmq.asyncio.Context.shadow(self.context.underlying)
         self.loop = asyncio.new_event_loop()
         self.settler = Settler()
         self._peer_check: PeerUserCheck | None = None
