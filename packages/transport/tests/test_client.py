@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 import kvdepot.transport as t
-from kvdepot.transport._io import IOLoop
+from kvdepot.transport._io import IOLoop, ReplyFuture
 from kvdepot.transport.testing import DictHandler, MemoryPair, ZmqPair, key, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
@@ -258,8 +258,8 @@ def _record_settling_thread(fut: Any, names: list[str]) -> None:
 
 
 def test_blocked_caller_gets_its_reply_from_the_settler(ipc_address: str) -> None:
-    """A thread blocked in result() gets its reply; futures are settled (and callbacks run) on
-    the settler thread, never on the caller's or the I/O loop's."""
+    """A thread blocked in result() gets its reply; done-callbacks run on the settler thread,
+    never on the caller's or the I/O loop's."""
 
     def answer(req: t.Request) -> list[bytes]:
         time.sleep(0.005)  # the caller is surely blocked by the time the reply arrives
@@ -274,6 +274,7 @@ def test_blocked_caller_gets_its_reply_from_the_settler(ipc_address: str) -> Non
             fut = client.ping()
             _record_settling_thread(fut, names)
             assert isinstance(fut.result(5), t.Pong)
+        assert wait_until(lambda: len(names) == 20)  # callbacks run after the waiter wakes
         assert names == ["kvdepot-transport-io"] * 20, names
         assert IOLoop.shared().thread.name != "kvdepot-transport-io"
     finally:
@@ -295,6 +296,7 @@ def test_slow_reply_is_left_to_the_io_thread(ipc_address: str) -> None:
         names: list[str] = []
         _record_settling_thread(fut, names)
         assert isinstance(fut.result(5), t.Pong)
+        assert wait_until(lambda: len(names) == 1)
         assert names == ["kvdepot-transport-io"]
     finally:
         client.close(end_session=False)
@@ -430,14 +432,15 @@ def test_callback_waiting_on_an_unanswered_request_gets_its_deadline(tmp_path: A
 
 
 def test_reply_future_is_a_full_concurrent_future() -> None:
-    """The client hands out plain concurrent.futures.Futures; stdlib wait/as_completed, cancel,
-    callbacks and timeouts behave as for any of them."""
+    """The client hands out concurrent.futures.Futures (a subclass that only runs pending
+    done-callbacks on the settler thread); stdlib wait/as_completed, cancel, callbacks and
+    timeouts behave as for any of them."""
     with MemoryPair() as pair:
         pair.start_server(DictHandler())
-        assert type(pair.client().ping()) is concurrent.futures.Future
+        assert type(pair.client().ping()) is ReplyFuture
 
     def make() -> Any:
-        return concurrent.futures.Future()
+        return ReplyFuture(IOLoop.shared())
 
     late = make()
     threading.Timer(0.02, late.set_result, (3,)).start()
@@ -464,6 +467,7 @@ def test_reply_future_is_a_full_concurrent_future() -> None:
     seen: list[int] = []
     pending.add_done_callback(lambda f: seen.append(f.result()))
     pending.set_result(5)
+    assert wait_until(lambda: seen == [5])  # on the settler thread
     pending.add_done_callback(lambda f: seen.append(f.result() + 1))  # already done: runs now
     assert seen == [5, 6]
     with pytest.raises(concurrent.futures.InvalidStateError):

@@ -23,7 +23,7 @@ import structlog
 from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._connection import Call, ClientConnection, Note, Reconnected, Send, Settle, State
-from kvdepot.transport._io import IOLoop, Outcome, settle
+from kvdepot.transport._io import IOLoop, Outcome, ReplyFuture, settle
 from kvdepot.transport._messages import HelloReply, RegisterReply, RequestBody
 
 log = structlog.get_logger(__name__)
@@ -130,7 +130,7 @@ class Connection:
 
         A body that cannot be encoded gives a call that is done already, its future failed.
         """
-        future: Future[Any] = Future()
+        future: Future[Any] = ReplyFuture(self._loop)
         call = self.proto.prepare(body, timeout, time.monotonic(), future)
         if isinstance(call, Settle):
             settle(future, error=call.error)
@@ -214,8 +214,8 @@ class Connection:
         outcomes: list[Outcome] = []
         unsent: list[Call] = []
         for event in proto.take_events():
-            if type(event) is Settle:
-                outcomes.append((event.call.token, event.result, event.error))
+            if type(event) is Settle:  # the waiter wakes now; callbacks go to the settler
+                settle(event.call.token, event.result, event.error)
             elif type(event) is Send:
                 if unsent or not self._link.send([c.frame for c in event.calls]):
                     unsent.extend(event.calls)  # and everything after it, in order

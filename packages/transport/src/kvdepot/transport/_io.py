@@ -3,11 +3,13 @@
 `IOLoop` is a plain asyncio event loop on a daemon thread; the ZMQ links register their
 sockets' FDs with it (`add_reader`). Other threads hand it work with `call_soon`.
 
-Futures are settled on another thread, the `Settler`'s, so that done-callbacks never run on
-the loop: a callback may block, or wait on another reply, without stopping the loop that
-would deliver that reply. A settler stuck in a callback for longer than `SETTLER_STALL_S`
-while outcomes queue up behind it is replaced by a fresh one (the stuck one ends when its
-callback returns), so callbacks that wait on each other cannot deadlock.
+Futures (`ReplyFuture`, a plain `concurrent.futures.Future`) are settled on the loop, so a
+thread waiting in `result()` wakes straight away; their done-callbacks run on another
+thread, the `Settler`'s, so that they never run on the loop: a callback may block, or wait
+on another reply, without stopping the loop that would deliver that reply. A settler stuck
+in a callback for longer than `SETTLER_STALL_S` while more wait behind it is replaced by a
+fresh one (the stuck one ends when its callback returns), so callbacks that wait on each
+other cannot deadlock.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ LOOP_THREAD_NAME = "kvdepot-transport-loop"
 
 # (future, result, error); with no future, `result` is a callable to run there instead
 Outcome = tuple["Future[Any] | None", Any, "BaseException | None"]
+
+
+class ReplyFuture(Future[Any]):
+    """A `concurrent.futures.Future` whose done-callbacks run on the settler thread of `loop`
+    (or at once, in the caller's thread, when it is done already, as for any future)."""
+
+    def __init__(self, loop: IOLoop) -> None:
+        super().__init__()
+        self._io = loop
+
+    def add_done_callback(self, fn: Callable[[Future[Any]], object]) -> None:
+        if self.done():
+            super().add_done_callback(fn)
+            return
+        super().add_done_callback(lambda future: self._io.run_callback(fn, future))
 
 
 def settle(future: Future[Any], result: Any = None, error: BaseException | None = None) -> None:
@@ -152,6 +169,14 @@ class IOLoop:
     def in_loop(self) -> bool:
         """True when called from the loop's thread itself."""
         return threading.current_thread() is self.thread
+
+    def run_callback(self, fn: Callable[[Future[Any]], object], future: Future[Any]) -> None:
+        """Runs a done-callback of `future` on the settler (from any thread)."""
+        outcome: list[Outcome] = [(None, lambda: fn(future), None)]
+        if self.in_loop():
+            self.settle(outcome)
+        else:
+            self.call_soon(self.settle, outcome)
 
     def settle(self, outcomes: list[Outcome]) -> None:
         """Hands outcomes to the settler; watches that it does not stall on them (loop thread)."""
