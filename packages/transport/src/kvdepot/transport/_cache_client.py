@@ -1,8 +1,8 @@
 """`CacheClient`: one method per protocol operation, each returning a future of its reply.
 
-Futures are plain `concurrent.futures.Future`s, settled on the transport's settler thread
-(never on the I/O loop); callbacks added to them run there, so keep them short and
-thread-safe (one that blocks gets its successor a new settler thread). A future fails with
+Futures are `concurrent.futures.Future`s. Callbacks added to a pending one run on the
+transport's settler thread (never on the I/O loop), so keep them short and thread-safe (one
+that blocks gets its successor a new settler thread). A future fails with
 `DeadlineExceededError`, a `RemoteError` subclass for an error reply, `TransportBrokenError`
 when the connection drops under it, or `TransportClosedError` once the client is closed.
 """

@@ -3,8 +3,8 @@
 Any thread may `prepare` a call (it is encoded there), `submit` calls and `close`; the rest
 runs on the loop (`_io.IOLoop`): the link reports what happened, the driver feeds it to the
 connection with the time, then acts on the connection's events: send frames through the
-link, hand outcomes to the settler (futures are ordinary `concurrent.futures.Future`s,
-settled off the loop), log notes, and keep one timer for the next deadline or heartbeat.
+link, settle futures (`concurrent.futures.Future`s whose done-callbacks run on the
+settler thread, never on the loop), log notes, and keep one timer for the next deadline or heartbeat.
 The bytes move through a link: `ZmqLink` (DEALER) or the in-memory link of `_memory`.
 """
 
