@@ -23,7 +23,7 @@ import structlog
 from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._connection import Call, ClientConnection, Note, Reconnected, Send, Settle, State
-from kvdepot.transport._io import IOLoop, Outcome, ReplyFuture, settle
+from kvdepot.transport._io import Callback, IOLoop, ReplyFuture, settle
 from kvdepot.transport._messages import HelloReply, RegisterReply, RequestBody
 
 log = structlog.get_logger(__name__)
@@ -211,7 +211,7 @@ class Connection:
     def _act(self) -> None:
         """Does what the connection asked for since the last input."""
         proto = self.proto
-        outcomes: list[Outcome] = []
+        callbacks: list[Callback] = []
         unsent: list[Call] = []
         for event in proto.take_events():
             if type(event) is Settle:  # the waiter wakes now; callbacks go to the settler
@@ -221,13 +221,13 @@ class Connection:
                     unsent.extend(event.calls)  # and everything after it, in order
             elif type(event) is Reconnected:
                 if self.on_reconnect is not None:
-                    outcomes.append((None, _reconnect_callback(self.on_reconnect, event), None))
+                    callbacks.append(_reconnect_callback(self.on_reconnect, event))
             elif type(event) is Note:
                 getattr(log, event.level)(event.name, **event.fields)
         if unsent:
             proto.send_failed(unsent, time.monotonic())
-        if outcomes:
-            self._loop.settle(outcomes)
+        if callbacks:
+            self._loop.run_callbacks(callbacks)
         self._schedule()
 
     def _schedule(self) -> None:

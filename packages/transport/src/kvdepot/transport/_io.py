@@ -30,14 +30,14 @@ from kvdepot.transport._peercred import PeerUserCheck
 
 log = structlog.get_logger(__name__)
 
-# A settler busy this long in one batch of callbacks, with more outcomes waiting, is
+# A settler busy this long in one batch of callbacks, with more callbacks waiting, is
 # presumed to wait on one of them and gets a replacement thread.
 SETTLER_STALL_S = 0.05
 SETTLER_THREAD_NAME = "kvdepot-transport-io"
 LOOP_THREAD_NAME = "kvdepot-transport-loop"
 
-# (future, result, error); with no future, `result` is a callable to run there instead
-Outcome = tuple["Future[Any] | None", Any, "BaseException | None"]
+# What the settler thread runs: a future's done-callback, or a client's `on_reconnect`
+Callback = Callable[[], object]
 
 
 class ReplyFuture(Future[Any]):
@@ -67,10 +67,10 @@ def settle(future: Future[Any], result: Any = None, error: BaseException | None 
 
 
 class Settler:
-    """Settles futures, in order, on a thread of its own (see the module docstring)."""
+    """Runs callbacks, in order, on a thread of its own (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[list[Outcome]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[list[Callback]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._busy_since: float | None = None  # of the current thread's batch
         self.thread = self._start()
@@ -81,12 +81,12 @@ class Settler:
         thread.start()
         return thread
 
-    def put(self, outcomes: list[Outcome]) -> None:
-        """Queues outcomes (any thread)."""
-        self._queue.put(outcomes)
+    def put(self, callbacks: list[Callback]) -> None:
+        """Queues callbacks (any thread)."""
+        self._queue.put(callbacks)
 
     def busy(self) -> bool:
-        """True while outcomes wait: queued, or in a batch being settled."""
+        """True while callbacks wait: queued, or in a batch being run."""
         return self._busy_since is not None or not self._queue.empty()
 
     def stalled(self, now: float) -> bool:
@@ -110,12 +110,9 @@ class Settler:
                 mine = self.thread is me
                 if mine:
                     self._busy_since = time.monotonic()
-            for future, result, error in batch:
+            for callback in batch:
                 try:
-                    if future is None:
-                        result()
-                    else:
-                        settle(future, result, error)
+                    callback()
                 except Exception:
                     log.exception("client_callback_failed")
             with self._lock:
@@ -172,23 +169,23 @@ class IOLoop:
 
     def run_callback(self, fn: Callable[[Future[Any]], object], future: Future[Any]) -> None:
         """Runs a done-callback of `future` on the settler (from any thread)."""
-        outcome: list[Outcome] = [(None, lambda: fn(future), None)]
+        callbacks: list[Callback] = [lambda: fn(future)]
         if self.in_loop():
-            self.settle(outcome)
+            self.run_callbacks(callbacks)
         else:
-            self.call_soon(self.settle, outcome)
+            self.call_soon(self.run_callbacks, callbacks)
 
-    def settle(self, outcomes: list[Outcome]) -> None:
-        """Hands outcomes to the settler; watches that it does not stall on them (loop thread)."""
+    def run_callbacks(self, callbacks: list[Callback]) -> None:
+        """Hands callbacks to the settler; watches that it does not stall on them (loop thread)."""
         settler = self.settler
         busy = settler.busy()
-        settler.put(outcomes)
+        settler.put(callbacks)
         if busy and not self._checking:  # it may be waiting for one of these
             self._checking = True
             self.loop.call_later(SETTLER_STALL_S, self._check_settler)
 
     def _check_settler(self) -> None:
-        """Replaces a stalled settler; looks again later while outcomes wait behind a busy one."""
+        """Replaces a stalled settler; looks again later while callbacks wait behind a busy one."""
         settler = self.settler
         settler.replace_if_stalled(time.monotonic())
         self._checking = settler.busy()
