@@ -7,8 +7,8 @@ which sends through `send`. Nothing else touches the sockets.
 ZMQ_FD is edge-triggered: any call on the socket (a send included) may consume the
 notification of a message that has already arrived. So the link reads until the socket
 says EAGAIN whenever its FD fires, and again right after every send; a reply can never sit
-unread until the next heartbeat. (pyzmq's `zmq.asyncio` sockets leave this to its own
-bookkeeping, and a fresh engine's first lookup once sat unread there for 2 s.)
+unread until the next heartbeat. (pyzmq's `zmq.asyncio` sockets leave this to their own
+bookkeeping, which has open reports of multi-second stalls.)
 """
 
 from __future__ import annotations
