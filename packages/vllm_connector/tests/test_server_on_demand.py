@@ -44,6 +44,59 @@ def test_the_started_server_is_no_descendant_of_this_process(tmp_path: Path) -> 
             os.kill(pid, signal.SIGTERM)
 
 
+def _libgomp() -> str | None:
+    import ctypes.util
+    import importlib.util
+
+    found = ctypes.util.find_library("gomp")
+    if found:
+        return found
+    spec = importlib.util.find_spec("torch")
+    bundled = Path(spec.origin).parent / "lib" / "libgomp.so.1" if spec and spec.origin else None
+    return str(bundled) if bundled and bundled.exists() else None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell a binding from none")
+def test_the_started_server_is_not_bound_to_the_cpu_of_the_vllm_thread_that_started_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's CPU backend binds the thread that runs the model to one core, preloads libgomp and
+    sets GOMP_CPU_AFFINITY. A server started from that thread must inherit none of it (it would
+    share the core with the model's compute), and the thread gets its own binding back."""
+    everything = os.sched_getaffinity(0)
+    first = min(everything)
+    libgomp = _libgomp()
+    if libgomp:  # as vLLM's CPU workers run: a preloaded libgomp binds each new process's first thread
+        monkeypatch.setenv("LD_PRELOAD", libgomp)
+        monkeypatch.setenv("GOMP_CPU_AFFINITY", " ".join(map(str, sorted(everything))))
+        monkeypatch.setenv("OMP_NUM_THREADS", str(len(everything)))
+    address = f"ipc://{tmp_path}/s.sock"
+    os.sched_setaffinity(0, {first})  # this thread only, as vLLM binds its model thread
+    try:
+        _server.ensure_server(address, capacity="16MiB", timeout=30)
+        assert os.sched_getaffinity(0) == {first}
+    finally:
+        os.sched_setaffinity(0, everything)
+    pid = int(_server.pid_path(address).read_text())
+    try:
+        assert os.sched_getaffinity(pid) >= everything
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_the_openmp_settings_of_vllm_are_not_passed_to_the_server() -> None:
+    environ = {
+        "PATH": "/usr/bin",
+        "LD_PRELOAD": "/x/libtcmalloc.so.4:/x/torch/lib/libgomp.so.1 /x/libiomp5.so",
+        "GOMP_CPU_AFFINITY": "0 1",
+        "OMP_NUM_THREADS": "2",
+        "KMP_AFFINITY": "granularity=fine",
+    }
+    assert _server._without_openmp(environ) == {"PATH": "/usr/bin", "LD_PRELOAD": "/x/libtcmalloc.so.4"}
+    assert "LD_PRELOAD" not in _server._without_openmp({"LD_PRELOAD": "/x/libgomp.so.1"})
+
+
 def _children(pid: int) -> list:
     import psutil
 

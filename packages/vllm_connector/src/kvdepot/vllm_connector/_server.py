@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
 import subprocess
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from kvdepot.server import ServerProcess, ServerStartError
@@ -84,22 +86,72 @@ def _start_detached(command: list[str], log_path: Path) -> int:
     """Start ``command`` in a session of its own, as no descendant of this process; its pid.
 
     A shell puts it in the background, prints its pid and exits, so the server is handed to
-    init (or the nearest subreaper) at once. Its output goes to ``log_path`` (appended).
+    init (or the nearest subreaper) at once. Its output goes to ``log_path`` (appended). It may
+    run on every CPU of the node, whatever this thread is bound to (`_on_every_cpu`), and it
+    gets none of the OpenMP settings vLLM gives its workers (`_without_openmp`).
     """
     log_fd = _open_private(log_path, os.O_WRONLY | os.O_APPEND)
     try:
-        launcher = subprocess.run(
-            ["/bin/sh", "-c", '"$@" </dev/null >&2 & echo $!', "kvdepot-launcher", *command],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=log_fd,
-            start_new_session=True,
-            check=True,
-            timeout=30,
-        )
+        with _on_every_cpu():
+            launcher = subprocess.run(
+                ["/bin/sh", "-c", '"$@" </dev/null >&2 & echo $!', "kvdepot-launcher", *command],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=log_fd,
+                start_new_session=True,
+                env=_without_openmp(os.environ),
+                check=True,
+                timeout=30,
+            )
     finally:
         os.close(log_fd)
     return int(launcher.stdout.strip())
+
+
+@contextlib.contextmanager
+def _on_every_cpu() -> Iterator[None]:
+    """Let the calling thread, and so what it starts, run on every CPU this process may use.
+
+    vLLM's CPU backend binds the thread that runs the model to its OpenMP cores, and threads and
+    processes inherit that binding. A node-wide server that inherited it would share one core
+    with the model's compute and answer late, seconds late on a busy machine. The kernel
+    narrows the full set to the CPUs the process's cpuset allows; the thread's own binding is
+    put back afterwards. To pin the server, start it yourself (`taskset -c ... kvdepot serve`).
+    """
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # nothing more is allowed: start it as we are
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _without_openmp(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` less the OpenMP settings, which the server (no torch, no OpenMP) has no use for.
+
+    vLLM's CPU backend preloads libgomp into its workers and sets GOMP_CPU_AFFINITY; inherited,
+    the preloaded library binds the server's first thread to the model's first core as it
+    loads, before any code of ours runs.
+    """
+    env = {k: v for k, v in environ.items() if not k.startswith(_OPENMP_PREFIXES)}
+    preload = [p for p in environ.get("LD_PRELOAD", "").replace(":", " ").split() if not _is_openmp(p)]
+    if preload:
+        env["LD_PRELOAD"] = " ".join(preload)
+    else:
+        env.pop("LD_PRELOAD", None)
+    return env
+
+
+_OPENMP_PREFIXES = ("OMP_", "GOMP_", "KMP_")
+
+
+def _is_openmp(library: str) -> bool:
+    name = Path(library).name
+    return name.startswith(("libgomp", "libiomp", "libomp"))
 
 
 def pid_path(address: str) -> Path:
