@@ -108,6 +108,15 @@ def test_a_corrupted_disk_object_is_a_miss_and_is_deleted(serve, workdir):
     assert not victim.exists()
 
 
+def store_past_the_quota(server, written: str, quiet: list[bytes], busy: list[bytes]) -> None:
+    """`quiet` under salt b, then `busy` under salt a four at a time, each batch written behind
+    (the tier counter `written` counts it) before the next."""
+    store(server.address, "b", quiet)
+    for n in range(0, len(busy), 4):
+        store(server.address, "a", busy[n : n + 4])
+        wait_for(lambda n=n: extra(server, written) == len(quiet) + n + 4 and not server.stats().leases)
+
+
 def test_quotas_hold_in_the_disk_tier_too(serve, workdir):
     """A salt that stores far more than its quota keeps at most its quota on disk too (its own
     oldest chunks go), and another salt's chunks there stay: a restarted server still hits them."""
@@ -115,10 +124,7 @@ def test_quotas_hold_in_the_disk_tier_too(serve, workdir):
     args = (*POOL, "--disk-dir", str(disk), "--disk-capacity", "64MiB", "--default-quota", "512KiB")
     first = serve(*args)
     quiet, busy = keys("quiet", 4), keys("busy", 20)
-    store(first.address, "b", quiet)
-    for n in range(0, 20, 4):
-        store(first.address, "a", busy[n : n + 4])
-        wait_for(lambda n=n: extra(first, "tier:disk:writes") == 4 + n + 4 and not first.stats().leases)
+    store_past_the_quota(first, "tier:disk:writes", quiet, busy)
     assert extra(first, "tier:disk:objects") == 4 + 7  # 512 KiB hold 7 files of 64 KiB and a header
     first.stop()
     second = serve(*args)
@@ -143,6 +149,20 @@ def test_two_servers_share_chunks_through_a_remote_tier(serve, workdir, valkey_s
     second, chunk_keys = stored_on_one_of_two(serve, workdir, valkey_server.url, "shared", 8)
     assert lookup(second.address, "t", chunk_keys) == (8, True)
     assert lookup(second.address, "u", chunk_keys) == (0, True)
+
+
+def test_quotas_hold_in_a_shared_remote_tier_too(serve, workdir, valkey_server):
+    """A salt that stores far more than its quota keeps at most its quota in the remote tier
+    (its own oldest chunks go), counted in Valkey for every server that shares it; another
+    salt's chunks there stay, and a second server hits them."""
+    args = (*POOL, "--remote", valkey_server.url, "--default-quota", "512KiB")
+    first = serve(*args)
+    quiet, busy = keys("quiet-r", 4), keys("busy-r", 20)
+    store_past_the_quota(first, "tier:remote:writes", quiet, busy)
+    second = serve(*args, where=workdir / "s2")
+    assert lookup(second.address, "b", quiet) == (4, True)
+    assert lookup(second.address, "a", busy[12:]) == (8, True)  # 512 KiB hold 8 chunks of 64 KiB less 64 B
+    assert lookup(second.address, "a", busy[:4]) == (0, True)
 
 
 def test_a_corrupted_remote_object_is_a_miss(serve, workdir, valkey_server):

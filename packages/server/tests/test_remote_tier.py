@@ -277,3 +277,60 @@ def test_read_groups_are_consecutive_large_and_few(lengths, groups):
     from kvdepot.server._remote_tier import _groups
 
     assert _groups(lengths) == groups
+
+
+def stored(server, salt: str, *keys: int) -> list[int]:
+    """Which of ``keys`` of ``salt`` the Valkey server (or cluster) holds, asked directly."""
+    names = {object_name(salt, b"k%d" % i): i for i in keys}
+    found = []
+    for node in getattr(server, "nodes", [server]):
+        with contextlib.closing(node.client()) as plain:
+            found += [names[k.decode()[len("kvd:") :]] for k in plain.keys("kvd:*") if k.decode()[4:] in names]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("where", ["valkey_server", "valkey_cluster"])
+def test_a_salt_over_its_quota_loses_its_own_oldest_objects_only(where, request, open_tier):
+    """With a quota, a salt's writes past it delete that salt's oldest objects, never another
+    salt's; a chunk larger than the quota is not written; a salt without a quota is unbounded."""
+    server = request.getfixturevalue(where)
+    quotas = {"small": 3 * CHUNK}
+    tier = open_tier(server.url)
+    tier.quota_of = quotas.get
+    assert tier.write(writes(*range(10), salt="big")) == [True] * 10
+    for i in range(6):
+        assert tier.write(writes(i, salt="small")) == [True]
+    assert stored(server, "small", *range(6)) == [3, 4, 5]
+    assert tier.write(writes(6, 7, salt="small")) == [True, True]  # one batch, two salts' worth
+    assert stored(server, "small", *range(8)) == [5, 6, 7]
+    assert stored(server, "big", *range(10)) == list(range(10))
+    assert read(tier, 5, 6, 7, salt="small") == [payload(5), payload(6), payload(7)]
+    assert tier.write(writes(9, salt="small", size=3 * CHUNK + 1)) == [False]
+    assert stored(server, "small", 9) == []
+
+
+def test_servers_sharing_a_remote_tier_count_a_salt_together(valkey_server, open_tier):
+    """Two servers (two tiers) writing the same salt share one count: together they keep it
+    within its quota, and a rewrite of an object already there is not counted twice."""
+    one, two = open_tier(valkey_server.url), open_tier(valkey_server.url)
+    for tier in (one, two):
+        tier.quota_of = lambda salt: 4 * CHUNK
+    one.write(writes(0, 1, 2))
+    two.write(writes(2, 3))  # 2 again: the same object, counted once
+    assert stored(valkey_server, "s", *range(6)) == [0, 1, 2, 3]
+    two.write(writes(4, 5))
+    assert stored(valkey_server, "s", *range(6)) == [2, 3, 4, 5]
+
+
+def test_an_object_evicted_behind_the_tier_is_counted_until_it_is_the_oldest(valkey_server, open_tier):
+    """Valkey evicts or expires objects without telling anyone: the count errs high until the
+    salt's next writes pop the missing name, and the salt never holds more than its quota."""
+    tier = open_tier(valkey_server.url)
+    tier.quota_of = lambda salt: 3 * CHUNK
+    tier.write(writes(0, 1, 2))
+    with contextlib.closing(valkey_server.client()) as plain:
+        plain.delete("kvd:" + object_name("s", b"k0"))  # as maxmemory or a TTL would
+    tier.write(writes(3))
+    assert stored(valkey_server, "s", *range(4)) == [1, 2, 3]
+    tier.write(writes(4, 5))
+    assert stored(valkey_server, "s", *range(6)) == [3, 4, 5]

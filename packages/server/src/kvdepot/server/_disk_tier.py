@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import os
 import re
 import secrets
@@ -48,7 +47,17 @@ from kvdepot.server._tier_format import (
     parse_header,
     verify,
 )
-from kvdepot.server._tiers import ChunkRef, ChunkWrite, Counters, TierState, TierStats, WarnLimiter, check_batch
+from kvdepot.server._tiers import (
+    SALT_TAG_BYTES,
+    ChunkRef,
+    ChunkWrite,
+    Counters,
+    TierState,
+    TierStats,
+    WarnLimiter,
+    check_batch,
+    salt_tag,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -62,19 +71,6 @@ class _Entry:
     length: int
     fingerprint: bytes  # the caller's, without the salt tag
     tag: bytes  # `salt_tag` of the chunk's salt
-
-
-#: Bytes of the salt tag the disk tier puts in front of the caller's fingerprint in each header.
-SALT_TAG_BYTES = 16
-_TAG_PERSON = b"kvdepot-dsalt-v1"
-
-
-def salt_tag(salt: str) -> bytes:
-    """A short digest of ``salt``, kept in each file's header so that a restarted tier can count
-    each salt's bytes again (the file's name mixes the salt in, but cannot be read back)."""
-    raw = salt.encode()
-    prefixed = len(raw).to_bytes(4, "little") + raw
-    return hashlib.blake2b(prefixed, digest_size=SALT_TAG_BYTES, person=_TAG_PERSON).digest()
 
 
 def _private_dir(path: Path) -> None:

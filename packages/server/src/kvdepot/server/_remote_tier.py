@@ -10,6 +10,15 @@ Each chunk is one string value, ``PREFIX + object_name(salt, key)``, holding the
 `_tier_format` header then the payload; a batch is one pipeline (GET, SET or EXISTS per
 chunk). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
 
+Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself, so that every server
+sharing the tier counts the same bytes: ``PREFIX + "quota:{TAG}:objects"``, a sorted set of
+the salt's object names (with their sizes) by the time they were written, and
+``PREFIX + "quota:{TAG}:bytes"``, their total (TAG: `salt_tag`, hex; the braces keep both
+keys in one cluster slot). After each batch's SETs, one script per salt adds the batch and
+pops the salt's oldest names until its total is within its quota; the tier then deletes the
+objects popped. An object that Valkey evicted or expired meanwhile stays counted until it is
+the oldest and popped, so the count errs high, never low, and heals as the salt writes.
+
 Failure: every command has short socket timeouts and no client-side retries. The first
 connection error or timeout marks the tier DOWN (one warning, ``outages`` counted); while
 down, reads miss and writes are dropped at once. A background thread tries a fresh
@@ -27,7 +36,7 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import structlog
@@ -44,6 +53,7 @@ from kvdepot.server._tiers import (
     WarnLimiter,
     check_batch,
     object_name,
+    salt_tag,
 )
 
 log = structlog.get_logger(__name__)
@@ -72,6 +82,36 @@ READ_WORKERS = 4
 # deadline costs only its own chunks. 16 MiB is ~10 ms on a 10 Gb/s link, where a round trip
 # is ~0.1 ms: the split costs no throughput.
 READ_GROUP_BYTES = 16 << 20
+
+# KEYS: the salt's objects (a sorted set of "NAME:SIZE" by write time) and their byte count.
+# ARGV: the salt's quota, then NAME, SIZE for each object just written. Returns the names
+# popped to bring the count within the quota, for the caller to delete (in a cluster they
+# live in other slots than these keys).
+_CHARGE_SCRIPT = """
+local now = redis.call('TIME')
+local score = tonumber(now[1]) * 1000000 + tonumber(now[2])
+local added = 0
+for i = 2, #ARGV, 2 do
+  local member = ARGV[i] .. ':' .. ARGV[i + 1]
+  if redis.call('ZADD', KEYS[1], score, member) == 1 then
+    added = added + tonumber(ARGV[i + 1])
+  end
+end
+local used = redis.call('INCRBY', KEYS[2], added)
+local quota = tonumber(ARGV[1])
+local popped = {}
+while used > quota do
+  local oldest = redis.call('ZPOPMIN', KEYS[1])
+  if #oldest == 0 then
+    redis.call('SET', KEYS[2], 0)
+    break
+  end
+  local sep = string.find(oldest[1], ':', 1, true)
+  used = redis.call('DECRBY', KEYS[2], tonumber(string.sub(oldest[1], sep + 1)))
+  popped[#popped + 1] = string.sub(oldest[1], 1, sep - 1)
+end
+return popped
+"""
 
 
 def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
@@ -115,6 +155,9 @@ class RemoteTier:
                 "the remote tier needs redis-py: pip install 'kvdepot-server[remote]'", url=self.address.display
             ) from exc
         self.prefix = prefix
+        #: The bytes a salt may hold in this tier, counted across every server sharing it (None:
+        #: no limit of its own). Called on the writing thread; the server sets it to its quotas.
+        self.quota_of: Callable[[str], int | None] | None = None
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.ssl_ca_certs = ssl_ca_certs
         self.connect_timeout = connect_timeout
@@ -302,6 +345,13 @@ class RemoteTier:
             self._counters.add(failed_writes=len(items))
             return [False] * len(items)
         client, generation = current
+        quotas = self._quotas(items)
+        over = [quotas.get(item.salt) is not None and item.length > quotas[item.salt] for item in items]
+        if any(over):  # a chunk larger than its salt's quota is never written
+            kept = [item for item, skip in zip(items, over, strict=True) if not skip]
+            done = iter(self.write(kept) if kept else [])
+            self._counters.add(failed_writes=sum(over))
+            return [False if skip else next(done) for skip in over]
         pipe = client.pipeline(transaction=False)
         sizes = []
         scratch = self._scratch_for(items)
@@ -347,7 +397,55 @@ class RemoteTier:
                 self._mark_down(generation, failures[0])
             else:  # refused by the server (e.g. out of memory): the tier stays up
                 self._warn("remote_tier_write_failed", url=self.address.display, error=repr(failures[0]))
+        if quotas:
+            self._charge(client, generation, items, results, quotas)
         return results
+
+    def _quotas(self, items: Sequence[ChunkWrite]) -> dict[str, int]:
+        """The quota of each salt in ``items`` that has one."""
+        if self.quota_of is None:
+            return {}
+        quotas = {salt: self.quota_of(salt) for salt in {item.salt for item in items}}
+        return {salt: quota for salt, quota in quotas.items() if quota is not None}
+
+    def _charge(
+        self,
+        client: Any,
+        generation: int,
+        items: Sequence[ChunkWrite],
+        results: Sequence[bool],
+        quotas: dict[str, int],
+    ) -> None:
+        """Count the chunks written in their salts' totals and delete what that pushed out."""
+        popped: list[str] = []
+        for salt, quota in quotas.items():
+            written = [item for item, ok in zip(items, results, strict=True) if ok and item.salt == salt]
+            if not written:
+                continue
+            tag = salt_tag(salt).hex()
+            keys = [f"{self.prefix}quota:{{{tag}}}:objects", f"{self.prefix}quota:{{{tag}}}:bytes"]
+            args: list[str | int] = [quota]
+            for item in written:
+                args += [item.digest.hex(), item.length]
+            try:
+                names = self._script(client)(keys=keys, args=args)
+            except self._errors as exc:
+                if isinstance(exc, self._down_errors):
+                    self._mark_down(generation, exc)
+                self._counters.add(errors=1)
+                self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(exc))
+                return
+            popped += [self.prefix + (n.decode() if isinstance(n, bytes) else n) for n in names]
+        if popped:
+            self._delete_keys(client, generation, popped)
+
+    def _script(self, client: Any) -> Any:
+        """The quota script, registered with ``client`` (redis-py loads it on first use)."""
+        script = getattr(client, "_kvdepot_charge", None)
+        if script is None:
+            script = client.register_script(_CHARGE_SCRIPT)
+            client._kvdepot_charge = script
+        return script
 
     def _scratch_for(self, items: Sequence[ChunkWrite]) -> memoryview | None:
         """This thread's reusable buffer, large enough for the batch's values; None past `MAX_SCRATCH_BYTES`."""

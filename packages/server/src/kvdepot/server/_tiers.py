@@ -13,6 +13,7 @@ salt can only ever find its own chunks, wherever the object lives.
 from __future__ import annotations
 
 import enum
+import hashlib
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +29,22 @@ from kvdepot.server._tier_format import MAX_FINGERPRINT_BYTES, Buffer
 def object_name(salt: str, key: bytes) -> str:
     """The name of chunk ``key`` of ``salt`` in every tier below RAM (64 hex digits)."""
     return slot_digest(salt, key).hex()
+
+
+#: Bytes of a salt's tag: the disk tier puts it in front of the caller's fingerprint in each
+#: header, and the remote tier names each salt's accounting keys by it.
+SALT_TAG_BYTES = 16
+_TAG_PERSON = b"kvdepot-dsalt-v1"
+
+
+def salt_tag(salt: str) -> bytes:
+    """A short digest of ``salt``, by which a tier counts each salt's bytes without keeping the salt.
+
+    The disk tier keeps it in each file's header so that a restarted tier can count each salt's
+    bytes again (the file's name mixes the salt in, but cannot be read back)."""
+    raw = salt.encode()
+    prefixed = len(raw).to_bytes(4, "little") + raw
+    return hashlib.blake2b(prefixed, digest_size=SALT_TAG_BYTES, person=_TAG_PERSON).digest()
 
 
 @attrs.frozen
