@@ -128,6 +128,14 @@ def remote_size(tier: RemoteTier, plain: Any, size: int, *, batch: int, total: i
             pipe.execute()
         return moved
 
+    def tier_write_counted() -> int:
+        """The same writes under a quota: each batch is also counted in Valkey (one more script call)."""
+        tier.quota_of = lambda salt: 1 << 50  # counted, never over
+        try:
+            return tier_write()
+        finally:
+            tier.quota_of = None
+
     def tier_read() -> int:
         for b in range(batches):
             hits = tier.read([ChunkRef(salt, k, b"", size) for k in keys(b)], into)
@@ -154,6 +162,7 @@ def remote_size(tier: RemoteTier, plain: Any, size: int, *, batch: int, total: i
 
     return [
         row(f"remote write {size >> 20} MiB", paired(rounds, tier_write, plain_write)),
+        row(f"  (with a quota, counted) {size >> 20} MiB", paired(rounds, tier_write_counted, plain_write)),
         row(f"remote read {size >> 20} MiB", paired(rounds, tier_read, plain_read)),
         row(f"  (vs GET + copy into the slots) {size >> 20} MiB", paired(rounds, tier_read, plain_read_copy)),
     ]
