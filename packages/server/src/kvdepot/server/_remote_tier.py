@@ -10,14 +10,7 @@ Each chunk is one string value, ``PREFIX + object_name(salt, key)``, holding the
 `_tier_format` header then the payload; a batch is one pipeline (GET, SET or EXISTS per
 chunk). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
 
-Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself, so that every server
-sharing the tier counts the same bytes: ``PREFIX + "quota:{TAG}:objects"``, a sorted set of
-the salt's object names (with their sizes) by the time they were written, and
-``PREFIX + "quota:{TAG}:bytes"``, their total (TAG: `salt_tag`, hex; the braces keep both
-keys in one cluster slot). After each batch's SETs, one script per salt adds the batch and
-pops the salt's oldest names until its total is within its quota; the tier then deletes the
-objects popped. An object that Valkey evicted or expired meanwhile stays counted until it is
-the oldest and popped, so the count errs high, never low, and heals as the salt writes.
+Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
 
 Failure: every command has short socket timeouts and no client-side retries. The first
 connection error or timeout marks the tier DOWN (one warning, ``outages`` counted); while
@@ -42,6 +35,8 @@ from typing import Any
 import structlog
 
 from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._remote_quota import charge, quotas_of
+from kvdepot.server._remote_send import zero_copy_connection
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, verify
 from kvdepot.server._tiers import (
@@ -53,7 +48,6 @@ from kvdepot.server._tiers import (
     WarnLimiter,
     check_batch,
     object_name,
-    salt_tag,
 )
 
 log = structlog.get_logger(__name__)
@@ -73,8 +67,6 @@ RETRY_INTERVAL = 2.0
 STATS_INTERVAL = 5.0
 # Bytes of the buffer a writing thread keeps to assemble values in (one WriteBehind batch).
 MAX_SCRATCH_BYTES = 64 << 20
-# Values past this many bytes are sent as their own piece, not copied into the command (redis-py's own cutoff).
-LARGE_VALUE_BYTES = 6000
 # Threads that run reads, so that a caller can stop waiting at its deadline.
 READ_WORKERS = 4
 # Bytes of values one read pipeline asks for at least (the last may have less): a batch past
@@ -82,36 +74,6 @@ READ_WORKERS = 4
 # deadline costs only its own chunks. 16 MiB is ~10 ms on a 10 Gb/s link, where a round trip
 # is ~0.1 ms: the split costs no throughput.
 READ_GROUP_BYTES = 16 << 20
-
-# KEYS: the salt's objects (a sorted set of "NAME:SIZE" by write time) and their byte count.
-# ARGV: the salt's quota, then NAME, SIZE for each object just written. Returns the names
-# popped to bring the count within the quota, for the caller to delete (in a cluster they
-# live in other slots than these keys).
-_CHARGE_SCRIPT = """
-local now = redis.call('TIME')
-local score = tonumber(now[1]) * 1000000 + tonumber(now[2])
-local added = 0
-for i = 2, #ARGV, 2 do
-  local member = ARGV[i] .. ':' .. ARGV[i + 1]
-  if redis.call('ZADD', KEYS[1], score, member) == 1 then
-    added = added + tonumber(ARGV[i + 1])
-  end
-end
-local used = redis.call('INCRBY', KEYS[2], added)
-local quota = tonumber(ARGV[1])
-local popped = {}
-while used > quota do
-  local oldest = redis.call('ZPOPMIN', KEYS[1])
-  if #oldest == 0 then
-    redis.call('SET', KEYS[2], 0)
-    break
-  end
-  local sep = string.find(oldest[1], ':', 1, true)
-  used = redis.call('DECRBY', KEYS[2], tonumber(string.sub(oldest[1], sep + 1)))
-  popped[#popped + 1] = string.sub(oldest[1], 1, sep - 1)
-end
-return popped
-"""
 
 
 def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
@@ -203,7 +165,7 @@ class RemoteTier:
         if self.address.tls:
             common.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs)
         else:
-            common["connection_class"] = _zero_copy_connection()
+            common["connection_class"] = zero_copy_connection()
         if self.address.cluster:
             from redis.cluster import ClusterNode, RedisCluster
 
@@ -345,7 +307,7 @@ class RemoteTier:
             self._counters.add(failed_writes=len(items))
             return [False] * len(items)
         client, generation = current
-        quotas = self._quotas(items)
+        quotas = quotas_of(self.quota_of, items)
         over = [quotas.get(item.salt) is not None and item.length > quotas[item.salt] for item in items]
         if any(over):  # a chunk larger than its salt's quota is never written
             kept = [item for item, skip in zip(items, over, strict=True) if not skip]
@@ -401,13 +363,6 @@ class RemoteTier:
             self._charge(client, generation, items, results, quotas)
         return results
 
-    def _quotas(self, items: Sequence[ChunkWrite]) -> dict[str, int]:
-        """The quota of each salt in ``items`` that has one."""
-        if self.quota_of is None:
-            return {}
-        quotas = {salt: self.quota_of(salt) for salt in {item.salt for item in items}}
-        return {salt: quota for salt, quota in quotas.items() if quota is not None}
-
     def _charge(
         self,
         client: Any,
@@ -417,35 +372,16 @@ class RemoteTier:
         quotas: dict[str, int],
     ) -> None:
         """Count the chunks written in their salts' totals and delete what that pushed out."""
-        popped: list[str] = []
-        for salt, quota in quotas.items():
-            written = [item for item, ok in zip(items, results, strict=True) if ok and item.salt == salt]
-            if not written:
-                continue
-            tag = salt_tag(salt).hex()
-            keys = [f"{self.prefix}quota:{{{tag}}}:objects", f"{self.prefix}quota:{{{tag}}}:bytes"]
-            args: list[str | int] = [quota]
-            for item in written:
-                args += [item.digest.hex(), item.length]
-            try:
-                names = self._script(client)(keys=keys, args=args)
-            except self._errors as exc:
-                if isinstance(exc, self._down_errors):
-                    self._mark_down(generation, exc)
-                self._counters.add(errors=1)
-                self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(exc))
-                return
-            popped += [self.prefix + (n.decode() if isinstance(n, bytes) else n) for n in names]
+        try:
+            popped = charge(client, self.prefix, items, results, quotas)
+        except self._errors as exc:
+            if isinstance(exc, self._down_errors):
+                self._mark_down(generation, exc)
+            self._counters.add(errors=1)
+            self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(exc))
+            return
         if popped:
             self._delete_keys(client, generation, popped)
-
-    def _script(self, client: Any) -> Any:
-        """The quota script, registered with ``client`` (redis-py loads it on first use)."""
-        script = getattr(client, "_kvdepot_charge", None)
-        if script is None:
-            script = client.register_script(_CHARGE_SCRIPT)
-            client._kvdepot_charge = script
-        return script
 
     def _scratch_for(self, items: Sequence[ChunkWrite]) -> memoryview | None:
         """This thread's reusable buffer, large enough for the batch's values; None past `MAX_SCRATCH_BYTES`."""
@@ -612,42 +548,6 @@ class RemoteTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _encode(value: Any) -> Any:
-    """Command arguments as bytes, as redis-py's own encoder does for the types this tier sends."""
-    if isinstance(value, bytes | memoryview):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return repr(value).encode()
-    raise TypeError(f"cannot send a {type(value).__name__} to the remote tier")
-
-
-_CONNECTION_CLASS: Any = None
-
-
-def _zero_copy_connection() -> Any:
-    """A redis-py connection that sends large values straight from their buffers.
-
-    With hiredis installed, redis-py packs every command into one new bytes object: a copy of
-    each value into freshly allocated memory, about as costly as the socket write at these
-    sizes. Its pure-Python packer (a public connection option) sends any value past 6,000
-    bytes as its own piece, without copying it. Replies are still parsed by hiredis.
-    """
-    global _CONNECTION_CLASS  # noqa: PLW0603 - built once, on first use, so redis is imported lazily
-    if _CONNECTION_CLASS is None:
-        import redis
-        from redis.connection import PythonRespSerializer
-
-        class ZeroCopyConnection(redis.Connection):
-            def __init__(self, **kwargs: Any) -> None:
-                kwargs.setdefault("command_packer", PythonRespSerializer(LARGE_VALUE_BYTES, _encode))
-                super().__init__(**kwargs)  # type: ignore[no-untyped-call]
-
-        _CONNECTION_CLASS = ZeroCopyConnection
-    return _CONNECTION_CLASS
 
 
 def _groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
