@@ -184,7 +184,7 @@ def test_rows_outside_the_slot_move_nothing() -> None:
         ({"table": np.array([[0, 64, 0, 64, 64]], dtype=np.int64)}, IndexError, "table row 0"),
         ({"table": np.array([[1, 64, -1, 64, 64]], dtype=np.int64)}, IndexError, "table row 0"),
         ({"skip": -1}, ValueError, "must be >= 0"),
-        ({"threads": 0}, ValueError, "threads > 0"),
+        ({"threads": 0}, ValueError, "threads must be > 0"),
         ({"num_blocks": -1}, ValueError, "must be >= 0"),
         ({"slot": 0}, ValueError, "non-null pointer"),
         ({"slot": -1}, (OverflowError, ValueError), None),
@@ -284,3 +284,50 @@ def test_a_child_forked_after_threaded_copies_copies_on_one_thread(monkeypatch: 
         pytest.fail("the forked child hung in its copy")
     assert child.exitcode == 0
     assert queue.get(timeout=5) == (1, True)
+
+
+@pytest.mark.parametrize("to_slot", [True, False], ids=["gather", "scatter"])
+def test_copy_chunks_equals_one_copy_chunk_per_chunk(to_slot: bool) -> None:
+    """One `copy_chunks` call over several chunks moves the same bytes as `copy_chunk` per chunk."""
+    g = Geometry(3, 12, 2, 48, 2, interleaved=True)
+    plans = [([1, 2], 0), ([5, 7], 1), ([9, 0], 0)]
+    _, slots = slot_buffer(g.slot_bytes * len(plans), 21)
+    parts = [slots[i * g.slot_bytes : (i + 1) * g.slot_bytes] for i in range(len(plans))]
+    kv_start, slots_start = g.kv.copy(), slots.copy()
+    for part, (ids, skip) in zip(parts, plans, strict=True):
+        copy(g, part, ids, skip, to_slot=to_slot)
+    kv_expected, slots_expected = g.kv.copy(), slots.copy()
+    g.kv[:], slots[:] = kv_start, slots_start
+    chunks = [(g.table(), ids, skip, p.ctypes.data, p.size) for p, (ids, skip) in zip(parts, plans, strict=True)]
+    rowcopy.copy_chunks(chunks, g.blocks, to_slot)
+    assert np.array_equal(g.kv, kv_expected)
+    assert np.array_equal(slots, slots_expected)
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ("an id outside the cache", IndexError),
+        ("not a tuple", TypeError),
+        ("a tuple too short", TypeError),
+    ],
+)
+def test_copy_chunks_checks_every_chunk_before_any_byte_moves(bad: str, error: type[Exception]) -> None:
+    """A bad second chunk fails the call before the first chunk's bytes move."""
+    g = Geometry(2, 10, 1, 64, 2, interleaved=False)
+    _, slots = slot_buffer(2 * g.slot_bytes, 22)
+    first, second = slots[: g.slot_bytes], slots[g.slot_bytes :]
+    kv_before, slots_before = g.kv.copy(), slots.copy()
+    good = (g.table(), [1, 2], 0, first.ctypes.data, first.size)
+    broken: object = {
+        "an id outside the cache": (g.table(), [3, 10], 0, second.ctypes.data, second.size),
+        "not a tuple": [g.table(), [3, 4], 0, second.ctypes.data, second.size],
+        "a tuple too short": (g.table(), [3, 4], 0),
+    }[bad]
+    for to_slot in (True, False):
+        with pytest.raises(error):
+            rowcopy.copy_chunks([good, broken], g.blocks, to_slot)
+        assert np.array_equal(g.kv, kv_before)
+        assert np.array_equal(slots, slots_before)
+    rowcopy.copy_chunks([], g.blocks, True)  # nothing to copy
+    assert np.array_equal(slots, slots_before)

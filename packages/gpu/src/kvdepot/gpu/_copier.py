@@ -134,7 +134,7 @@ class _SyncCopier:
 
 
 class CpuCopier(_SyncCopier):
-    """Gather and scatter for a KV cache in host memory, by the native copy: one call per chunk.
+    """Gather and scatter for a KV cache in host memory, by the native copy: one call per plan.
 
     The copy reads the layout's copy table for the chunk's size (`_table.py`), checks every
     block id, and moves each (layer, block) with prefetched reads, streaming writes on
@@ -159,12 +159,14 @@ class CpuCopier(_SyncCopier):
         global _ran_threads  # noqa: PLW0603 - process-wide state read by the fork hook
         threads = native_threads()
         _ran_threads = _ran_threads or threads > 1
-        address, num_blocks = self.pool.data_ptr(), self.layout.num_blocks
+        address = self.pool.data_ptr()
+        chunks = []
         for offset, ids, skip in plan.chunks():
             table = self.tables(len(ids))
-            _rowcopy.copy_chunk(
-                table.rows, ids, skip, address + offset, table.chunk_bytes, num_blocks, to_slot, not to_slot, threads
-            )
+            chunks.append((table.rows, ids, skip, address + offset, table.chunk_bytes))
+        # One call for the whole plan: the GIL is released once, not once per chunk. Taking it
+        # back costs up to the switch interval (5 ms) while the engine thread runs Python.
+        _rowcopy.copy_chunks(chunks, self.layout.num_blocks, to_slot, not to_slot, threads)
 
     def describe(self) -> str:
         """How copies run, for logs."""

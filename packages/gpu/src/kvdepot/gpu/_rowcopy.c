@@ -302,6 +302,48 @@ static int check_job(Job *job, Py_ssize_t num_ids, long long slot_bytes, long lo
     return 0;
 }
 
+/* Read one chunk's table and ids into `job` (its own copies: release them with free_job) and check
+   them; `*count` is its number of pieces. */
+static int prepare_job(Job *job, Py_ssize_t *count, PyObject *table_obj, PyObject *ids_obj, Py_ssize_t skip,
+                       uintptr_t slot, long long slot_bytes, long long num_blocks, int to_slot, int stream)
+{
+    if (skip < 0 || slot_bytes < 0 || num_blocks < 0) {
+        PyErr_SetString(PyExc_ValueError, "skip, slot_bytes and num_blocks must be >= 0");
+        return -1;
+    }
+    int64_t *table = NULL, *ids = NULL;
+    Py_ssize_t rows = 0, num_ids = 0;
+    if (read_table(table_obj, &table, &rows) < 0) {
+        return -1;
+    }
+    if (block_ids(ids_obj, &ids, &num_ids) < 0) {
+        PyMem_Free(table);
+        return -1;
+    }
+    *job = (Job){
+        .table = table,
+        .rows = rows,
+        .ids = ids,
+        .skip = skip < num_ids ? skip : num_ids,
+        .kept = skip < num_ids ? num_ids - skip : 0,
+        .slot = (char *)slot,
+        .to_slot = to_slot,
+        .stream = stream,
+    };
+    if (check_job(job, num_ids, slot_bytes, num_blocks) < 0) {
+        return -1; /* the caller frees */
+    }
+    *count = rows * job->kept; /* no overflow: both fit in memory */
+    return 0;
+}
+
+static void free_job(Job *job)
+{
+    PyMem_Free((void *)job->ids);
+    PyMem_Free((void *)job->table);
+    job->ids = job->table = NULL;
+}
+
 PyDoc_STRVAR(copy_chunk_doc,
              "copy_chunk(table, ids, skip, slot, slot_bytes, num_blocks, to_slot, stream=True, threads=1)\n"
              "--\n\n"
@@ -328,38 +370,93 @@ static PyObject *copy_chunk(PyObject *self, PyObject *args, PyObject *kwargs)
                                      address_arg, &slot, &slot_bytes, &num_blocks, &to_slot, &stream, &threads)) {
         return NULL;
     }
-    if (skip < 0 || slot_bytes < 0 || num_blocks < 0 || threads < 1) {
-        PyErr_SetString(PyExc_ValueError, "skip, slot_bytes and num_blocks must be >= 0, threads > 0");
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be > 0");
         return NULL;
     }
-    int64_t *table = NULL, *ids = NULL;
-    Py_ssize_t rows = 0, num_ids = 0, count = 0;
-    PyObject *result = NULL;
-    if (read_table(table_obj, &table, &rows) < 0 || block_ids(ids_obj, &ids, &num_ids) < 0) {
-        goto done;
+    Job job = {0};
+    Py_ssize_t count = 0;
+    if (prepare_job(&job, &count, table_obj, ids_obj, skip, slot, slot_bytes, num_blocks, to_slot, stream) < 0) {
+        free_job(&job);
+        return NULL;
     }
-    Job job = {
-        .table = table,
-        .rows = rows,
-        .ids = ids,
-        .skip = skip < num_ids ? skip : num_ids,
-        .kept = skip < num_ids ? num_ids - skip : 0,
-        .slot = (char *)slot,
-        .to_slot = to_slot,
-        .stream = stream,
-    };
-    if (check_job(&job, num_ids, slot_bytes, num_blocks) < 0) {
-        goto done;
-    }
-    count = rows * job.kept; /* no overflow: both fit in memory */
     if (count > 0) {
         Py_BEGIN_ALLOW_THREADS copy_job(&job, count, threads);
         Py_END_ALLOW_THREADS
     }
+    free_job(&job);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(copy_chunks_doc,
+             "copy_chunks(chunks, num_blocks, to_slot, stream=True, threads=1)\n"
+             "--\n\n"
+             "copy_chunk for each (table, ids, skip, slot, slot_bytes) of the sequence `chunks`, with the\n"
+             "GIL released once for all of them: a thread that must wait for the GIL after each release\n"
+             "(up to the interpreter's switch interval while another thread runs Python) waits once.\n"
+             "Every chunk is checked before any byte of any chunk moves.");
+
+static PyObject *copy_chunks(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *keywords[] = {"chunks", "num_blocks", "to_slot", "stream", "threads", NULL};
+    PyObject *chunks_obj;
+    long long num_blocks;
+    int to_slot, stream = 1, threads = 1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLp|pi:copy_chunks", keywords, &chunks_obj, &num_blocks, &to_slot,
+                                     &stream, &threads)) {
+        return NULL;
+    }
+    if (threads < 1) {
+        PyErr_SetString(PyExc_ValueError, "threads must be > 0");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(chunks_obj, "chunks must be a sequence of (table, ids, skip, slot, slot_bytes)");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Job *jobs = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(Job));
+    Py_ssize_t *counts = PyMem_Calloc((size_t)(n > 0 ? n : 1), sizeof(Py_ssize_t));
+    PyObject *result = NULL;
+    if (jobs == NULL || counts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *table_obj, *ids_obj;
+        Py_ssize_t skip;
+        uintptr_t slot;
+        long long slot_bytes;
+        if (!PyTuple_Check(items[i])) {
+            PyErr_Format(PyExc_TypeError, "chunks[%zd] must be a tuple (table, ids, skip, slot, slot_bytes)", i);
+            goto done;
+        }
+        if (!PyArg_ParseTuple(items[i], "OOnO&L:copy_chunks", &table_obj, &ids_obj, &skip, address_arg, &slot,
+                              &slot_bytes) ||
+            prepare_job(&jobs[i], &counts[i], table_obj, ids_obj, skip, slot, slot_bytes, num_blocks, to_slot,
+                        stream) < 0) {
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (counts[i] > 0) {
+            copy_job(&jobs[i], counts[i], threads);
+        }
+    }
+    Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyMem_Free(ids);
-    PyMem_Free(table);
+    if (jobs != NULL) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            free_job(&jobs[i]);
+        }
+    }
+    PyMem_Free(jobs);
+    PyMem_Free(counts);
+    Py_DECREF(seq);
     return result;
 }
 
@@ -382,6 +479,7 @@ static PyObject *openmp_library(PyObject *self, PyObject *unused)
 static PyMethodDef methods[] = {
     {"openmp_library", openmp_library, METH_NOARGS, openmp_library_doc},
     {"copy_chunk", (PyCFunction)(void (*)(void))copy_chunk, METH_VARARGS | METH_KEYWORDS, copy_chunk_doc},
+    {"copy_chunks", (PyCFunction)(void (*)(void))copy_chunks, METH_VARARGS | METH_KEYWORDS, copy_chunks_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -16,3 +16,10 @@ def copy_chunk(
     stream: bool = True,
     threads: int = 1,
 ) -> None: ...
+def copy_chunks(
+    chunks: Sequence[tuple[Any, Sequence[int], int, int, int]],
+    num_blocks: int,
+    to_slot: bool,
+    stream: bool = True,
+    threads: int = 1,
+) -> None: ...
