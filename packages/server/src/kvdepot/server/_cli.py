@@ -286,6 +286,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     else:
         log.info("server_started", **summary)
+    server.collector.take_over()  # this process is the server: no full collections at CPython's whim
     try:
         server.serve_forever()
     finally:

@@ -19,6 +19,7 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server._collector import Collector
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
@@ -126,6 +127,8 @@ class CacheServer:
         self.bad_frames = BadFrameCounter()
         self.started_at = time.monotonic()
         self._stop = threading.Event()
+        #: Full garbage collections on the loop's schedule; `kvdepot serve` takes them over.
+        self.collector = Collector(time.monotonic)
         try:
             self.handler = CacheHandler(
                 self.index, pool_path=str(self.pool.path), pool_size=self.pool.size, chunk_size=config.chunk_size
@@ -206,6 +209,7 @@ class CacheServer:
                 if now - last_snapshot >= SNAPSHOT_INTERVAL:
                     self._publish()
                     last_snapshot = now
+                self.collector.run(now)
         finally:
             self.close()
 
@@ -222,6 +226,7 @@ class CacheServer:
         self._stop.set()
         if self.tiers is not None:
             self.tiers.close()
+        self.collector.give_back()
         self.endpoint.close()
         self.metrics.close()
         self.index.headers.close()
