@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvdepot.server import ChunkRef, ChunkWrite, DiskTier, TierConfigError, TierState, object_name
-from kvdepot.server._disk_tier import SALT_TAG_BYTES
+from kvdepot.server import _disk_tier as disk_tier_module
+from kvdepot.server._disk_tier import SALT_TAG_BYTES, SPLIT_BYTES
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES
 
 CHUNK = 4096
@@ -46,8 +47,11 @@ def tier_dir(tmp_path) -> Path:
     return tmp_path / "disk"
 
 
-@pytest.fixture
-def tier(tier_dir):
+@pytest.fixture(params=["one thread", "split"])
+def tier(request, tier_dir, monkeypatch):
+    """The tier as it runs small batches (one thread) and large ones (split between two)."""
+    if request.param == "split":
+        monkeypatch.setattr(disk_tier_module, "SPLIT_BYTES", 1)
     with DiskTier(tier_dir, 16 * OBJECT) as tier:
         yield tier
 
@@ -262,6 +266,37 @@ def test_deadline_past_means_late_misses(tier):
     write(tier, 1, 2)
     assert read(tier, 1, 2, timeout=-1) == [None, None]
     assert tier.stats().late == 2
+
+
+def test_a_large_batch_is_split_between_two_threads_and_every_chunk_is_checked(tier_dir):
+    """A batch of SPLIT_BYTES and more runs on two threads: every chunk lands in its own buffer,
+    a corrupted one in the middle misses (and goes), and the counts add up."""
+    size = SPLIT_BYTES // 4
+    keys = range(6)
+    with DiskTier(tier_dir, 8 * (size + 4096)) as tier:
+        used: set[int] = set()
+        original = tier._read_one
+
+        def noting(ref, buf):
+            used.add(threading.get_ident())
+            return original(ref, buf)
+
+        tier._read_one = noting  # type: ignore[method-assign]
+        assert tier.write([ChunkWrite("s", b"k%d" % i, payload(i, size), b"fp") for i in keys]) == [True] * 6
+        path = object_path(tier_dir, 3)
+        with path.open("r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+        bufs = [bytearray(size) for _ in keys]
+        hits = tier.read([ChunkRef("s", b"k%d" % i, b"fp", size) for i in keys], [memoryview(b) for b in bufs])
+        assert hits == [True, True, True, False, True, True]
+        assert [bytes(b) for i, b in enumerate(bufs) if i != 3] == [payload(i, size) for i in keys if i != 3]
+        assert len(used) == 2
+        s = tier.stats()
+        assert (s.hits, s.misses, s.corrupt, s.objects) == (5, 1, 1, 5)
+        assert not path.exists()
 
 
 def test_clear_and_delete(tier, tier_dir):

