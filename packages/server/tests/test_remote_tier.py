@@ -262,6 +262,24 @@ def test_a_read_cut_off_by_the_deadline_keeps_the_groups_in_by_then(valkey_serve
     assert bufs[1:] == [bytearray(CHUNK)] * 3  # the late replies never wrote
 
 
+def test_a_batch_in_several_pipelines_lands_each_group_checked(valkey_server, open_tier, monkeypatch):
+    """Group by group as they come in: every chunk lands in its own buffer, a corrupt one in a
+    middle group is a miss (deleted, counted), an absent one a miss, the rest hit."""
+    from kvdepot.server import _remote_tier
+
+    monkeypatch.setattr(_remote_tier, "READ_GROUP_BYTES", 2 * CHUNK)
+    tier = open_tier(valkey_server.url)
+    tier.write(writes(1, 2, 3, 4, 5, 6))
+    key = "kvd:" + object_name("s", b"k4")
+    with contextlib.closing(valkey_server.client()) as plain:
+        offset = FIXED_HEADER_BYTES + 2 + 7
+        plain.setrange(key, offset, bytes([plain.getrange(key, offset, offset)[0] ^ 1]))
+        assert read(tier, 1, 2, 3, 4, 9, 6) == [payload(1), payload(2), payload(3), None, None, payload(6)]
+        assert plain.exists(key) == 0
+    s = tier.stats()
+    assert (s.hits, s.misses, s.corrupt) == (4, 2, 1)
+
+
 @pytest.mark.parametrize(
     ("lengths", "groups"),
     [

@@ -444,43 +444,34 @@ class RemoteTier:
         futures: list[concurrent.futures.Future[list[Any]]] = [concurrent.futures.Future() for _ in groups]
         key_groups = [[self._key(d) for d in digests[lo:hi]] for lo, hi in groups]
         self._reads.submit(self._fetch_in_order, client, generation, key_groups, futures)
-        values: list[Any] = []
+        results = [False] * len(refs)
+        corrupt: list[str] = []
+        failures: list[BaseException] = []
         late = 0
+        # Each group is checked and copied into its slots as soon as it is in, while the read
+        # thread fetches the next one: the checksum and the copy overlap the transfer.
         for (lo, hi), future in zip(groups, futures, strict=True):
             try:
-                values += future.result(timeout=max(0.0, deadline - time.monotonic()))
+                values = future.result(timeout=max(0.0, deadline - time.monotonic()))
             except concurrent.futures.TimeoutError:
                 future.add_done_callback(_consume)
                 late += hi - lo
-                values += [None] * (hi - lo)
+                continue
             except self._errors:  # the tier went down (marked by `_fetch`): these are misses
-                values += [None] * (hi - lo)
+                continue
+            for i, value in enumerate(values, lo):
+                if isinstance(value, BaseException):
+                    failures.append(value)
+                elif isinstance(value, bytes):  # else absent
+                    results[i] = self._land(refs[i], into[i], digests[i], value, corrupt)
         if late:
             self._counters.add(late=late)
-        results: list[bool] = []
-        corrupt: list[str] = []
-        failures = [v for v in values if isinstance(v, BaseException)]
         if failures:
             self._counters.add(errors=len(failures))
             if any(isinstance(f, self._down_errors) for f in failures):
                 self._mark_down(generation, failures[0])
             else:
                 self._warn("remote_tier_read_failed", url=self.address.display, error=repr(failures[0]))
-        for ref, buf, digest, value in zip(refs, into, digests, values, strict=True):
-            if not isinstance(value, bytes):  # absent, or an error counted above
-                results.append(False)
-                continue
-            view = memoryview(value)
-            start = FIXED_HEADER_BYTES + len(ref.fingerprint)
-            try:
-                verify(view, view[start:], digest=digest, fingerprint=ref.fingerprint, length=ref.length)
-            except CorruptObjectError as exc:
-                corrupt.append(self._key(digest))
-                log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=exc.fields.get("reason"))
-                results.append(False)
-                continue
-            buf.cast("B")[:] = view[start:]
-            results.append(True)
         hits = sum(results)
         self._counters.add(
             hits=hits,
@@ -491,6 +482,19 @@ class RemoteTier:
         if corrupt:
             self._delete_keys(client, generation, corrupt)
         return results
+
+    def _land(self, ref: ChunkRef, buf: memoryview, digest: bytes, value: bytes, corrupt: list[str]) -> bool:
+        """Check one object read back and copy its payload into ``buf``; a corrupt one is noted."""
+        view = memoryview(value)
+        start = FIXED_HEADER_BYTES + len(ref.fingerprint)
+        try:
+            verify(view, view[start:], digest=digest, fingerprint=ref.fingerprint, length=ref.length)
+        except CorruptObjectError as exc:
+            corrupt.append(self._key(digest))
+            log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=exc.fields.get("reason"))
+            return False
+        buf.cast("B")[:] = view[start:]
+        return True
 
     def _delete_keys(self, client: Any, generation: int, keys: list[str]) -> None:
         pipe = client.pipeline(transaction=False)
