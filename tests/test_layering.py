@@ -73,3 +73,27 @@ def test_core_alone_in_a_fresh_venv(tmp_path):
     modules, dists = json.loads(out.stdout)
     assert not [m for m in modules if m.split(".")[0] in HEAVY]
     assert {d.lower() for d in dists} - {"pip", "setuptools"} == {"kvdepot-core", "attrs"}
+
+
+def _private_imports_of_others(package: str) -> list[str]:
+    """`kvdepot.OTHER._module` imports in `package`'s source: another package's internals."""
+    import ast
+
+    found = []
+    for path in sorted((ROOT / "packages" / package / "src").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                parts = name.split(".")
+                if len(parts) > 2 and parts[0] == "kvdepot" and parts[1] != package and parts[2].startswith("_"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {name}")
+    return found
+
+
+@pytest.mark.parametrize("package", ["core", "transport", "gpu", "server", "vllm_connector"])
+def test_packages_use_only_each_others_public_names(package):
+    """A package imports another's public API, never its `_private` modules: each has its own
+    version and may change its internals in any release."""
+    assert _private_imports_of_others(package) == []

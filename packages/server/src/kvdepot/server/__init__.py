@@ -23,7 +23,7 @@ from kvdepot.server._errors import (
 )
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import CLEAR_SLICE, ChunkIndex
-from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file
+from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file, pid_alive
 from kvdepot.server._process import ServerProcess, ServerStartError
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
@@ -92,4 +92,5 @@ __all__ = [
     "open_pool_file",
     "parse_remote_url",
     "parse_size",
+    "pid_alive",
 ]

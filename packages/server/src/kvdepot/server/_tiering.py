@@ -40,8 +40,7 @@ from kvdepot.server._index import ChunkIndex
 from kvdepot.server._records import Entry
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
-from kvdepot.transport import Deferred
-from kvdepot.transport._dispatch import error_reply_from
+from kvdepot.transport import Deferred, error_reply_from
 
 log = structlog.get_logger(__name__)
 

@@ -6,7 +6,7 @@ every failure is a `TransportError` (`_errors`). Clients use `CacheClient`; serv
 endpoint, transport pairs, the conformance suite) live in `kvdepot.transport.testing`.
 """
 
-from kvdepot.transport._address import default_address
+from kvdepot.transport._address import check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._cache_client import Batch, CacheClient
 from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
@@ -16,7 +16,7 @@ from kvdepot.transport._codec import (
     encode_reply,
     encode_request,
 )
-from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT
+from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, error_reply_from
 from kvdepot.transport._endpoints import open_endpoint
 from kvdepot.transport._errors import (
     BadRequestError,
@@ -157,10 +157,13 @@ __all__ = [
     "UntrustedAddressError",
     "VersionMismatchError",
     "__version__",
+    "check_ipc_trusted",
     "decode_reply",
     "decode_request",
     "default_address",
     "encode_reply",
     "encode_request",
+    "error_reply_from",
+    "ipc_path",
     "open_endpoint",
 ]

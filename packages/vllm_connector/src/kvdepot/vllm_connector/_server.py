@@ -11,9 +11,8 @@ import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from kvdepot.server import ServerProcess, ServerStartError
-from kvdepot.server._pool import pid_alive
-from kvdepot.transport._address import check_ipc_trusted, ipc_path
+from kvdepot.server import ServerProcess, ServerStartError, pid_alive
+from kvdepot.transport import check_ipc_trusted, ipc_path
 
 log = logging.getLogger("vllm.kvdepot.server")
 
