@@ -41,12 +41,12 @@ def store(address: str, salt: str, chunk_keys: list[bytes]) -> None:
             client.commit(res.reservation_id).result(T)
 
 
-def lookup(address: str, salt: str, chunk_keys: list[bytes]) -> tuple[int, bool]:
+def lookup(address: str, salt: str, chunk_keys: list[bytes], **kw) -> tuple[int, bool]:
     """(hits, every hit's bytes are right), as an engine that registered its layout sees them."""
     with CacheClient(address, timeout=T) as client:
         reg = client.register("layout", 256, CHUNK).result(T)
         with PoolMapping(reg.pool.path, reg.pool.size, writable=False) as pool:
-            (res,) = client.lookup([(salt, chunk_keys)]).result(T).results
+            (res,) = client.lookup([(salt, chunk_keys)], **kw).result(T).results
             right = all(
                 pool.read(slot.offset, slot.length) == payload(key)
                 for slot, key in zip(res.slots, chunk_keys, strict=False)
@@ -84,6 +84,23 @@ def test_disk_tier_survives_a_sigkill_and_a_restart_hits_again(serve, workdir):
     stats = second.stats()
     assert stats.chunks == 12
     assert stats.extra["tier_read_hits"] == 12
+
+
+def test_an_engine_that_recomputes_faster_than_the_tier_reads_is_not_kept_waiting(serve, workdir):
+    """A lookup that says the engine computes a chunk in no time gets no read-through (the tier
+    cannot beat that): the chunks are late misses. Without that word, the same chunks hit."""
+    disk = workdir / "disk"
+    tier = ("--disk-dir", str(disk), "--disk-capacity", "64MiB")
+    first = serve(*POOL, *tier)
+    chunk_keys = keys("fast-engine", 6)
+    store(first.address, "t", chunk_keys)
+    wait_for(lambda: extra(first, "tier:disk:objects") == 6)
+    first.stop()
+    second = serve(*POOL, *tier)
+    assert lookup(second.address, "t", chunk_keys, prefill_s_per_chunk=0.0) == (0, True)
+    assert extra(second, "tier_read_late") == 6
+    assert second.stats().chunks == 0  # no slot was taken for them
+    assert lookup(second.address, "t", chunk_keys) == (6, True)
 
 
 def test_a_corrupted_disk_object_is_a_miss_and_is_deleted(serve, workdir):

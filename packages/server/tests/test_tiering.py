@@ -51,6 +51,15 @@ def store(index, pool, client: str, keys: list[bytes]) -> int:
     return index.commit(client, out.reservation_id, None, 0.0) if out.reservation_id else 0
 
 
+def on_disk_only(tiers: TierSet, index: ChunkIndex, pool, n: int) -> list[bytes]:
+    """Store ``n`` chunks, wait until the disk tier holds them, and empty RAM."""
+    keys = [bytes([i + 1]) * 32 for i in range(n)]
+    store(index, pool, "a", keys)
+    settle(tiers, lambda: tiers.tiers[0].stats().objects == n and index.stats().leased_chunks == 0)
+    index.clear()
+    return keys
+
+
 def settle(tiers: TierSet, until, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -125,10 +134,7 @@ def test_a_read_cut_off_by_the_deadline_keeps_the_prefix_it_got(tmp_path):
     answers: list = []
     pool, index, tiers = make(tmp_path, answers, read_deadline=0.25, read_deadline_per_chunk=None)
     try:
-        keys = [bytes([i + 1]) * 32 for i in range(6)]
-        store(index, pool, "a", keys)
-        settle(tiers, lambda: tiers.tiers[0].stats().objects == 6 and index.stats().leased_chunks == 0)
-        index.clear()
+        keys = on_disk_only(tiers, index, pool, 6)
         tiers.tiers[0].delay = 0.1
         assert tiers.lookup("a", [("", keys)], 0.0) is not None
         settle(tiers, lambda: answers)
@@ -154,6 +160,44 @@ def test_the_deadline_grows_with_the_run_the_tiers_hold_up_to_its_cap(tmp_path):
         assert tiers.deadline_for(100) == 0.5
         tiers.read_deadline_per_chunk = None
         assert tiers.deadline_for(1) == 0.5
+    finally:
+        tiers.close()
+
+
+def test_the_engines_own_compute_time_bounds_the_wait_when_it_is_shorter(tmp_path):
+    """A lookup carries the engine's seconds per chunk: the shorter of it and the server's
+    figures wins, so a fast engine never waits longer than it would take to recompute."""
+    answers: list = []
+    _, _, tiers = make(tmp_path, answers, read_deadline=0.5, read_deadline_per_chunk=0.04)
+    try:
+        assert tiers.deadline_for(4, 0.01) == 0.04
+        assert tiers.deadline_for(4, 0.1) == 0.16
+        assert tiers.deadline_for(100, 1.0) == 0.5
+        tiers.read_deadline_per_chunk = None
+        assert tiers.deadline_for(4, 0.01) == 0.04
+        assert tiers.deadline_for(4, None) == 0.5
+    finally:
+        tiers.close()
+
+
+def test_a_fast_engine_does_not_wait_for_a_slow_tier(tmp_path):
+    """With the server's generous deadline, a slow tier would be waited for; a lookup from an
+    engine that computes a chunk in 10 ms is answered after about that per chunk instead, with
+    the chunks in by then."""
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers, read_deadline=5.0, read_deadline_per_chunk=None)
+    try:
+        keys = on_disk_only(tiers, index, pool, 6)
+        tiers.tiers[0].delay = 0.5
+        start = time.monotonic()
+        assert tiers.lookup("a", [("", keys)], 0.0, per_chunk=0.01) is not None
+        settle(tiers, lambda: answers)
+        assert time.monotonic() - start < 2.0  # not the 6 x 0.5 s the tier would take, nor 5 s
+        (result,) = answers[0]
+        assert result.num_hits <= 1
+        assert tiers.tiers[0].stats().late >= 1
+        assert index.stats().pending_chunks == 0
+        index.check()
     finally:
         tiers.close()
 

@@ -18,6 +18,7 @@ REQUESTS = [
     t.Hello(t.PROTOCOL_VERSION, "ab" * 16, "engine-0", ""),
     t.Register("fp", 256, 1 << 20, 2, 1, "model"),
     t.Lookup([t.LookupItem("salt", [key(1), key(2)]), t.LookupItem("", [])]),
+    t.Lookup([t.LookupItem("salt", [key(1)])], prefill_s_per_chunk=0.004),
     t.Reserve("salt", [key(3)], 4096),
     t.Commit(7, None),
     t.Commit(7, [0, 2]),
@@ -102,6 +103,14 @@ def test_keys_must_be_32_bytes(size: int) -> None:
 def test_negative_counts_are_refused() -> None:
     """Counts and ids are non-negative."""
     frame = msgspec.msgpack.encode([1, {"type": "abort", "reservation_id": -1}])
+    with pytest.raises(t.RemoteProtocolError):
+        t.decode_request(frame)
+
+
+@pytest.mark.parametrize("value", [-0.001, 1e9, "fast"])
+def test_an_impossible_prefill_estimate_is_refused(value: object) -> None:
+    """A lookup's compute-time estimate is a number of seconds, at least 0 and at most an hour."""
+    frame = msgspec.msgpack.encode([1, {"type": "lookup", "items": [], "prefill_s_per_chunk": value}])
     with pytest.raises(t.RemoteProtocolError):
         t.decode_request(frame)
 

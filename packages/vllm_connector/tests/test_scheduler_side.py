@@ -33,15 +33,17 @@ class FakeClient:
 
     def __init__(self, fail: bool = False, answer=None) -> None:
         self.lookups: list[tuple[list, Future]] = []
+        self.prefill_estimates: list[float | None] = []  # what each lookup said of the engine's speed
         self.released: list[int] = []
         self.pings = 0
         self.fail = fail
         self.answer = answer
         self.connected = True
 
-    def lookup(self, items):
+    def lookup(self, items, *, prefill_s_per_chunk=None):
         if self.fail:
             raise ConnectionError("no server")
+        self.prefill_estimates.append(prefill_s_per_chunk)
         future: Future = Future()
         self.lookups.append((list(items), future))
         if self.answer is not None:
@@ -102,6 +104,7 @@ def output(new=(), cached=(), scheduled=None, preempted=None) -> SimpleNamespace
             resumed_req_ids=set(),
         ),
         num_scheduled_tokens=scheduled or {},
+        total_num_scheduled_tokens=sum((scheduled or {}).values()),
         preempted_req_ids=preempted,
     )
 
@@ -304,6 +307,24 @@ def test_timeout_is_a_miss_and_later_requests_do_not_wait():
     s.on_new_request(c)
     s.get_num_new_matched_tokens(c, 0)
     assert len(client.lookups) == 2
+
+
+def test_lookups_tell_the_server_how_fast_the_engine_computes_a_chunk():
+    """No estimate before the engine ran a step of enough tokens; after one, each lookup carries
+    the seconds a chunk takes, from the step's tokens and time."""
+    client = FakeClient()
+    s = side(client)
+    looked_up(s, client, request("a", 20), (2, 3))
+    assert client.prefill_estimates == [None]
+    s.build_connector_meta(output(scheduled={"a": 800}))
+    time.sleep(0.02)
+    s.update_connector_output(finished())
+    b = request("b", 20)
+    s.on_new_request(b)
+    s.get_num_new_matched_tokens(b, 0)
+    estimate = client.prefill_estimates[-1]
+    assert estimate is not None
+    assert CHUNK * 0.02 / 800 <= estimate < CHUNK * 0.5 / 800  # the step's seconds per token, times a chunk
 
 
 def test_disconnected_server_is_a_miss_without_a_message():

@@ -181,7 +181,8 @@ class CacheHandler:
 
     def _lookup(self, client: str, body: Lookup, now: float) -> ReplyBody | Deferred:
         items: list[tuple[str, Sequence[bytes]]] = [(item.salt, item.keys) for item in body.items]
-        if self.tiers is not None and (deferred := self.tiers.lookup(client, items, now)) is not None:
+        tiers = self.tiers
+        if tiers is not None and (deferred := tiers.lookup(client, items, now, body.prefill_s_per_chunk)) is not None:
             return deferred  # answered with lookup_reply once the lower tiers are done
         return self.lookup_reply(client, items, now)
 

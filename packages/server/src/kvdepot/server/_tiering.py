@@ -105,6 +105,7 @@ class _Read:
     missing: list[tuple[str, list[bytes]]]  # per item: the keys past its RAM prefix
     deadline: float
     size: int
+    per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
     # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
     holders: list[list[list[int]]] = attrs.field(factory=list)
     # per item: (reservation id, [(index in missing keys, payload offset, length)]) of the slots to fill
@@ -140,7 +141,7 @@ class TierSet:
         self._writers = [WriteBehind(t, on_done=self._written) for t in self.tiers]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-tier-read")
         self._chunk_bytes: int | None = None  # the size of the chunks lower-tier reads bring in
-        self.counters = {"read_hits": 0, "read_misses": 0, "reads_deferred": 0, "pins_dropped": 0}
+        self.counters = {"read_hits": 0, "read_misses": 0, "read_late": 0, "reads_deferred": 0, "pins_dropped": 0}
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
         index.on_commit = self._committed
@@ -192,9 +193,12 @@ class TierSet:
             del self._pins[name]
             self.index.release(TIER_CLIENT, [pin.lease_id])
 
-    def lookup(self, client: str, items: list[tuple[str, Sequence[bytes]]], now: float) -> Deferred | None:
+    def lookup(
+        self, client: str, items: list[tuple[str, Sequence[bytes]]], now: float, per_chunk: float | None = None
+    ) -> Deferred | None:
         """Start reading the keys past each item's RAM prefix from the tiers; None when there
-        is nothing to read (the caller answers from RAM at once)."""
+        is nothing to read (the caller answers from RAM at once). ``per_chunk``: the engine's
+        seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
         size = self._chunk_bytes
         if size is None or self._closed or not any(_up(t) for t in self.tiers):
             return None
@@ -202,7 +206,7 @@ class TierSet:
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
             return None
-        read = _Read(Deferred(), client, items, missing, time.monotonic(), size)
+        read = _Read(Deferred(), client, items, missing, time.monotonic(), size, per_chunk)
         self.counters["reads_deferred"] += 1
         self._reader.submit(self._probe, read)
         return read.deferred
@@ -211,6 +215,9 @@ class TierSet:
         """Reserve RAM slots for the run of chunks the tiers hold past each RAM prefix, then
         have the reader fill them straight from the tiers (loop thread)."""
         now = time.monotonic()
+        if now >= read.deadline:  # no time left for any transfer: take no slots (they might evict)
+            self.counters["read_late"] += sum(len(run) for run in read.holders)
+            read.holders = []
         try:
             self.index.register(TIER_CLIENT, read.size, now)  # also re-opens a session a peer ended
         except ServerError as exc:
@@ -302,16 +309,16 @@ class TierSet:
             log.exception("tier_read_failed")
             runs = [[] for _ in read.missing]
         longest = max((len(run) for run in runs), default=0)
-        read.deadline += self.deadline_for(longest)
+        read.deadline += self.deadline_for(longest, read.per_chunk)
         read.holders = runs
         self._post(lambda: self._place(read))
 
-    def deadline_for(self, chunks: int) -> float:
+    def deadline_for(self, chunks: int, engine_per_chunk: float | None = None) -> float:
         """Seconds a lookup may wait for the tiers when they hold a run of ``chunks``: the prefill
-        that run saves (``read_deadline_per_chunk`` each), at most ``read_deadline``."""
-        if self.read_deadline_per_chunk is None:
-            return self.read_deadline
-        return min(self.read_deadline, chunks * self.read_deadline_per_chunk)
+        that run saves (``read_deadline_per_chunk`` each, and the engine's own estimate
+        ``engine_per_chunk``, whichever is shorter), at most ``read_deadline``."""
+        per_chunk = [p for p in (self.read_deadline_per_chunk, engine_per_chunk) if p is not None]
+        return min([self.read_deadline, *(chunks * p for p in per_chunk)])
 
     def _fill(self, read: _Read) -> None:
         """Read the chunks straight into their reserved slots, each from the first tier that

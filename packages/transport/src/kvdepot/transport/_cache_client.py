@@ -101,9 +101,12 @@ class _Operations:
         """
         return self._call(Register(layout, chunk_size, chunk_bytes, kv_world_size, kv_rank, model, fingerprint))
 
-    def lookup(self, items: Iterable[LookupInput]) -> Future[LookupReply]:
-        """Longest committed prefix (and a lease on it) for each item: LookupItem or (salt, keys)."""
-        return self._call(Lookup(_items(items)))
+    def lookup(self, items: Iterable[LookupInput], *, prefill_s_per_chunk: float | None = None) -> Future[LookupReply]:
+        """Longest committed prefix (and a lease on it) for each item: LookupItem or (salt, keys).
+
+        `prefill_s_per_chunk`: how long the engine takes to compute a chunk; a server reading
+        chunks through from a lower tier waits at most that per chunk the read would save."""
+        return self._call(Lookup(_items(items), prefill_s_per_chunk))
 
     def reserve(
         self, salt: str, keys: Sequence[bytes], chunk_bytes: int, *, server_id: str = ""

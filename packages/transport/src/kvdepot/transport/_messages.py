@@ -20,7 +20,7 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 2  # 2: Register.fingerprint; server_id on Commit, Abort and Release
+PROTOCOL_VERSION = 3  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk
 
 # Bounds that keep a peer's numbers from driving large allocations. The frame-size bound in
 # the codec is the real limit; these catch nonsense early with a precise message.
@@ -95,6 +95,10 @@ class Lookup(_Body, frozen=True, tag="lookup"):
     """All lookups of one engine step; each item is answered with its longest committed prefix."""
 
     items: Annotated[list[LookupItem], msgspec.Meta(max_length=MAX_ITEMS_PER_LOOKUP)]
+    #: The engine's estimate of the seconds it takes to compute one chunk (None: no estimate).
+    #: A server reading chunks through from a lower tier waits at most this per chunk the read
+    #: would save, so a hit never keeps the engine waiting longer than recomputing would.
+    prefill_s_per_chunk: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] | None = None
 
 
 class Reserve(_Body, frozen=True, tag="reserve"):

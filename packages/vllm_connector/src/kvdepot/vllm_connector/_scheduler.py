@@ -39,6 +39,7 @@ from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
 from kvdepot.vllm_connector._identity import lora_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
+from kvdepot.vllm_connector._prefill import PrefillRate
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -127,6 +128,9 @@ class SchedulerSide:
         self.health = health
         self.kv_world_size = namespace.kv_world_size
         self.lookup_timeout = lookup_timeout
+        # The engine's compute time per token, from its steps: sent with each lookup, so that a
+        # server reading chunks through from a lower tier never waits longer than recomputing.
+        self.prefill = PrefillRate()
         self.stats = KVDepotStats()
         self.kv_cache_manager: Any = None  # vLLM's, for the local prefix-cache hit at admission
         self._records: dict[str, _Record] = {}
@@ -208,6 +212,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
+        self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
         self._send_lookups()
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted)
@@ -231,6 +236,7 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        self.prefill.step_done(time.monotonic())
         worker_meta = output.kv_connector_worker_meta
         failed = worker_meta.failed if isinstance(worker_meta, KVDepotWorkerMetadata) else set()
         # vLLM lists a load here once every worker has finished it, failed or not; it has
@@ -391,7 +397,8 @@ class SchedulerSide:
         items = [LookupItem(salt=salt, keys=rank_keys) for _req, salt, keys in queued for rank_keys in keys]
         server_id = self.client.server_id or ""
         try:
-            future: Future[Any] = self.client.lookup(items)
+            per_chunk = self.prefill.seconds_for(self.planner.chunk_size)
+            future: Future[Any] = self.client.lookup(items, prefill_s_per_chunk=per_chunk)
         except Exception as exc:  # the client is closed: every lookup is a miss
             log.warning("kvdepot lookup could not be sent, counting %d requests as misses: %s", len(queued), exc)
             future = Future()
