@@ -36,10 +36,6 @@ class Collector:
         self._next = 0.0
         self.full_collections = 0
 
-    @property
-    def active(self) -> bool:
-        return self._threshold is not None
-
     def take_over(self) -> None:
         """Freeze what exists now and stop CPython's own full collections (a process-wide setting:
         for the process that is the server, not for one that embeds it beside other work)."""
