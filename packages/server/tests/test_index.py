@@ -172,6 +172,26 @@ def test_other_class_takes_a_whole_page_by_eviction():
     index.check()
 
 
+def test_taking_a_page_for_another_class_evicts_a_bounded_number_of_chunks():
+    """However small the chunks a client stored, a page holds at most MAX_SLOTS_PER_PAGE of them,
+    so one request that needs a page for another size class evicts no more than that."""
+    from kvdepot.server._slabs import MAX_SLOTS_PER_PAGE
+
+    page = 8 << 20
+    index = ChunkIndex(SlabAllocator(2 * page, page), max_client_pending_bytes=2 * page)
+    index.register("tiny", 1, 0.0)
+    keys = [k(i) for i in range(2 * MAX_SLOTS_PER_PAGE)]  # two pages of 1-byte chunks
+    for start in range(0, len(keys), 1024):
+        store(index, keys[start : start + 1024], client="tiny")
+    stats = index.stats()
+    assert (stats.chunks, stats.pages_free, stats.evictions) == (2 * MAX_SLOTS_PER_PAGE, 0, 0)  # both pages full
+    index.register("big", 64 << 10, 0.0)
+    out = index.reserve("big", "", [k(10**6)], 64 << 10, 0.0)
+    assert len(out.slots) == 1
+    assert index.stats().evictions == MAX_SLOTS_PER_PAGE
+    index.check()
+
+
 def test_other_class_cannot_take_a_page_with_a_leased_chunk():
     """A page that holds one leased chunk is never reclaimed for another size class."""
     index = make_index(pages=1)

@@ -42,6 +42,18 @@ def test_empty_page_returns_to_free_pages_and_serves_another_class():
     alloc.check()
 
 
+def test_a_page_holds_at_most_max_slots_per_page():
+    """Small chunks get slots of at least 1/4,096 of a page (and 1 KiB), so freeing a page never
+    means evicting more than MAX_SLOTS_PER_PAGE chunks at once."""
+    from kvdepot.server._slabs import MAX_SLOTS_PER_PAGE, MIN_SLOT_BYTES
+
+    big = SlabAllocator(4 * (16 << 20), 16 << 20)
+    assert big.slot_size(1) == (16 << 20) // MAX_SLOTS_PER_PAGE == 4096
+    assert big.slot_size(64 << 10) == 64 * 1024 + SLOT_HEADER_BYTES  # real chunks are unaffected
+    small = SlabAllocator(4 * (1 << 20), 1 << 20)
+    assert small.slot_size(1) == MIN_SLOT_BYTES
+
+
 def test_chunk_larger_than_page_is_refused_with_advice():
     """A chunk that cannot fit a page is refused and the message names --page-size."""
     alloc = SlabAllocator(4 * PAGE, PAGE)

@@ -26,6 +26,11 @@ SLOT_ALIGNMENT = 64
 # Smallest slot: bounds the number of chunks, and so the index's memory (under 1 KiB per chunk),
 # by the pool's size, however small the chunks a client registers.
 MIN_SLOT_BYTES = 1024
+# Most slots on one page: a slot is at least 1/4,096 of a page. Giving a page to another size
+# class evicts every chunk on it within one request, and this bounds that work (4,096 chunks,
+# ~20 ms of Python; a 16 MiB page of 1 KiB slots took 85 ms, stalling every client). Chunks
+# smaller than that only in pools of 4 GiB and more (256 MiB pages: 64 KiB slots at least).
+MAX_SLOTS_PER_PAGE = 4096
 # Largest page the automatic choice picks: waste per page is below one slot, so large pages
 # keep the waste small for chunks of tens of MiB (a 256-token chunk of an 8B model is 32 MiB).
 MAX_AUTO_PAGE_SIZE = 256 << 20
@@ -94,7 +99,9 @@ class SlabAllocator:
         """The slot size that holds a header and `chunk_bytes`, or `ChunkTooLargeError` when no page can."""
         if chunk_bytes <= 0:
             raise ServerArgumentError(f"chunk_bytes must be positive, got {chunk_bytes}", chunk_bytes=chunk_bytes)
-        size = max(MIN_SLOT_BYTES, align_up(SLOT_HEADER_BYTES + chunk_bytes))
+        size = max(
+            MIN_SLOT_BYTES, align_up(self.page_size // MAX_SLOTS_PER_PAGE), align_up(SLOT_HEADER_BYTES + chunk_bytes)
+        )
         if size > self.page_size:
             raise ChunkTooLargeError(
                 f"a chunk of {chunk_bytes} bytes does not fit in a page of {self.page_size} bytes; "
