@@ -275,10 +275,15 @@ def test_a_large_batch_is_split_between_two_threads_and_every_chunk_is_checked(t
     keys = range(6)
     with DiskTier(tier_dir, 8 * (size + 4096)) as tier:
         used: set[int] = set()
+        helper_started = threading.Event()
         original = tier._read_one
 
         def noting(ref, buf):
             used.add(threading.get_ident())
+            if threading.current_thread() is not threading.main_thread():  # the helper
+                helper_started.set()
+            else:  # the caller gives the helper time to take its half (else the caller would do it)
+                helper_started.wait(10)
             return original(ref, buf)
 
         tier._read_one = noting  # type: ignore[method-assign]
@@ -297,6 +302,60 @@ def test_a_large_batch_is_split_between_two_threads_and_every_chunk_is_checked(t
         s = tier.stats()
         assert (s.hits, s.misses, s.corrupt, s.objects) == (5, 1, 1, 5)
         assert not path.exists()
+
+
+def test_a_batch_never_waits_for_another_batch_on_the_helper(tier_dir):
+    """While one large read's helper half is stuck (a slow disk), another large read and a large
+    write still complete, on their own threads, every chunk checked: a lookup never waits for an
+    unrelated batch (before, the second read queued behind the stuck one until it finished)."""
+    size = SPLIT_BYTES // 2
+    with DiskTier(tier_dir, 16 * (size + 4096)) as tier:
+        assert tier.write([ChunkWrite("s", b"k%d" % i, payload(i, size), b"fp") for i in range(4)]) == [True] * 4
+        helper_started, release = threading.Event(), threading.Event()
+        callers: list[threading.Thread] = []
+        original = tier._read_one
+
+        def slow_disk(ref, buf):
+            if threading.current_thread() not in callers and ref.key == b"k1":  # on a helper
+                helper_started.set()
+                release.wait(30)
+            elif ref.key == b"k0":  # the first read's caller lets the helper take its half
+                helper_started.wait(10)
+            return original(ref, buf)
+
+        tier._read_one = slow_disk  # type: ignore[method-assign]
+
+        def read_keys(*keys: int) -> list[bytes | None]:
+            bufs = [bytearray(size) for _ in keys]
+            refs = [ChunkRef("s", b"k%d" % i, b"fp", size) for i in keys]
+            hits = tier.read(refs, [memoryview(b) for b in bufs])
+            return [bytes(b) if hit else None for b, hit in zip(bufs, hits, strict=True)]
+
+        outcomes: dict[str, object] = {}
+        first = threading.Thread(target=lambda: outcomes.update(first=read_keys(0, 1)))
+        callers.append(first)
+        first.start()
+        assert helper_started.wait(10)
+
+        def others() -> None:
+            outcomes["second"] = read_keys(2, 3)
+            outcomes["write"] = tier.write([ChunkWrite("s", b"k%d" % i, payload(i, size), b"fp") for i in (4, 5)])
+
+        second = threading.Thread(target=others)
+        callers.append(second)
+        second.start()
+        second.join(10)
+        stuck = second.is_alive()
+        release.set()
+        first.join(10)
+        second.join(10)
+        assert not stuck, "a batch waited for another batch's helper half"
+        assert outcomes == {
+            "first": [payload(0, size), payload(1, size)],
+            "second": [payload(2, size), payload(3, size)],
+            "write": [True, True],
+        }
+        assert read_keys(4, 5) == [payload(4, size), payload(5, size)]
 
 
 def test_clear_and_delete(tier, tier_dir):

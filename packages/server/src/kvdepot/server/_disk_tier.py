@@ -23,6 +23,9 @@ split between the calling thread and one helper (every other chunk): the checksu
 pass over each chunk, and while one thread hashes a chunk the other copies the next (system
 calls and xxh3 both release the GIL). On 2 cores that made a batch of 1 MiB or 8 MiB chunks
 1.5x faster than one thread, from 71% of a plain sequential read to about the plain read.
+Reads and writes have a helper each, and a batch whose helper is still busy with another
+batch when the caller is done with its half does the other half too: a lookup's read never
+waits for the write-behind's batch (or another lookup's) to finish.
 """
 
 from __future__ import annotations
@@ -170,7 +173,9 @@ class DiskTier:
         self._counters = Counters()
         self._closed = False
         self._warn = WarnLimiter(log)
-        self._helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk")  # its thread starts at first use
+        # One helper thread for reads and one for writes (each starts at first use).
+        self._read_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-read")
+        self._write_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-write")
         removed = self._remove_temporaries()
         corrupt = self._rebuild()
         self._counters.add(corrupt=corrupt)
@@ -326,8 +331,12 @@ class DiskTier:
 
     # -- the tier API ------------------------------------------------------------------------
 
-    def _split(self, count: int, nbytes: int, one: Callable[[int], bool]) -> list[bool]:
-        """`one(i)` for i in range(count); on two threads (every other i) for a batch of `SPLIT_BYTES`."""
+    def _split(self, helper: ThreadPoolExecutor, count: int, nbytes: int, one: Callable[[int], bool]) -> list[bool]:
+        """`one(i)` for i in range(count); on two threads (every other i) for a batch of `SPLIT_BYTES`.
+
+        The helper's half goes back to the caller when the helper has not started it by the time
+        the caller is done with its own: a batch never waits for another batch to finish.
+        """
         if count < 2 or nbytes < SPLIT_BYTES or self._closed:
             return [one(i) for i in range(count)]
         results = [False] * count
@@ -336,17 +345,20 @@ class DiskTier:
             for i in range(first, count, 2):
                 results[i] = one(i)
 
-        helper = self._helper.submit(every_other, 1)
+        odd = helper.submit(every_other, 1)
         try:
             every_other(0)
         finally:
-            helper.result()
+            if odd.cancel():  # the helper is busy with another batch
+                every_other(1)
+            else:
+                odd.result()
         return results
 
     def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
         """Write each chunk to its own file (skipped when the same chunk is already there)."""
         nbytes = sum(memoryview(item.payload).nbytes for item in items)
-        return self._split(len(items), nbytes, lambda i: self._write_one(items[i]))
+        return self._split(self._write_helper, len(items), nbytes, lambda i: self._write_one(items[i]))
 
     def _write_one(self, item: ChunkWrite) -> bool:
         if self._closed or len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES:
@@ -418,7 +430,7 @@ class DiskTier:
             self._counters.add(**({"hits": 1, "bytes_read": refs[i].length} if hit else {"misses": 1}))
             return hit
 
-        return self._split(len(refs), sum(ref.length for ref in refs), one)
+        return self._split(self._read_helper, len(refs), sum(ref.length for ref in refs), one)
 
     def _read_one(self, ref: ChunkRef, buf: memoryview) -> bool:
         if self._closed:
@@ -519,7 +531,8 @@ class DiskTier:
         if self._closed:
             return
         self._closed = True
-        self._helper.shutdown(wait=True)
+        self._read_helper.shutdown(wait=True)
+        self._write_helper.shutdown(wait=True)
         os.close(self._lock_fd)
 
     def __enter__(self) -> DiskTier:
