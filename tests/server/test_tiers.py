@@ -6,6 +6,7 @@ Chunk bytes are a function of their key, so every hit is checked byte for byte.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import signal
 import time
@@ -19,25 +20,26 @@ pytestmark = pytest.mark.integration
 
 T = 10.0
 CHUNK = 64 * 1024 - 64
+SMALL = 16 * 1024 - 64  # another model's chunks
 POOL = ["--capacity", "16MiB", "--page-size", "1MiB"]
 
 
-def payload(key: bytes) -> bytes:
-    return (hashlib.sha256(key).digest() * (CHUNK // 32 + 1))[:CHUNK]
+def payload(key: bytes, size: int = CHUNK) -> bytes:
+    return (hashlib.sha256(key).digest() * (size // 32 + 1))[:size]
 
 
 def keys(tag: str, n: int) -> list[bytes]:
     return [hashlib.sha256(f"{tag}-{i}".encode()).digest() for i in range(n)]
 
 
-def store(address: str, salt: str, chunk_keys: list[bytes]) -> None:
+def store(address: str, salt: str, chunk_keys: list[bytes], *, size: int = CHUNK, layout: str = "layout") -> None:
     with CacheClient(address, timeout=T) as client:
-        reg = client.register("layout", 256, CHUNK).result(T)
+        reg = client.register(layout, 256, size).result(T)
         with PoolMapping(reg.pool.path, reg.pool.size) as pool:
-            res = client.reserve(salt, chunk_keys, CHUNK).result(T)
+            res = client.reserve(salt, chunk_keys, size).result(T)
             assert len(res.slots) == len(chunk_keys)
             for slot in res.slots:
-                pool.write(slot.offset, payload(chunk_keys[slot.index]))
+                pool.write(slot.offset, payload(chunk_keys[slot.index], size))
             client.commit(res.reservation_id).result(T)
 
 
@@ -123,6 +125,41 @@ def test_a_corrupted_disk_object_is_a_miss_and_is_deleted(serve, workdir):
     assert lookup(second.address, "t", chunk_keys) == (2, True)
     assert extra(second, "tier:disk:corrupt") == 1
     assert not victim.exists()
+
+
+def test_engines_with_other_chunk_sizes_each_hit_their_own_chunks_below_ram(serve, workdir, valkey_server):
+    """Two engines of other models on one server store chunks of other sizes. Read back from the
+    disk tier (by a restarted server) and from the remote tier (by another server), each engine
+    hits all of its own, whichever of them registered last, and no object is taken for corrupt
+    (and deleted). Lookups come from a client that never registers, as vLLM's scheduler's."""
+    disk = ("--disk-dir", str(workdir / "disk"), "--disk-capacity", "64MiB")
+    first = serve(*POOL, *disk, "--remote", valkey_server.url)
+    engines = {"model-a": (SMALL, keys("small", 4)), "model-b": (CHUNK, keys("large", 4))}
+    for layout, (size, chunk_keys) in engines.items():
+        store(first.address, "t", chunk_keys, size=size, layout=layout)
+    wait_for(lambda: extra(first, "tier:disk:objects") == 8 and extra(first, "tier:remote:writes") == 8)
+    first.stop()
+    restarted = serve(*POOL, *disk)
+    other = serve(*POOL, "--remote", valkey_server.url, where=workdir / "s2")
+    for server, tier in ((restarted, "disk"), (other, "remote")):
+        with contextlib.ExitStack() as stack:
+            pools = {}
+            for layout, (size, _) in engines.items():  # the workers of both engines; model-b's last
+                worker = stack.enter_context(CacheClient(server.address, timeout=T))
+                reg = worker.register(layout, 256, size).result(T)
+                pools[layout] = stack.enter_context(PoolMapping(reg.pool.path, reg.pool.size, writable=False))
+            scheduler = stack.enter_context(CacheClient(server.address, timeout=T))
+            for layout, (size, chunk_keys) in engines.items():
+                (res,) = scheduler.lookup([("t", chunk_keys)]).result(T).results
+                assert (tier, layout, res.num_hits) == (tier, layout, 4)
+                assert [s.length for s in res.slots] == [size] * 4
+                assert all(
+                    pools[layout].read(s.offset, s.length) == payload(k, size)
+                    for s, k in zip(res.slots, chunk_keys, strict=True)
+                )
+                scheduler.release([res.lease_id]).result(T)
+        assert (extra(server, f"tier:{tier}:hits"), extra(server, f"tier:{tier}:corrupt")) == (8, 0)
+    assert len(valkey_server.client().keys("*")) == 8  # nothing deleted
 
 
 def store_past_the_quota(server, written: str, quiet: list[bytes], busy: list[bytes]) -> None:

@@ -40,7 +40,6 @@ def make(tmp_path, answers: list, **kw):
         **kw,
     )
     index.register("a", CHUNK, 0.0)
-    tiers.registered(CHUNK)
     return pool, index, tiers
 
 

@@ -481,15 +481,14 @@ class DiskTier:
         self._drop(digest)
         log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=reason)
 
-    def contains(self, refs: Sequence[ChunkRef]) -> list[bool]:
+    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
         """From the in-memory index: no disk access."""
         with self._lock:
-            return [
-                (e := self._index.get(ref.digest)) is not None
-                and e.length == ref.length
-                and e.fingerprint == ref.fingerprint
-                for ref in refs
-            ]
+            found = [self._index.get(ref.digest) for ref in refs]
+        return [
+            e.length if e is not None and e.fingerprint == ref.fingerprint else None
+            for e, ref in zip(found, refs, strict=True)
+        ]
 
     def delete(self, refs: Sequence[ChunkRef]) -> int:
         """Delete these chunks; how many were there."""

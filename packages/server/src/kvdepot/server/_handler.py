@@ -160,8 +160,6 @@ class CacheHandler:
                 got=body.fingerprint,
             )
         slot_size = self.index.register(client, body.chunk_bytes, now)
-        if self.tiers is not None:
-            self.tiers.registered(body.chunk_bytes)
         if body.fingerprint and held is None:
             if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()  # bounded: a stream of layout names cannot grow it without limit

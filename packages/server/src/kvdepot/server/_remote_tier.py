@@ -7,7 +7,7 @@ without ``--remote`` never imports it). valkey-glide would add a Rust core with 
 runtime and threads to the server for no gain at these sizes.
 
 Each chunk is one string value, ``PREFIX + object_name(salt, key)``, holding the
-`_tier_format` header then the payload; a batch is one pipeline (GET, SET or EXISTS per
+`_tier_format` header then the payload; a batch is one pipeline (GET, SET or STRLEN per
 chunk). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
 
 Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
@@ -38,7 +38,7 @@ from kvdepot.server._errors import CorruptObjectError, TierConfigError
 from kvdepot.server._remote_quota import charge, quotas_of
 from kvdepot.server._remote_send import zero_copy_connection
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
-from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, verify
+from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, header_size, verify
 from kvdepot.server._tiers import (
     ChunkRef,
     ChunkWrite,
@@ -508,23 +508,26 @@ class RemoteTier:
         finally:
             pipe.reset()
 
-    def contains(self, refs: Sequence[ChunkRef]) -> list[bool]:
-        """EXISTS for every chunk in one pipeline; all False while down."""
+    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
+        """STRLEN of every chunk in one pipeline, less its header; all None while down."""
         if not refs:
             return []
         current = self._current()
         if current is None:
-            return [False] * len(refs)
+            return [None] * len(refs)
         client, generation = current
         pipe = client.pipeline(transaction=False)
         try:
             for ref in refs:
-                pipe.exists(self._key(ref.digest))
-            return [n is not None and not isinstance(n, BaseException) and bool(n) for n in pipe.execute(False)]
+                pipe.strlen(self._key(ref.digest))
+            return [
+                n - header if isinstance(n, int) and n > (header := header_size(ref.fingerprint)) else None
+                for ref, n in zip(refs, pipe.execute(False), strict=True)
+            ]
         except self._errors as exc:
             if isinstance(exc, self._down_errors):
                 self._mark_down(generation, exc)
-            return [False] * len(refs)
+            return [None] * len(refs)
         finally:
             pipe.reset()
 

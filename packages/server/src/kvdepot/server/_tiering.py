@@ -11,16 +11,19 @@ Write-behind (every committed chunk, written to every tier):
     dropped: the tier's queue was full, or the tier is down (both counted).
 
 Read-through (a lookup that misses RAM):
-    keys past the RAM prefix --> reader thread: which of them each tier holds (`contains`: the
-        disk's index, one EXISTS pipeline on the remote); the deadline follows from the longest
-        run held (`deadline_for`) --> loop: reserve RAM slots for those runs (owned by the
-        asking client) --> reader thread: each tier reads its chunks straight into their
-        slots (one batch per tier, within the deadline; where a read fails, the next tier
-        that holds the chunk is asked) --> loop: commit the slots filled, abort the others,
-        then answer the lookup as if they had been in RAM (a deferred reply).
+    keys past the RAM prefix --> reader thread: which of them each tier holds, and at what
+        length (`lengths`: the disk's index, one STRLEN pipeline on the remote); the deadline
+        follows from the longest run held (`deadline_for`) --> loop: reserve RAM slots of
+        that length for those runs (owned by the asking client) --> reader thread: each tier
+        reads its chunks straight into their slots (one batch per tier, within the deadline;
+        where a read fails, the next tier that holds the chunk is asked) --> loop: commit the
+        slots filled, abort the others, then answer the lookup as if they had been in RAM (a
+        deferred reply).
     Slots are taken only for chunks a tier holds, so a cold prompt evicts nothing from RAM. A
     chunk not in by the deadline is a miss, the chunks before it still hit: the engine
-    recomputes from there.
+    recomputes from there. Each run is read at the length its tier holds: engines of other
+    models or layouts on one server store chunks of other sizes, and a chunk's name (its
+    namespace covers the model and the layout) fixes which size it has.
 """
 
 from __future__ import annotations
@@ -104,10 +107,10 @@ class _Read:
     items: list[tuple[str, Sequence[bytes]]]
     missing: list[tuple[str, list[bytes]]]  # per item: the keys past its RAM prefix
     deadline: float
-    size: int
     per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
     # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
     holders: list[list[list[int]]] = attrs.field(factory=list)
+    sizes: list[int] = attrs.field(factory=list)  # per item: the payload bytes of each chunk of its run
     # per item: (reservation id, [(index in missing keys, payload offset, length)]) of the slots to fill
     targets: list[tuple[int, list[tuple[int, int, int]]]] = attrs.field(factory=list)
     filled: list[set[int]] = attrs.field(factory=list)  # per item: the indices whose slots now hold their chunk
@@ -140,7 +143,6 @@ class TierSet:
         self._pins: dict[tuple[str, bytes], _Pin] = {}
         self._writers = [WriteBehind(t, on_done=self._written) for t in self.tiers]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-tier-read")
-        self._chunk_bytes: int | None = None  # the size of the chunks lower-tier reads bring in
         self.counters = {"read_hits": 0, "read_misses": 0, "read_late": 0, "reads_deferred": 0, "pins_dropped": 0}
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
@@ -150,10 +152,6 @@ class TierSet:
                 tier.quota_of = index.quota_of
 
     # -- loop thread ------------------------------------------------------------------------
-
-    def registered(self, chunk_bytes: int) -> None:
-        """A client registered chunks of `chunk_bytes`: lower-tier reads bring in chunks of that size."""
-        self._chunk_bytes = chunk_bytes
 
     def run(self) -> None:
         """Apply what the tier threads handed back (loop thread, every pass)."""
@@ -199,14 +197,13 @@ class TierSet:
         """Start reading the keys past each item's RAM prefix from the tiers; None when there
         is nothing to read (the caller answers from RAM at once). ``per_chunk``: the engine's
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
-        size = self._chunk_bytes
-        if size is None or self._closed or not any(_up(t) for t in self.tiers):
+        if self._closed or not any(_up(t) for t in self.tiers):
             return None
         prefixes = self.index.prefix_lengths(items)
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
             return None
-        read = _Read(Deferred(), client, items, missing, time.monotonic(), size, per_chunk)
+        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk)
         self.counters["reads_deferred"] += 1
         self._reader.submit(self._probe, read)
         return read.deferred
@@ -218,16 +215,12 @@ class TierSet:
         if now >= read.deadline:  # no time left for any transfer: take no slots (they might evict)
             self.counters["read_late"] += sum(len(run) for run in read.holders)
             read.holders = []
-        try:
-            self.index.register(TIER_CLIENT, read.size, now)  # also re-opens a session a peer ended
-        except ServerError as exc:
-            log.warning("tier_read_not_placed", error=str(exc))
-            read.holders = []
-        for (salt, keys), holders in zip(read.missing, read.holders, strict=False):
+        for (salt, keys), holders, size in zip(read.missing, read.holders, read.sizes, strict=False):
             out = None
             if holders:
                 try:
-                    out = self.index.reserve(TIER_CLIENT, salt, keys[: len(holders)], read.size, now, owner=read.client)
+                    self.index.register(TIER_CLIENT, size, now)  # also re-opens a session a peer ended
+                    out = self.index.reserve(TIER_CLIENT, salt, keys[: len(holders)], size, now, owner=read.client)
                 except ServerError as exc:  # too many reservations: a miss
                     log.warning("tier_read_not_placed", error=str(exc))
             read.targets.append((out.reservation_id, out.slots) if out is not None else (0, []))
@@ -290,19 +283,24 @@ class TierSet:
             item.load.done()
 
     def _probe(self, read: _Read) -> None:
-        """Ask each tier which of the keys past the RAM prefixes it holds (reader thread): the
-        disk from its index, the remote with one EXISTS pipeline; nothing is transferred, so a
-        cold prompt costs no bytes and no slots. Sets the lookup's deadline from what it would save."""
+        """Ask each tier which of the keys past the RAM prefixes it holds, and at what length
+        (reader thread): the disk from its index, the remote with one STRLEN pipeline; nothing is
+        transferred, so a cold prompt costs no bytes and no slots. Sets the lookup's deadline
+        from what it would save."""
         runs: list[list[list[int]]] = [[] for _ in read.missing]
+        sizes = [0] * len(read.missing)
         try:
-            refs = [self._ref(read, item, i) for item, (_, keys) in enumerate(read.missing) for i in range(len(keys))]
-            held = [tier.contains(refs) if _up(tier) else [False] * len(refs) for tier in self.tiers]
+            refs = [ChunkRef(salt, key) for salt, keys in read.missing for key in keys]
+            held = [tier.lengths(refs) if _up(tier) else [None] * len(refs) for tier in self.tiers]
             flat = 0
             for item, (_, keys) in enumerate(read.missing):
                 for i in range(len(keys)):
-                    holders = [t for t in range(len(self.tiers)) if held[t][flat + i]]
+                    found = [held[t][flat + i] for t in range(len(self.tiers))]
+                    if i == 0:  # the run's chunk size: what the first tier holding its first key has
+                        sizes[item] = next((n for n in found if n), 0)
+                    holders = [t for t, n in enumerate(found) if n and n == sizes[item]]
                     if not holders or len(runs[item]) != i:
-                        continue  # the run ends at the first key no tier holds
+                        continue  # the run ends at the first key no tier holds at the run's size
                     runs[item].append(holders)
                 flat += len(keys)
         except Exception:
@@ -311,6 +309,7 @@ class TierSet:
         longest = max((len(run) for run in runs), default=0)
         read.deadline += self.deadline_for(longest, read.per_chunk)
         read.holders = runs
+        read.sizes = sizes
         self._post(lambda: self._place(read))
 
     def deadline_for(self, chunks: int, engine_per_chunk: float | None = None) -> float:
@@ -349,7 +348,7 @@ class TierSet:
     @staticmethod
     def _ref(read: _Read, item: int, i: int) -> ChunkRef:
         salt, keys = read.missing[item]
-        return ChunkRef(salt, keys[i], length=read.size)
+        return ChunkRef(salt, keys[i], length=read.sizes[item])
 
 
 def _up(tier: Tier) -> bool:

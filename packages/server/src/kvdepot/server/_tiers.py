@@ -132,8 +132,10 @@ class Tier(Protocol):
         """
         ...
 
-    def contains(self, refs: Sequence[ChunkRef]) -> list[bool]:
-        """Whether each chunk is probably in the tier (not verified; a read may still miss)."""
+    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
+        """The payload bytes each chunk probably has in the tier, None where it is not there
+        (not verified; a read may still miss). ``refs[i].length`` is not looked at: a chunk's
+        name fixes its bytes, so what the tier holds under it is the length to read it with."""
         ...
 
     def stats(self) -> TierStats:
