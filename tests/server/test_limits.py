@@ -43,6 +43,40 @@ def test_hellos_with_ever_new_client_ids_keep_one_session(serve):
         ctx.term()
 
 
+def test_a_peer_cannot_pose_as_the_servers_own_tier_session(serve, workdir):
+    """A Hello under a reserved client id (`kvdepot/...`, the id of the session that pins chunks
+    for the write-behind) is refused with a typed error, so the peer cannot end that session; the
+    server keeps writing committed chunks to its disk tier."""
+    import time
+
+    from kvdepot.transport import RESERVED_CLIENT_PREFIX
+    from kvdepot.transport._messages import EndSession, ErrorReply
+
+    server = serve(*SMALL_POOL, "--disk-dir", str(workdir / "disk"), "--disk-capacity", "64MiB")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    try:
+        for i, body in enumerate([Hello(PROTOCOL_VERSION, f"{RESERVED_CLIENT_PREFIX}tiers", "poser"), EndSession()]):
+            sock.send(encode_request(Request(i + 1, body)))
+            assert sock.poll(int(T * 1000)), "no reply"
+            reply = decode_reply(sock.recv()).body
+            assert isinstance(reply, ErrorReply)
+            assert reply.code == ("invalid_argument" if i == 0 else "hello_required")
+    finally:
+        sock.close(0)
+        ctx.term()
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, 4096).result(T)
+        res = client.reserve("s", [bytes([i]) * 32 for i in range(4)], 4096).result(T)
+        client.commit(res.reservation_id).result(T)
+    deadline = time.monotonic() + 20
+    while fetch_stats(server.address, timeout=T).extra.get("tier:disk:objects") != 4:
+        assert time.monotonic() < deadline, "the committed chunks were not written behind"
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("capacity", ["99999TiB", "9" * 400])
 def test_an_impossible_capacity_is_refused_at_once_with_a_message(workdir, capacity):
     """A capacity beyond the shared-memory filesystem, or a number too large to be one, exits 2 at once

@@ -43,13 +43,13 @@ from kvdepot.server._index import ChunkIndex
 from kvdepot.server._records import Entry
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
-from kvdepot.transport import Deferred, error_reply_from
+from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred, error_reply_from
 
 log = structlog.get_logger(__name__)
 
 #: The server's own session in the index: its leases pin chunks being copied out, its
 #: reservations hold the slots that lower-tier reads fill.
-TIER_CLIENT = "kvdepot/tiers"
+TIER_CLIENT = f"{RESERVED_CLIENT_PREFIX}tiers"
 #: How long a lookup waits at most for the lower tiers (seconds), unless `--tier-deadline` says.
 DEFAULT_READ_DEADLINE = 0.5
 #: ... and, when set, at most this per chunk of the longest run the tiers hold past the RAM

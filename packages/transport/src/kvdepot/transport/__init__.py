@@ -46,6 +46,7 @@ from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
+    RESERVED_CLIENT_PREFIX,
     Abort,
     AbortReply,
     Clear,
@@ -92,6 +93,7 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "PROTOCOL_VERSION",
     "REPLY_FOR",
+    "RESERVED_CLIENT_PREFIX",
     "Abort",
     "AbortReply",
     "BadFrame",

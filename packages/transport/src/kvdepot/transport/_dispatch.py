@@ -31,6 +31,7 @@ from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
+    RESERVED_CLIENT_PREFIX,
     EndSession,
     ErrorReply,
     FieldValue,
@@ -243,6 +244,14 @@ class Dispatcher:
     def _check_hello(self, hello: Hello) -> ErrorReply | None:
         if hello.protocol_version != PROTOCOL_VERSION:
             return self._version_mismatch(hello.protocol_version)
+        if hello.client_id.startswith(RESERVED_CLIENT_PREFIX):
+            self.counters["errors"] += 1
+            log.warning("peer_reserved_id", client_id=hello.client_id)
+            return ErrorReply(
+                CODE_INVALID_ARGUMENT,
+                f"client ids starting with {RESERVED_CLIENT_PREFIX!r} are the server's own; choose another "
+                "(CacheClient picks random hex)",
+            )
         if self._secret is not None and not hmac.compare_digest(hello.auth.encode(), self._secret):
             self.counters["unauthorized"] += 1
             log.warning("peer_unauthorized", peer=hello.client_id)

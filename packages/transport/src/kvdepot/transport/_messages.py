@@ -22,6 +22,10 @@ from kvdepot.core import KEY_SIZE
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
 PROTOCOL_VERSION = 3  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk
 
+#: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
+#: under one is refused, so no peer can take over or end such a session.
+RESERVED_CLIENT_PREFIX = "kvdepot/"
+
 # Bounds that keep a peer's numbers from driving large allocations. The frame-size bound in
 # the codec is the real limit; these catch nonsense early with a precise message.
 MAX_KEYS_PER_REQUEST = 1 << 16  # 65,536 chunks of 256 tokens = 16M tokens, far beyond any prompt
