@@ -109,6 +109,19 @@ def test_restart_rebuilds_the_index(tier_dir):
         assert read(again, 1, 2, 3) == [payload(1), payload(2), payload(3)]
 
 
+def test_a_restart_keeps_reads_as_uses_in_the_lru_order(tier_dir):
+    """A chunk read since it was written is more recently used than one written after it, also
+    for a restarted tier (which rebuilds its LRU order from the files' times)."""
+    with DiskTier(tier_dir, 4 * OBJECT) as tier:
+        write(tier, 0, 1, 2, 3)
+        for key in range(4):  # written long ago, one second apart (file times are coarser than that)
+            os.utime(object_path(tier_dir, key), (1e9 + key, 1e9 + key))
+        assert read(tier, 0) == [payload(0)]  # ... but 0 was used just now; 1 is the least recent
+    with DiskTier(tier_dir, 4 * OBJECT) as again:
+        write(again, 4)
+        assert [g is not None for g in read(again, 0, 1, 2, 3, 4)] == [True, False, True, True, True]
+
+
 def test_restart_with_smaller_capacity_evicts_down_to_it(tier_dir):
     """Reopened with less capacity, the tier evicts at start until it fits."""
     with DiskTier(tier_dir, 8 * OBJECT) as tier:

@@ -459,6 +459,8 @@ class DiskTier:
             beyond = bytearray(1)  # a byte read here means the file is longer than its header says
             total = len(header) + payload.nbytes
             got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
+            with contextlib.suppress(OSError):  # the file's mtime is its last use: a restart rebuilds the LRU from it
+                os.utime(fd)
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
