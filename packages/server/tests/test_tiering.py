@@ -27,9 +27,11 @@ class SlowDisk(DiskTier):
         return super()._read_one(ref, buf)
 
 
-def make(tmp_path, answers: list, **kw):
+def make(tmp_path, answers: list, index_kw: dict | None = None, **kw):
     pool = memoryview(bytearray(2 * PAGE))
-    index = ChunkIndex(SlabAllocator(2 * PAGE, PAGE), headers=SlotHeaders(pool), max_client_pending_bytes=2 * PAGE)
+    index = ChunkIndex(
+        SlabAllocator(2 * PAGE, PAGE), headers=SlotHeaders(pool), max_client_pending_bytes=2 * PAGE, **(index_kw or {})
+    )
     tiers = TierSet(
         [SlowDisk(tmp_path / "disk", 1 << 24)],
         index,
@@ -122,6 +124,58 @@ def test_a_commit_stands_and_is_written_behind_after_the_tier_session_was_ended(
         index.close_session(TIER_CLIENT)
         assert store(index, pool, "a", [b"\x01" * 32]) == 1
         settle(tiers, lambda: tiers.tiers[0].stats().objects == 1 and index.stats().leased_chunks == 0)
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_a_slow_tier_read_keeps_its_slots_however_long_it_takes(tmp_path):
+    """The slots a tier read fills stay its own until the read settles: neither the reservation
+    TTL nor a silent session frees them under the reader. Freed, they could go to another
+    client's chunk, which the reader would then overwrite with these bytes (a hit on wrong KV)."""
+    answers: list = []
+    pool, index, tiers = make(
+        tmp_path, answers, index_kw={"reservation_ttl": 0.05}, read_deadline=5.0, read_deadline_per_chunk=None
+    )
+    try:
+        keys = on_disk_only(tiers, index, pool, 4)
+        tiers.tiers[0].delay = 0.15
+        assert tiers.lookup("a", [("", keys)], 0.0) is not None
+        settle(tiers, lambda: index.stats().pending_chunks == 4)  # the slots are taken, the read is under way
+        later = time.monotonic() + 100
+        index.touch("a", later)  # the asking client stays; everything else is long past due
+        index.sessions.session_ttl = 1.0
+        index.expire(later)
+        assert index.stats().pending_chunks == 4
+        settle(tiers, lambda: answers)
+        (result,) = answers[0]
+        assert result.num_hits == 4
+        for (offset, length), key in zip(result.slots, keys, strict=True):
+            assert bytes(pool[offset : offset + length]) == key * (length // 32)
+        assert index.stats().pending_chunks == 0
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_a_tier_read_never_evicts_the_ram_prefix_of_its_own_lookup(tmp_path):
+    """With the pool full, the slots for the chunks read from the tier are found by eviction; the
+    lookup's own RAM prefix, the least recently used, is held meanwhile, so the whole prompt hits."""
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers)
+    try:
+        keys = on_disk_only(tiers, index, pool, 6)
+        store(index, pool, "a", keys[:2])  # the prefix is in RAM again, the oldest chunks there
+        store(index, pool, "a", [bytes([0x80, i]) * 16 for i in range(SLOTS - 2)])  # the pool is full
+        settle(tiers, lambda: index.stats().leased_chunks == 0)
+        assert tiers.lookup("a", [("", keys)], 0.0) is not None
+        settle(tiers, lambda: answers)
+        (result,) = answers[0]
+        assert result.num_hits == 6
+        for (offset, length), key in zip(result.slots, keys, strict=True):
+            assert bytes(pool[offset : offset + length]) == key * (length // 32)
+        index.release("a", [result.lease_id])
+        assert index.stats().leased_chunks == 0  # the tiers' own lease on the prefix is gone too
         index.check()
     finally:
         tiers.close()

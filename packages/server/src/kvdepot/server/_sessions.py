@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 from kvdepot.server._errors import NotRegisteredError, TooManyError
 from kvdepot.server._records import Entry, Lease, Reservation, Session
+from kvdepot.transport import RESERVED_CLIENT_PREFIX
 
 # Seconds a lookup's lease pins its chunks when the client never releases it. Long enough for
 # a loaded engine to schedule and scatter a hit; short enough that a stuck client frees memory.
@@ -114,7 +115,11 @@ class Sessions:
         """The clients not heard from for longer than the session TTL."""
         if self.session_ttl == float("inf"):
             return []
-        return [c for c, s in self._sessions.items() if now - s.last_seen > self.session_ttl]
+        return [
+            c
+            for c, s in self._sessions.items()
+            if now - s.last_seen > self.session_ttl and not c.startswith(RESERVED_CLIENT_PREFIX)
+        ]
 
     # -- reservations ---------------------------------------------------------------------
 
@@ -125,7 +130,11 @@ class Sessions:
                 f"client holds {len(session.reservations)} reservations; commit or abort some first",
                 limit=MAX_RESERVATIONS_PER_CLIENT,
             )
-        return Reservation(self._new_id(), session.client, salt, now + self.reservation_ttl, {})
+        # The server's own sessions (no peer may take their ids) end their reservations
+        # themselves: a tier read fills its slots from another thread until it settles, so
+        # slots freed by expiry under it could be handed to another client and overwritten.
+        ttl = float("inf") if session.client.startswith(RESERVED_CLIENT_PREFIX) else self.reservation_ttl
+        return Reservation(self._new_id(), session.client, salt, now + ttl, {})
 
     def may_pend(self, session: Session, slot_size: int) -> bool:
         """Whether `session` may hold one more pending slot of `slot_size` bytes."""
@@ -143,7 +152,8 @@ class Sessions:
     def hold(self, session: Session, reservation: Reservation) -> None:
         self.reservations[reservation.id] = reservation
         session.reservations.add(reservation.id)
-        heapq.heappush(self._deadlines, (reservation.deadline, _RESERVATION, reservation.id))
+        if reservation.deadline != float("inf"):  # one that never expires would never leave the heap
+            heapq.heappush(self._deadlines, (reservation.deadline, _RESERVATION, reservation.id))
 
     def reservation(self, client: str, reservation_id: int) -> Reservation | None:
         """The live reservation `reservation_id` of `client`; None if unknown or another's."""

@@ -108,6 +108,7 @@ class _Read:
     missing: list[tuple[str, list[bytes]]]  # per item: the keys past its RAM prefix
     deadline: float
     per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
+    prefix_leases: list[int] = attrs.field(factory=list)  # the tiers' leases on the RAM prefixes
     # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
     holders: list[list[list[int]]] = attrs.field(factory=list)
     sizes: list[int] = attrs.field(factory=list)  # per item: the payload bytes of each chunk of its run
@@ -199,11 +200,17 @@ class TierSet:
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
         if self._closed or not any(_up(t) for t in self.tiers):
             return None
-        prefixes = self.index.prefix_lengths(items)
+        try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
+            self.index.touch(TIER_CLIENT, now, "tiers")
+            held = self.index.lookup(TIER_CLIENT, items, now, count=False)
+            prefixes, leases = [o.num_hits for o in held], [o.lease_id for o in held if o.lease_id]
+        except ServerError:  # too many leases or sessions: read without holding the prefixes
+            prefixes, leases = self.index.prefix_lengths(items), []
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
+            self.index.release(TIER_CLIENT, leases)
             return None
-        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk)
+        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases)
         self.counters["reads_deferred"] += 1
         self._reader.submit(self._probe, read)
         return read.deferred
@@ -248,6 +255,7 @@ class TierSet:
             reply = self._lookup(read.client, read.items, now)
         except Exception as exc:  # the client left meanwhile, or its leases are at their limit
             reply = error_reply_from(exc)
+        self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
         self._answer(read.deferred, reply)
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
