@@ -372,6 +372,30 @@ def test_failed_load_releases_and_recomputes_from_vllms_count(local_hit):
     assert len(client.lookups) == 1
 
 
+def test_a_load_that_failed_on_one_rank_steps_before_the_others_finished_is_a_failure():
+    """With several ranks, one rank's failure reaches the scheduler in the step it failed, and vLLM
+    lists the load as finished only once the last rank reported, steps later. The load is still
+    a failure: nothing of the hit is counted as computed beyond vLLM's cut-back count, and every
+    chunk the request computes again is stored, none before it is computed."""
+    client = FakeClient()
+    s = side(client)  # blocks of 4 tokens, chunks of 8
+    a = request("a", 40)
+    assert looked_up(s, client, a, (4, 11)) == (32, True)
+    blocks = list(range(1, 11))
+    s.update_state_after_alloc(a, (blocks,), 32)
+    assert len(s.build_connector_meta(output()).loads) == 1
+    a.num_computed_tokens = 8  # one rank failed from the second chunk on: vLLM cut back to 8 tokens
+    s.update_connector_output(finished(failed={"a"}))  # that rank's report; the load is not finished yet
+    s.update_connector_output(SimpleNamespace(finished_recving={"a"}, kv_connector_worker_meta=None))
+    assert s.stats.data["load_failures"] == 1
+    assert client.released == [11]
+    assert s.planner.get("a").state is RequestState.READY
+    # vLLM resumes the request from token 8, 8 tokens this step: chunk 1 (tokens 8-15) is stored.
+    s.update_state_after_alloc(a, (blocks,), 0)
+    meta = s.build_connector_meta(output(new=[("a", blocks)], scheduled={"a": 8}))
+    assert [(op.req_id, op.block_ids[0]) for op in meta.stores] == [("a", blocks[2:4])]
+
+
 def test_preempted_request_looks_up_again():
     """A running request that comes back to the waiting queue is looked up again and can load."""
     client = FakeClient()

@@ -239,13 +239,19 @@ class SchedulerSide:
         self.prefill.step_done(time.monotonic())
         worker_meta = output.kv_connector_worker_meta
         failed = worker_meta.failed if isinstance(worker_meta, KVDepotWorkerMetadata) else set()
-        # vLLM lists a load here once every worker has finished it, failed or not; it has
-        # already cut a failed request's computed tokens back to its first failed block.
+        # A worker reports its failed load in the step it failed, and vLLM passes that on at once;
+        # but it lists the load as finished only once every worker reported it, which with several
+        # ranks can be steps later (and in a step whose reports say nothing of it): remember it.
+        for req_id in failed:
+            record = self._records.get(req_id)
+            if record is not None and self.planner.is_loading(req_id):
+                record.load_failed = True
+        # vLLM has already cut a failed request's computed tokens back to its first failed block.
         for req_id in output.finished_recving or ():
             if not self.planner.is_loading(req_id):
                 continue
             record = self._records.get(req_id)
-            if req_id in failed:
+            if req_id in failed or (record is not None and record.load_failed):
                 self.stats.add("load_failures")
                 if record is not None:
                     record.load_failed = True
