@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
-from kvdepot.gpu import CudaCopier, KVLayout, open_copier
+from kvdepot.gpu import CudaCopier, KVLayout, compute_event, open_copier
 from kvdepot.gpu._triton import available as triton_available
 from kvdepot.gpu.testing import LAYOUT_NAMES, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
@@ -61,6 +63,26 @@ def test_gather_is_ordered_after_the_compute_stream(method: str) -> None:
         for t in case.kv.values():
             t[3:5].fill_(1.5)
         copier.gather([[3, 4]], [0]).wait()
+    expected = torch.full((pool.numel() // 2,), 1.5, dtype=torch.float16)
+    assert torch.equal(pool.view(torch.float16), expected)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_gather_from_another_thread_waits_for_the_engines_own_stream(method: str) -> None:
+    """An engine computes on a stream of its own, and the connector copies from another thread,
+    whose current stream is another one: with an event the engine's thread recorded
+    (`compute_event`) as `after`, the gather still sees what the engine's kernels wrote."""
+    case = build_case("shared_layer_major", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv)
+    pool = _host_pool(layout.chunk_bytes(2))
+    engine = torch.cuda.Stream()
+    with CudaCopier(layout, pool, method=method) as copier, concurrent.futures.ThreadPoolExecutor(1) as other:
+        with torch.cuda.stream(engine):
+            torch.cuda._sleep(50_000_000)  # keep the engine's stream busy so an unordered copy would read early
+            for t in case.kv.values():
+                t[3:5].fill_(1.5)
+            after = compute_event(layout.device)
+        other.submit(lambda: copier.gather([[3, 4]], [0], after=after).wait()).result()
     expected = torch.full((pool.numel() // 2,), 1.5, dtype=torch.float16)
     assert torch.equal(pool.view(torch.float16), expected)
 

@@ -238,6 +238,51 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
         worker.shutdown()
 
 
+def test_every_copy_waits_for_the_engine_work_queued_when_the_step_asked_for_it(
+    client: CacheClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copies run on the copy thread, whose current stream is not the engine's: each store
+    and load waits for an event recorded on the engine's thread when vLLM asked for the copy (on
+    a GPU, `compute_event` of the engine's stream; a store would otherwise read blocks before
+    this step's layers wrote them). On a CPU the event is None: the step's work is done."""
+    import kvdepot.gpu
+
+    events: list[tuple[str, Any]] = []  # (thread that recorded the event, event)
+
+    def compute_event(device: torch.device) -> Any:
+        event = object()
+        events.append((threading.current_thread().name, event))
+        return event
+
+    assert kvdepot.gpu.compute_event(torch.device("cpu")) is None
+    monkeypatch.setattr(kvdepot.gpu, "compute_event", compute_event)
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    try:
+        pool = worker._copier.submit(worker._current_pool).result()
+        assert pool is not None
+        copier = pool.copiers[0]
+        waited: list[tuple[str, Any]] = []
+        for name in ("gather", "scatter"):
+            real = getattr(copier, name)
+
+            def copy(*args: Any, _name: str = name, _real: Any = real, after: Any = None, **kwargs: Any) -> Any:
+                waited.append((_name, after))
+                return _real(*args, **kwargs)
+
+            setattr(copier, name, copy)
+        store(worker, "a", [KEY], [1, 2])
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
+        finished(worker, "b", sending=False)
+        assert torch.equal(kv[5:7], kv[1:3])
+        assert [thread for thread, _ in events] == [threading.current_thread().name] * 2
+        assert waited == [("gather", events[0][1]), ("scatter", events[1][1])]
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
 def hybrid_worker(client: CacheClient, t0: torch.Tensor, t1: torch.Tensor) -> WorkerSide:
     """A worker of a Gemma-2-like model: layers 0 and 2 slide, 1 and 3 attend to everything; as in
     vLLM, one layer of each group shares each tensor (a block belongs to one group at a time)."""

@@ -1,6 +1,6 @@
 """kvdepot.gpu: KV-cache layouts of inference engines, and block copies to and from the pool."""
 
-from kvdepot.gpu._copier import CpuCopier, ReferenceCopier, gather, open_copier, scatter
+from kvdepot.gpu._copier import CpuCopier, ReferenceCopier, compute_event, gather, open_copier, scatter
 from kvdepot.gpu._copy import CopyHandle
 from kvdepot.gpu._cuda import CudaCopier, CudaCopyHandle
 from kvdepot.gpu._errors import (
@@ -34,6 +34,7 @@ __all__ = [
     "SlotSizeError",
     "UnsupportedLayoutError",
     "__version__",
+    "compute_event",
     "gather",
     "open_copier",
     "scatter",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import structlog
 import torch
@@ -88,10 +88,17 @@ class _SyncCopier:
         self._closed = False
 
     def gather(
-        self, block_ids_per_chunk: Sequence[BlockIds], slot_offsets: Sequence[int], *, slot_size: int | None = None
+        self,
+        block_ids_per_chunk: Sequence[BlockIds],
+        slot_offsets: Sequence[int],
+        *,
+        slot_size: int | None = None,
+        after: Any = None,
     ) -> CopyHandle:
-        """Copy every layer's bytes of each chunk's blocks into its slot."""
+        """Copy every layer's bytes of each chunk's blocks into its slot (after `after`, an event
+        from `compute_event`; None on a CPU, where the engine's work is done when it calls)."""
         self._check_open()
+        _wait_for(after)
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )
@@ -105,9 +112,11 @@ class _SyncCopier:
         *,
         skip_blocks: int | Sequence[int] = 0,
         slot_size: int | None = None,
+        after: Any = None,
     ) -> CopyHandle:
         """Copy each slot into its chunk's blocks, except the `skip_blocks` leading ones."""
         self._check_open()
+        _wait_for(after)
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, skip_blocks=skip_blocks, slot_size=slot_size,
             writes_kv=True,
@@ -182,6 +191,27 @@ class ReferenceCopier(_SyncCopier):
     def describe(self) -> str:
         """How copies run, for logs."""
         return f"{self.layout.device.type}: plain-torch reference copy (slow)"
+
+
+def compute_event(device: torch.device) -> Any:
+    """An event at the end of the work queued so far on the calling thread's current stream of
+    `device`, or None where copies need none (a CPU: its work is done when the call returns).
+
+    Pass it as `after=` to a gather or scatter made from another thread: each thread has its
+    own current stream, and an engine computes on a stream of its own, so a copier on another
+    thread cannot tell by itself which work the blocks wait for.
+    """
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait_for(after: Any) -> None:
+    """Make the calling thread's current stream wait for `after` (a CUDA event), if any."""
+    if after is not None:
+        after.wait()
 
 
 def open_copier(

@@ -289,13 +289,14 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
         self._held |= meta.held
+        after = self._engine_event() if meta.loads else None
         for op in meta.loads:
-            self._loads[op.req_id] = (op, self._copier.submit(self._load, op))
+            self._loads[op.req_id] = (op, self._copier.submit(self._load, op, after))
 
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
         if not meta.stores or not self.strategy.stores:
             return
-        future = self._copier.submit(self._store_all, meta.stores)
+        future = self._copier.submit(self._store_all, meta.stores, self._engine_event())
         for op in meta.stores:
             self._stores.setdefault(op.req_id, []).append(future)
 
@@ -322,9 +323,17 @@ class WorkerSide:
         self._held -= sending
         return sending or None, recving or None
 
+    def _engine_event(self) -> Any:
+        """The end of the work the engine queued so far (on this, its thread's stream): the copy
+        thread's copies wait for it, on a GPU, or a store could read blocks before this step's
+        layers wrote them, and a load write blocks kernels queued earlier still use."""
+        from kvdepot.gpu import compute_event
+
+        return compute_event(self.layout.device) if self.layout is not None else None
+
     # -- on the copy thread ------------------------------------------------------------
 
-    def _load(self, op: LoadOp) -> None:
+    def _load(self, op: LoadOp, after: Any = None) -> None:
         if self.load_delay:
             time.sleep(self.load_delay)
         pool = self._current_pool()
@@ -361,14 +370,14 @@ class WorkerSide:
             ):
                 blocks = [ids[i * bpc : (i + 1) * bpc] for i in range(good)]
                 offsets = [offset + at for offset in slots[:good]]
-                copier.scatter(offsets, blocks, skip_blocks=skip, slot_size=size).wait()
+                copier.scatter(offsets, blocks, skip_blocks=skip, slot_size=size, after=after).wait()
             good = next((i for i in range(good) if pool.header(slots[i]) != before[i]), good)
         if good < len(slots):
             raise SlotChangedError(good, len(slots))
         self._add("loaded_tokens", op.num_tokens)
         self._add("loaded_bytes", len(slots) * self.chunk_bytes)
 
-    def _store_all(self, ops: list[StoreOp]) -> None:
+    def _store_all(self, ops: list[StoreOp], after: Any = None) -> None:
         """Reserve one step's chunks in one message, copy each request's, and commit them.
 
         Returns once the commits are answered, so a store reported done (`get_finished`) is
@@ -393,7 +402,7 @@ class WorkerSide:
                 self._add("store_skipped")
                 continue
             if reply.slots:
-                answers.append(self._store(op, reply, pool))
+                answers.append(self._store(op, reply, pool, after))
         for answer in answers:
             try:
                 answer.result()
@@ -401,7 +410,7 @@ class WorkerSide:
                 self._server_failed(exc)
                 log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", exc)
 
-    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping) -> Future[Any]:
+    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping, after: Any = None) -> Future[Any]:
         """Copy the reserved chunks into their slots; the future of the commit (or of the abort)."""
         bpc = self.blocks_per_chunk
         try:
@@ -409,7 +418,7 @@ class WorkerSide:
                 pool.copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True
             ):
                 blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
-                copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size).wait()
+                copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size, after=after).wait()
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
             return self.client.abort(reply.reservation_id, server_id=pool.server_id)
