@@ -21,10 +21,15 @@ class SlowDisk(DiskTier):
     """A real disk tier whose every chunk read takes ``delay`` seconds longer (a sick device)."""
 
     delay = 0.0
+    probe_delay = 0.0  # and every probe (which chunks it holds)
 
     def _read_one(self, ref, buf):
         time.sleep(self.delay)
         return super()._read_one(ref, buf)
+
+    def lengths(self, refs):
+        time.sleep(self.probe_delay)
+        return super().lengths(refs)
 
 
 def make(tmp_path, answers: list, index_kw: dict | None = None, **kw):
@@ -176,6 +181,37 @@ def test_a_tier_read_never_evicts_the_ram_prefix_of_its_own_lookup(tmp_path):
             assert bytes(pool[offset : offset + length]) == key * (length // 32)
         index.release("a", [result.lease_id])
         assert index.stats().leased_chunks == 0  # the tiers' own lease on the prefix is gone too
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_a_client_cannot_queue_tier_reads_without_bound(tmp_path):
+    """Past MAX_READS_PER_CLIENT lookups waiting for the tiers, a client's next lookup is answered
+    from RAM at once (counted); another client's still waits for the tiers; a lookup past the
+    key limit never reaches the reader (the lookup from RAM refuses it); and a read that waited
+    in the queue longer than the longest deadline is not even probed."""
+    from kvdepot.server._index import MAX_KEYS_PER_REQUEST
+    from kvdepot.server._tiering import MAX_READS_PER_CLIENT
+
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers, read_deadline=0.3, read_deadline_per_chunk=None)
+    try:
+        keys = on_disk_only(tiers, index, pool, 4)
+        index.touch("b", 0.0)
+        tiers.tiers[0].probe_delay = 0.2
+        now = time.monotonic()
+        waiting = [tiers.lookup("a", [("", keys[i : i + 1])], now) for i in range(MAX_READS_PER_CLIENT)]
+        assert all(d is not None for d in waiting)
+        assert tiers.lookup("a", [("", keys)], now) is None  # answered from RAM at once
+        assert tiers.counters["reads_refused"] == 1
+        assert tiers.lookup("b", [("", keys)], now) is not None  # another client is not refused
+        assert tiers.lookup("b", [("", [b"\x01" * 32] * (MAX_KEYS_PER_REQUEST + 1))], now) is None
+        settle(tiers, lambda: len(answers) == MAX_READS_PER_CLIENT + 1)
+        assert tiers.counters["reads_expired"] >= 1  # the last ones waited behind 0.2 s probes past 0.3 s
+        assert tiers._reads_of == {}
+        assert tiers._prefix_leases == 0
+        assert index.stats().pending_chunks == 0
         index.check()
     finally:
         tiers.close()

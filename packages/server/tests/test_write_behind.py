@@ -88,13 +88,33 @@ def test_submit_never_blocks_and_drops_when_full(fake):
     wb.close()
 
 
+def test_one_salt_leaves_a_share_of_the_queue_to_the_others(fake):
+    """A tenant that commits a burst fills at most SALT_SHARE of the queue (items and bytes); the
+    rest takes other tenants' chunks, which would otherwise all be dropped behind the burst."""
+    fake.gate.clear()
+    wb = WriteBehind(fake, max_items=8, max_bytes=8000, batch_items=1)
+    wb.submit([ChunkWrite("held", b"h", b"x")])  # the worker takes it and waits at the gate
+    time.sleep(0.05)
+    burst = [ChunkWrite("a", b"a%d" % i, b"a" * 100) for i in range(20)]
+    assert wb.submit(burst) == 6  # 3/4 of 8
+    assert wb.submit([ChunkWrite("b", b"b%d" % i, b"b" * 100) for i in range(4)]) == 2  # the queue is full
+    assert wb.submit([ChunkWrite("c", b"c", b"c" * 7000)]) == 0  # past the byte bound
+    fake.gate.set()
+    assert wb.flush(5)
+    assert sum(1 for salt, _ in fake.objects if salt == "b") == 2
+    assert wb.submit([ChunkWrite("c", b"c", b"c" * 5000)]) == 1  # within its share once the queue drained
+    assert wb.submit([ChunkWrite("c", b"c2", b"c" * 1500)]) == 0  # past 3/4 of the bytes for one salt
+    fake.gate.set()
+    wb.close(drain=True)
+
+
 def test_byte_bound(fake):
     """The queue also holds at most max_bytes of payload."""
     fake.gate.clear()
     wb = WriteBehind(fake, max_bytes=1000, batch_items=1)
     wb.submit([item(0, 10)])  # the worker takes it and waits at the gate
     time.sleep(0.05)
-    assert wb.submit([item(i, 400) for i in range(1, 5)]) == 2
+    assert wb.submit([ChunkWrite(f"s{i}", b"k", b"x" * 400) for i in range(1, 5)]) == 2  # salts of their own
     assert wb.stats().queued_bytes == 800
     fake.gate.set()
     wb.close(drain=True)

@@ -38,9 +38,10 @@ import attrs
 import structlog
 
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
-from kvdepot.server._errors import ServerError
-from kvdepot.server._index import ChunkIndex
+from kvdepot.server._errors import ServerError, TooManyError
+from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._records import Entry
+from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
 from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred, error_reply_from
@@ -58,6 +59,16 @@ DEFAULT_READ_DEADLINE = 0.5
 #: speed (256 tokens take ~10 ms on a GPU for a 1B model, seconds on a CPU), and a figure set
 #: too low turns healthy hits into misses (a cold read-pool connection alone takes ~50 ms).
 DEFAULT_READ_DEADLINE_PER_CHUNK: float | None = None
+#: Lookups waiting for the tiers at once, per client and in all: past these a lookup is
+#: answered from RAM at once (`tier_reads_refused`). One reader thread serves them in turn, so
+#: without a bound one client's stream of lookups would queue reads (and their memory) without
+#: limit, and everyone else's would wait behind them. An engine has one lookup out at a time.
+MAX_READS_PER_CLIENT = 4
+MAX_READS = 64
+#: Leases the tiers' session may hold on the RAM prefixes of the lookups they read for; past
+#: this a read goes on without holding its prefix. The rest of the session's lease limit stays
+#: for the write-behind's pins.
+MAX_PREFIX_LEASES = MAX_LEASES_PER_CLIENT // 2
 
 
 @attrs.define(eq=False)
@@ -144,7 +155,17 @@ class TierSet:
         self._pins: dict[tuple[str, bytes], _Pin] = {}
         self._writers = [WriteBehind(t, on_done=self._written) for t in self.tiers]
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-tier-read")
-        self.counters = {"read_hits": 0, "read_misses": 0, "read_late": 0, "reads_deferred": 0, "pins_dropped": 0}
+        self.counters = {
+            "read_hits": 0,
+            "read_misses": 0,
+            "read_late": 0,
+            "reads_deferred": 0,
+            "reads_refused": 0,
+            "reads_expired": 0,
+            "pins_dropped": 0,
+        }
+        self._reads_of: dict[str, int] = {}  # per client: its lookups waiting for the tiers
+        self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
         index.on_commit = self._committed
@@ -200,17 +221,27 @@ class TierSet:
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
         if self._closed or not any(_up(t) for t in self.tiers):
             return None
+        if sum(len(keys) for _, keys in items) > MAX_KEYS_PER_REQUEST:
+            return None  # the lookup from RAM refuses it with its typed error
+        if self._reads_of.get(client, 0) >= MAX_READS_PER_CLIENT or sum(self._reads_of.values()) >= MAX_READS:
+            self.counters["reads_refused"] += 1
+            return None
+        leases: list[int] = []
         try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
+            if self._prefix_leases + len(items) > MAX_PREFIX_LEASES:
+                raise TooManyError("the tiers hold their share of leases on RAM prefixes")
             self.index.touch(TIER_CLIENT, now, "tiers")
             held = self.index.lookup(TIER_CLIENT, items, now, count=False)
             prefixes, leases = [o.num_hits for o in held], [o.lease_id for o in held if o.lease_id]
         except ServerError:  # too many leases or sessions: read without holding the prefixes
-            prefixes, leases = self.index.prefix_lengths(items), []
+            prefixes = self.index.prefix_lengths(items)
         missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
         if not any(keys for _, keys in missing):
             self.index.release(TIER_CLIENT, leases)
             return None
         read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases)
+        self._reads_of[client] = self._reads_of.get(client, 0) + 1
+        self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
         self._reader.submit(self._probe, read)
         return read.deferred
@@ -256,6 +287,12 @@ class TierSet:
         except Exception as exc:  # the client left meanwhile, or its leases are at their limit
             reply = error_reply_from(exc)
         self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
+        self._prefix_leases -= len(read.prefix_leases)
+        left = self._reads_of[read.client] - 1
+        if left:
+            self._reads_of[read.client] = left
+        else:
+            del self._reads_of[read.client]
         self._answer(read.deferred, reply)
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
@@ -297,6 +334,11 @@ class TierSet:
         from what it would save."""
         runs: list[list[list[int]]] = [[] for _ in read.missing]
         sizes = [0] * len(read.missing)
+        if time.monotonic() >= read.deadline + self.read_deadline:  # waited its longest in the queue already
+            self.counters["reads_expired"] += 1
+            read.holders, read.sizes = runs, sizes
+            self._post(lambda: self._place(read))
+            return
         try:
             refs = [ChunkRef(salt, key) for salt, keys in read.missing for key in keys]
             held = [tier.lengths(refs) if _up(tier) else [None] * len(refs) for tier in self.tiers]

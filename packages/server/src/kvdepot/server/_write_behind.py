@@ -31,6 +31,9 @@ DEFAULT_MAX_ITEMS = 4096
 DEFAULT_MAX_BYTES = 1 << 30
 DEFAULT_BATCH_ITEMS = 16
 DEFAULT_BATCH_BYTES = 32 << 20
+#: The part of a queue (items and bytes) one salt may hold: a tenant that commits a burst
+#: leaves the rest for the others' chunks, which would otherwise all be dropped behind it.
+SALT_SHARE = 0.75
 
 
 @attrs.frozen
@@ -80,6 +83,8 @@ class WriteBehind:
         self._on_done = on_done
         self._queue: deque[QueuedWrite] = deque()
         self._queued_bytes = 0
+        self._salt_items: dict[str, int] = {}  # per salt: items queued
+        self._salt_bytes: dict[str, int] = {}  # per salt: bytes queued
         self._in_flight = 0
         self._cond = threading.Condition()
         self._closing = False
@@ -94,15 +99,21 @@ class WriteBehind:
         with self._cond:
             for item in items:
                 size = item.length
+                own_items = self._salt_items.get(item.salt, 0)
+                own_bytes = self._salt_bytes.get(item.salt, 0)
                 if (
                     self._closing
                     or len(self._queue) >= self.max_items
                     or (self._queue and self._queued_bytes + size > self.max_bytes)
+                    or own_items + 1 > max(1, int(self.max_items * SALT_SHARE))
+                    or (own_items and own_bytes + size > self.max_bytes * SALT_SHARE)
                 ):
                     self._dropped += 1
                     continue
                 self._queue.append(item)
                 self._queued_bytes += size
+                self._salt_items[item.salt] = own_items + 1
+                self._salt_bytes[item.salt] = own_bytes + size
                 accepted += 1
             self._submitted += accepted
             if accepted:
@@ -140,6 +151,8 @@ class WriteBehind:
                 abandoned = list(self._queue)
                 self._queue.clear()
                 self._queued_bytes = 0
+                self._salt_items.clear()
+                self._salt_bytes.clear()
                 self._failed += len(abandoned)
             else:
                 abandoned = []
@@ -162,9 +175,19 @@ class WriteBehind:
                 self._queue.popleft()
                 size += item.length
                 batch.append(item)
+                self._unqueued(item)
             self._queued_bytes -= size
             self._in_flight = len(batch)
             return batch
+
+    def _unqueued(self, item: QueuedWrite) -> None:
+        """Take an item off its salt's share (lock held)."""
+        left = self._salt_items[item.salt] - 1
+        if left:
+            self._salt_items[item.salt] = left
+            self._salt_bytes[item.salt] -= item.length
+        else:
+            del self._salt_items[item.salt], self._salt_bytes[item.salt]
 
     def _run(self) -> None:
         while (batch := self._take_batch()) is not None:
