@@ -186,32 +186,60 @@ def test_a_tier_read_never_evicts_the_ram_prefix_of_its_own_lookup(tmp_path):
         tiers.close()
 
 
+def two_clients_and_a_slow_probe(tmp_path, answers: list, n: int, read_deadline: float):
+    """Clients "a" and "b", `n` chunks on disk only, and a tier that takes 0.2 s per probe."""
+    pool, index, tiers = make(tmp_path, answers, read_deadline=read_deadline, read_deadline_per_chunk=None)
+    keys = on_disk_only(tiers, index, pool, n)
+    index.touch("b", 0.0)
+    tiers.tiers[0].probe_delay = 0.2
+    return index, tiers, keys
+
+
 def test_a_client_cannot_queue_tier_reads_without_bound(tmp_path):
-    """Past MAX_READS_PER_CLIENT lookups waiting for the tiers, a client's next lookup is answered
-    from RAM at once (counted); another client's still waits for the tiers; a lookup past the
-    key limit never reaches the reader (the lookup from RAM refuses it); and a read that waited
-    in the queue longer than the longest deadline is not even probed."""
+    """Past MAX_READ_KEYS_PER_CLIENT keys of lookups waiting for the tiers, a client's next lookup
+    is answered from RAM at once (counted); another client's still waits for the tiers; a lookup
+    past the key limit never reaches the reader (the lookup from RAM refuses it); and a read
+    that waited in the queue longer than the longest deadline is not even probed."""
     from kvdepot.server._index import MAX_KEYS_PER_REQUEST
-    from kvdepot.server._tiering import MAX_READS_PER_CLIENT
+    from kvdepot.server._tiering import MAX_READ_KEYS_PER_CLIENT
 
     answers: list = []
-    pool, index, tiers = make(tmp_path, answers, read_deadline=0.3, read_deadline_per_chunk=None)
+    index, tiers, keys = two_clients_and_a_slow_probe(tmp_path, answers, 4, read_deadline=0.3)
     try:
-        keys = on_disk_only(tiers, index, pool, 4)
-        index.touch("b", 0.0)
-        tiers.tiers[0].probe_delay = 0.2
         now = time.monotonic()
-        waiting = [tiers.lookup("a", [("", keys[i : i + 1])], now) for i in range(MAX_READS_PER_CLIENT)]
+        many = MAX_KEYS_PER_REQUEST - len(keys)  # keys no tier holds, after the ones it holds
+        waiting = [
+            tiers.lookup("a", [("", keys), ("", [bytes([9, i]) * 16] * many)], now)
+            for i in range(MAX_READ_KEYS_PER_CLIENT // MAX_KEYS_PER_REQUEST)
+        ]
         assert all(d is not None for d in waiting)
         assert tiers.lookup("a", [("", keys)], now) is None  # answered from RAM at once
         assert tiers.counters["reads_refused"] == 1
         assert tiers.lookup("b", [("", keys)], now) is not None  # another client is not refused
         assert tiers.lookup("b", [("", [b"\x01" * 32] * (MAX_KEYS_PER_REQUEST + 1))], now) is None
-        settle(tiers, lambda: len(answers) == MAX_READS_PER_CLIENT + 1)
+        settle(tiers, lambda: len(answers) == len(waiting) + 1)
         assert tiers.counters["reads_expired"] >= 1  # the last ones waited behind 0.2 s probes past 0.3 s
-        assert tiers._reads_of == {}
+        assert tiers._keys_of == {}
         assert tiers._prefix_leases == 0
         assert index.stats().pending_chunks == 0
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_the_reader_takes_clients_in_turn(tmp_path):
+    """A client with several lookups waiting for a slow tier does not make another client's
+    lookup wait behind all of them: the reader takes the clients in turn."""
+    answers: list = []
+    index, tiers, keys = two_clients_and_a_slow_probe(tmp_path, answers, 8, read_deadline=5.0)
+    try:
+        for i in range(4):  # "a" asks for one chunk at a time
+            assert tiers.lookup("a", [("", keys[i : i + 1])], 0.0) is not None
+        assert tiers.lookup("b", [("", keys[4:])], 0.0) is not None  # "b" for four others at once
+        settle(tiers, lambda: len(answers) == 5)
+        hits = [result.num_hits for (result,) in answers]
+        assert sorted(hits) == [1, 1, 1, 1, 4]
+        assert hits.index(4) <= 2  # after at most two of a's, not after all four
         index.check()
     finally:
         tiers.close()

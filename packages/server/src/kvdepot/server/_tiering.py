@@ -28,10 +28,10 @@ Read-through (a lookup that misses RAM):
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -59,12 +59,13 @@ DEFAULT_READ_DEADLINE = 0.5
 #: speed (256 tokens take ~10 ms on a GPU for a 1B model, seconds on a CPU), and a figure set
 #: too low turns healthy hits into misses (a cold read-pool connection alone takes ~50 ms).
 DEFAULT_READ_DEADLINE_PER_CHUNK: float | None = None
-#: Lookups waiting for the tiers at once, per client and in all: past these a lookup is
-#: answered from RAM at once (`tier_reads_refused`). One reader thread serves them in turn, so
-#: without a bound one client's stream of lookups would queue reads (and their memory) without
-#: limit, and everyone else's would wait behind them. An engine has one lookup out at a time.
-MAX_READS_PER_CLIENT = 4
-MAX_READS = 64
+#: Chunk keys of the lookups waiting for the tiers at once, per client and in all: past these
+#: a lookup is answered from RAM at once (`tier_reads_refused`). One reader thread serves them
+#: in turn, so without a bound one client's stream of lookups would queue reads (and their
+#: memory) without limit, and everyone else's would wait behind them. An engine sends a lookup
+#: every step while earlier ones wait, but of a few hundred keys each: far below these.
+MAX_READ_KEYS_PER_CLIENT = 4 * MAX_KEYS_PER_REQUEST
+MAX_READ_KEYS = 16 * MAX_KEYS_PER_REQUEST
 #: Leases the tiers' session may hold on the RAM prefixes of the lookups they read for; past
 #: this a read goes on without holding its prefix. The rest of the session's lease limit stays
 #: for the write-behind's pins.
@@ -120,6 +121,7 @@ class _Read:
     deadline: float
     per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
     prefix_leases: list[int] = attrs.field(factory=list)  # the tiers' leases on the RAM prefixes
+    keys: int = 0  # the keys it asked for, counted against its client's bound
     # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
     holders: list[list[list[int]]] = attrs.field(factory=list)
     sizes: list[int] = attrs.field(factory=list)  # per item: the payload bytes of each chunk of its run
@@ -154,7 +156,7 @@ class TierSet:
         self._posted: deque[Callable[[], None]] = deque()
         self._pins: dict[tuple[str, bytes], _Pin] = {}
         self._writers = [WriteBehind(t, on_done=self._written) for t in self.tiers]
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-tier-read")
+        self._reader = _RoundRobin("kvdepot-tier-read")
         self.counters = {
             "read_hits": 0,
             "read_misses": 0,
@@ -164,7 +166,7 @@ class TierSet:
             "reads_expired": 0,
             "pins_dropped": 0,
         }
-        self._reads_of: dict[str, int] = {}  # per client: its lookups waiting for the tiers
+        self._keys_of: dict[str, int] = {}  # per client: keys of its lookups waiting for the tiers
         self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
@@ -221,9 +223,11 @@ class TierSet:
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
         if self._closed or not any(_up(t) for t in self.tiers):
             return None
-        if sum(len(keys) for _, keys in items) > MAX_KEYS_PER_REQUEST:
+        count = sum(len(keys) for _, keys in items)
+        if count > MAX_KEYS_PER_REQUEST:
             return None  # the lookup from RAM refuses it with its typed error
-        if self._reads_of.get(client, 0) >= MAX_READS_PER_CLIENT or sum(self._reads_of.values()) >= MAX_READS:
+        own = self._keys_of.get(client, 0)
+        if own + count > MAX_READ_KEYS_PER_CLIENT or sum(self._keys_of.values()) + count > MAX_READ_KEYS:
             self.counters["reads_refused"] += 1
             return None
         leases: list[int] = []
@@ -240,10 +244,11 @@ class TierSet:
             self.index.release(TIER_CLIENT, leases)
             return None
         read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases)
-        self._reads_of[client] = self._reads_of.get(client, 0) + 1
+        self._keys_of[client] = own + count
+        read.keys = count
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
-        self._reader.submit(self._probe, read)
+        self._reader.submit(client, self._probe, read)
         return read.deferred
 
     def _place(self, read: _Read) -> None:
@@ -265,7 +270,7 @@ class TierSet:
         if now >= read.deadline or not any(slots for _, slots in read.targets):
             self._settle(read)
         else:
-            self._reader.submit(self._fill, read)
+            self._reader.submit(read.client, self._fill, read)
 
     def _settle(self, read: _Read) -> None:
         """Publish the slots filled in time, give back the others, and answer the lookup (loop thread)."""
@@ -288,11 +293,11 @@ class TierSet:
             reply = error_reply_from(exc)
         self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
         self._prefix_leases -= len(read.prefix_leases)
-        left = self._reads_of[read.client] - 1
+        left = self._keys_of[read.client] - read.keys
         if left:
-            self._reads_of[read.client] = left
+            self._keys_of[read.client] = left
         else:
-            del self._reads_of[read.client]
+            del self._keys_of[read.client]
         self._answer(read.deferred, reply)
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
@@ -310,7 +315,7 @@ class TierSet:
         """Stop the threads; queued writes are dropped (the chunks may still be in RAM)."""
         self._closed = True
         self.index.on_commit = None
-        self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reader.close()
         for writer in self._writers:
             writer.close(drain=False)
         for tier in self.tiers:
@@ -399,6 +404,62 @@ class TierSet:
     def _ref(read: _Read, item: int, i: int) -> ChunkRef:
         salt, keys = read.missing[item]
         return ChunkRef(salt, keys[i], length=read.sizes[item])
+
+
+class _RoundRobin:
+    """One thread that runs each client's work in the order it came, taking clients in turn: a
+    client with many reads queued delays another's new one by about one step of its own (besides
+    the step running), not by all of them."""
+
+    def __init__(self, name: str) -> None:
+        self._queues: dict[str, deque[tuple[Callable[[_Read], None], _Read]]] = {}
+        self._turns: deque[str] = deque()  # clients with work, in the order they get the thread
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, client: str, fn: Callable[[_Read], None], read: _Read) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            queue = self._queues.get(client)
+            if queue is None:
+                queue = self._queues[client] = deque()
+                self._turns.append(client)
+            queue.append((fn, read))
+            self._cond.notify()
+
+    def _take(self) -> tuple[Callable[[_Read], None], _Read] | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._turns or self._closed)
+            if self._closed:
+                return None
+            client = self._turns.popleft()
+            queue = self._queues[client]
+            work = queue.popleft()
+            if queue:
+                self._turns.append(client)  # its next item waits for every other client's turn
+            else:
+                del self._queues[client]
+            return work
+
+    def _run(self) -> None:
+        while (work := self._take()) is not None:
+            fn, read = work
+            try:
+                fn(read)
+            except Exception:  # each step catches its own; a bug here must not stop the thread
+                log.exception("tier_read_failed")
+
+    def close(self) -> None:
+        """Drop what is queued and wait for the item running."""
+        with self._cond:
+            self._closed = True
+            self._queues.clear()
+            self._turns.clear()
+            self._cond.notify_all()
+        self._thread.join()
 
 
 def _up(tier: Tier) -> bool:
