@@ -61,6 +61,13 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of every thread of `pid` so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def chunk_bytes(key: bytes) -> bytes:
     return hashlib.sha256(key).digest() * (CHUNK // 32) + b"\0" * (CHUNK % 32)
 
@@ -209,7 +216,9 @@ def main() -> None:
         assert server.pid is not None
         base_rss = rss_bytes(server.pid)
         progress("idle server: the good client alone")
+        cpu = {"idle": -cpu_seconds(server.pid)}
         idle = good_client(address, seconds)
+        cpu["idle"] += cpu_seconds(server.pid)
         kinds = ["fuzz", "fuzz", "deaf", "multipart", "churn", "salts"]
         cpus = sorted(os.sched_getaffinity(0))
         pinned = args.pin and len(cpus) > 1
@@ -236,7 +245,9 @@ def main() -> None:
         sampler.start()
         for proc in procs:
             proc.start()
+        cpu["attack"] = -cpu_seconds(server.pid)
         attacked = good_client(address, seconds)
+        cpu["attack"] += cpu_seconds(server.pid)
         for proc in procs:
             proc.join(seconds + 30)
         time.sleep(1)
@@ -251,7 +262,9 @@ def main() -> None:
         progress(f"idle server again, {len(spinners)} plain busy loop(s) where the attack's CPU load was")
         for proc in spinners:
             proc.start()
+        cpu["busy"] = -cpu_seconds(server.pid)
         busy = good_client(address, seconds)
+        cpu["busy"] += cpu_seconds(server.pid)
         for proc in spinners:
             proc.join(seconds + 5)
     capacity = 256 << 20
@@ -271,6 +284,8 @@ def main() -> None:
              f"{ratio:.1f}x", f"{p99_a / p99_b:.1f}x", "met" if ratio <= P99_TARGET else "MISSED"),
             ("longest round trip", f"{max(idle['rtts']) * 1e3:.1f} ms", f"{max(busy['rtts']) * 1e3:.1f} ms",  # type: ignore[call-overload]
              f"{max(attacked['rtts']) * 1e3:.1f} ms", "", "", ""),  # type: ignore[call-overload]
+            ("server CPU use", *(f"{cpu[phase] / seconds:.0%}" for phase in ("idle", "busy", "attack")),
+             "", "", ""),
             ("round trips", str(len(idle["rtts"])), str(len(busy["rtts"])), str(len(attacked["rtts"])),  # type: ignore[arg-type]
              "", "", ""),
             ("errors", str(idle["errors"]), str(busy["errors"]), str(attacked["errors"]), "", "",
