@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,6 +122,23 @@ def test_client_killed_mid_store_and_mid_retrieve_is_reclaimed(serve, workers, w
             stats = server.stats()
             assert stats.evictions == 0
             assert stats.used_bytes == stats.capacity_bytes
+
+
+def test_a_server_that_was_stopped_for_a_while_keeps_its_clients(serve):
+    """A server process stopped (SIGSTOP, a suspended VM, a swap storm) for longer than its peer
+    timeout does not take its clients for gone when it runs again: their heartbeats queued
+    meanwhile. A reservation made before the stop still commits, and its chunk hits."""
+    server = serve(*SMALL_POOL, "--peer-timeout", "2")
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        res = client.reserve("s", [key("s", 0)], CHUNK).result(T)
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.0)  # past the peer timeout, and past the endpoint's stall threshold
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert client.commit(res.reservation_id).result(T).committed == 1
+        assert client.lookup([("s", [key("s", 0)])]).result(T).results[0].num_hits == 1
 
 
 def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir):

@@ -124,6 +124,31 @@ def test_closed_client_fails_pending_and_new_requests() -> None:
         client.stats().result(5)
 
 
+def test_a_client_made_before_a_fork_fails_at_once_in_the_child(ipc_address: str) -> None:
+    """A fork's child inherits the client but not its I/O thread: a request made there fails at
+    once with TransportClosedError, and close() returns at once; the parent's client works on."""
+    with ZmqPair(ipc_address) as pair:
+        pair.start_server(DictHandler())
+        client = pair.client()
+        assert isinstance(client.ping().result(5), t.Pong)
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code, never return into pytest
+            code = 1
+            try:
+                started = time.monotonic()
+                try:
+                    client.ping().result(5)
+                except t.TransportClosedError as exc:
+                    code = 0 if "before a fork" in str(exc) else 2
+                client.close()
+                code = code if time.monotonic() - started < 1.0 else 3
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert isinstance(client.ping().result(5), t.Pong)
+
+
 def test_too_large_request_fails_locally() -> None:
     """A request above max_frame_bytes fails its future with FrameTooLargeError, sending nothing."""
     with MemoryPair() as pair:

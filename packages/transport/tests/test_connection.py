@@ -126,6 +126,27 @@ def test_link_down_fails_calls_in_flight_and_keeps_queued_ones() -> None:
     assert conn.stats["reconnects"] == 1
 
 
+def test_link_down_after_a_failed_send_still_fails_what_was_in_flight() -> None:
+    """A server killed mid-stream: a send finds no connection (CONNECTING) before ZMQ reports the
+    disconnect. The calls sent before are lost all the same: they fail at once, not at their
+    deadline; the unsent one waits for the next Hello."""
+    conn = make(timeout=10.0)
+    ready(conn)
+    conn.submit([call(conn, t.Stats(), token="inflight")], 0.0)
+    conn.take_events()
+    unsent = call(conn, t.Ping(), token="unsent")
+    conn.submit([unsent], 0.0)
+    (send,) = conn.take_events()
+    conn.send_failed(send.calls, 0.0)
+    assert conn.state is State.CONNECTING
+    conn.link_down()
+    (settle,) = [e for e in conn.take_events() if isinstance(e, Settle)]
+    assert settle.call.token == "inflight"
+    assert isinstance(settle.error, t.TransportBrokenError)
+    ready(conn)
+    assert [r.id for r in sent(conn)] == [unsent.id]
+
+
 def test_a_new_server_gets_register_again_and_reconnected_is_reported() -> None:
     """After a restart (new server id) the last Register is repeated before requests flow again."""
     conn = make()

@@ -11,6 +11,7 @@ The bytes move through a link: `ZmqLink` (DEALER) or the in-memory link of `_mem
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import threading
 import time
@@ -23,6 +24,7 @@ import structlog
 from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._connection import Call, ClientConnection, Note, Reconnected, Send, Settle, State
+from kvdepot.transport._errors import TransportClosedError
 from kvdepot.transport._io import Callback, IOLoop, ReplyFuture, settle
 from kvdepot.transport._messages import HelloReply, RegisterReply, RequestBody
 
@@ -91,6 +93,7 @@ class Connection:
             curve=curve_server_key is not None,
         )
         self._closed = False
+        self._pid = os.getpid()  # a fork's child has no loop thread: the client is closed there
         self._closed_event = threading.Event()
         self._timer: asyncio.TimerHandle | None = None
         self._loop = IOLoop.shared()
@@ -143,8 +146,8 @@ class Connection:
         live = [c for c in calls if not c.done and not c.token.done()]
         if not live:
             return
-        if self._closed:
-            error = self.proto.closed_error()
+        if self._closed or os.getpid() != self._pid:
+            error = self.proto.closed_error() if self._closed else self._forked_error()
             for call in live:
                 settle(call.token, error=error)
             return
@@ -155,11 +158,20 @@ class Connection:
         if self._closed:
             return
         self._closed = True
+        if os.getpid() != self._pid:
+            return  # made before a fork: the loop thread it would wait for is the parent's
         if self._loop.in_loop():
             self._close()
         else:
             self._loop.call_soon(self._close)
             self._closed_event.wait(timeout)
+
+    def _forked_error(self) -> TransportClosedError:
+        return TransportClosedError(
+            f"this client of {self.address} was made in process {self._pid}, before a fork: its I/O thread is "
+            "not in this process; make a new CacheClient here",
+            address=self.address,
+        )
 
     # -- the loop: inputs ----------------------------------------------------------------
 

@@ -245,7 +245,9 @@ class ClientConnection:
         self._link_up = False
         was = self.state
         self.state = next_state(was, In.LINK_DOWN)
-        if was not in (S.HANDSHAKING, S.READY):
+        # A send that found no connection moves READY to CONNECTING before ZMQ reports the
+        # disconnect: what was sent before it is lost all the same, and fails now.
+        if was not in (S.HANDSHAKING, S.READY) and not self._inflight:
             return
         calls, self._inflight = list(self._inflight.values()), {}
         self._note("info", "client_disconnected", failed=sum(c.token is not None for c in calls))

@@ -307,6 +307,15 @@ class Dispatcher:
                 log.info("peer_gone", peer=peer.client_id, silent_s=round(self.clock() - peer.last_seen, 3))
                 self._gone(peer)
 
+    def forgive(self) -> None:
+        """The server itself did not run until now (stopped, suspended, swapped out): count every
+        peer as heard from now, so that none is taken for gone for the server's own silence.
+        What the peers sent meanwhile is read next; a peer that is really gone is gone one
+        `peer_timeout` later."""
+        now = self.clock()
+        for peer in self.peers.values():
+            peer.last_seen = max(peer.last_seen, now)
+
     def drop(self, identity: bytes) -> None:
         """Forget the peer at ``identity`` now (it misbehaved); its session ends as if it left."""
         peer = self.peers.pop(identity, None)

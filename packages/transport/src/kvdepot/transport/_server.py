@@ -72,6 +72,9 @@ _zap_log.setLevel(logging.WARNING)
 MAX_POLL_INTERVAL = 1.0
 # Peer expiry is checked at most this often (seconds), keeping the per-message cost flat.
 EXPIRY_CHECK_INTERVAL = 0.1
+# Two polls further apart than this (seconds) mean the server itself did not run between them
+# (a poll waits at most MAX_POLL_INTERVAL): its peers are not taken for gone for that silence.
+STALL_S = 3.0
 
 
 class _EndpointBase:
@@ -101,6 +104,7 @@ class _EndpointBase:
         self._closed = False
         self._serving = threading.Lock()
         self._expire_at = 0.0
+        self._last_poll = 0.0  # when poll_once last ran (monotonic; 0: never)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -118,6 +122,10 @@ class _EndpointBase:
         if self._closed:
             raise TransportClosedError(f"the endpoint at {self.address} is closed")
         now = time.monotonic()
+        if self._last_poll and now - self._last_poll > STALL_S:
+            log.warning("server_stalled", seconds=round(now - self._last_poll, 1), peers=len(self.dispatcher.peers))
+            self.dispatcher.forgive()
+        self._last_poll = now
         if now >= self._expire_at:
             self.dispatcher.expire()
             due = self.dispatcher.next_expiry()
