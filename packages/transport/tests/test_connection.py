@@ -147,6 +147,55 @@ def test_link_down_after_a_failed_send_still_fails_what_was_in_flight() -> None:
     assert [r.id for r in sent(conn)] == [unsent.id]
 
 
+def test_every_request_of_a_message_the_server_forgot_us_for_is_retried_in_order() -> None:
+    """The server dropped our session: every request of the message in flight gets hello_required
+    (the first starts the handshake, the others arrive while its Hello is on the way). All of
+    them are sent again after the Hello, in their order, before a request made meanwhile."""
+    conn = make(timeout=10.0)
+    ready(conn)
+    calls = [call(conn, t.Stats(), token=f"c{i}") for i in range(3)]
+    conn.submit(calls, 0.0)
+    requests = sent(conn)
+    forgot = t.ErrorReply("hello_required", "send Hello first")
+    reply(conn, requests[0], forgot)
+    (hello,) = sent(conn)
+    assert isinstance(hello.body, t.Hello)
+    for req in requests[1:]:
+        reply(conn, req, forgot)
+    later = call(conn, t.Ping(), token="later")
+    conn.submit([later], 0.0)
+    assert not [e for e in conn.take_events() if isinstance(e, Settle)]  # nothing failed
+    reply(conn, hello, hello_reply("srv"))
+    assert [r.id for r in sent(conn)] == [*(c.id for c in calls), later.id]
+
+
+def test_a_heartbeat_that_finds_the_session_gone_greets_again() -> None:
+    """An idle client learns from its heartbeat's hello_required that the server forgot it, and
+    says Hello again at once (its next request would otherwise fail on the way)."""
+    conn = make(heartbeat=1.0)
+    ready(conn)
+    conn.timer(5.0)
+    (ping,) = sent(conn)
+    assert isinstance(ping.body, t.Ping)
+    reply(conn, ping, t.ErrorReply("hello_required", "send Hello first"), 5.0)
+    (hello,) = sent(conn)
+    assert isinstance(hello.body, t.Hello)
+    assert conn.state is State.HANDSHAKING
+
+
+def test_calls_that_waited_for_a_connection_in_vain_are_forgotten() -> None:
+    """While no server answers, requests wait in the queue until their deadline; then they fail
+    and leave it, so a client whose server is down for long holds no memory for them."""
+    conn = make(timeout=1.0)
+    calls = [call(conn, t.Stats(), token=i) for i in range(1000)]
+    conn.submit(calls, 0.0)
+    conn.timer(2.0)
+    settled = [e for e in conn.take_events() if isinstance(e, Settle)]
+    assert len(settled) == 1000
+    assert all(isinstance(e.error, t.DeadlineExceededError) for e in settled)
+    assert len(conn._queue) == 0
+
+
 def test_a_new_server_gets_register_again_and_reconnected_is_reported() -> None:
     """After a restart (new server id) the last Register is repeated before requests flow again."""
     conn = make()

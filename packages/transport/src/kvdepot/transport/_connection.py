@@ -20,6 +20,7 @@ import attrs
 
 from kvdepot.transport._codec import decode_reply, encode
 from kvdepot.transport._errors import (
+    CODE_HELLO_REQUIRED,
     CODE_UNAUTHORIZED,
     DeadlineExceededError,
     HelloRequiredError,
@@ -189,6 +190,7 @@ class ClientConnection:
         self._failure: RemoteError | None = None
         self._register: Register | None = None  # the last Register, repeated after a server restart
         self._lost_session = False
+        self._retried = 0  # calls put back at the front of the queue for the handshake under way
         self._link_up = False
         self._retry_at = 0.0
         self._last_sent = 0.0
@@ -306,10 +308,14 @@ class ClientConnection:
         if self.state is S.CONNECTING and self._link_up and now >= self._retry_at:
             self._handshake(In.HANDSHAKE_RETRY, now)
         heap = self._deadlines
+        expired = False
         while heap and (heap[0][2].done or heap[0][0] <= now):
             call = heapq.heappop(heap)[2]
             if not call.done:
                 self._expire(call, now)
+                expired = True
+        if expired and self._queue:  # calls that waited for a connection in vain hold no memory
+            self._queue = deque(c for c in self._queue if not c.done)
         if len(heap) > 2 * (len(self._inflight) + len(self._queue)) + HEAP_SLACK:
             self._compact()
         if self.state is S.READY and now - self._last_sent >= self.heartbeat_interval:
@@ -410,11 +416,16 @@ class ClientConnection:
     def _on_reply(self, call: Call, body: Any, now: float) -> None:
         if isinstance(body, ErrorReply):
             exc = remote_error(body.code, body.message, body.fields)
-            if isinstance(exc, HelloRequiredError) and self.state is S.READY:
-                # the server restarted or forgot us; the request never ran: retry after Hello
+            if isinstance(exc, HelloRequiredError) and self.state in (S.READY, S.HANDSHAKING):
+                # The server restarted or forgot us; the request never ran: retry it after Hello.
+                # The rest of its message gets the same answer while that Hello is on its way:
+                # those go after it, in the order they were sent, before anything queued since.
                 self._lost_session = True
-                self._queue.appendleft(call)
-                self._handshake(In.HANDSHAKE_RETRY, now)
+                if self.state is S.READY:
+                    self._retried = 0
+                    self._handshake(In.HANDSHAKE_RETRY, now)
+                self._queue.insert(min(self._retried, len(self._queue)), call)
+                self._retried += 1
                 return
             self._settle(call, error=exc)
         elif isinstance(body, REPLY_FOR[type(call.body)]):
@@ -428,6 +439,10 @@ class ClientConnection:
             self._settle(call, error=error)
 
     def _on_own_reply(self, call: Call, body: Any, now: float) -> None:
+        if self.state is S.READY and isinstance(body, ErrorReply) and body.code == CODE_HELLO_REQUIRED:
+            self._lost_session = True  # a heartbeat found that the server forgot us: greet it again
+            self._handshake(In.HANDSHAKE_RETRY, now)
+            return
         if self.state is not S.HANDSHAKING:
             return  # a Pong, or a handshake reply that a reconnect made stale
         if isinstance(call.body, Hello):
