@@ -340,6 +340,77 @@ def test_servers_sharing_a_remote_tier_count_a_salt_together(valkey_server, open
     assert stored(valkey_server, "s", *range(6)) == [2, 3, 4, 5]
 
 
+def test_a_salts_count_evicted_apart_from_its_objects_is_rebuilt(valkey_server, open_tier):
+    """allkeys-lru evicts keys one by one: a salt's byte count may go while its list of objects
+    stays. The next write rebuilds the count from that list, so the quota still holds."""
+    from kvdepot.server._tiers import salt_tag
+
+    tier = open_tier(valkey_server.url)
+    tier.quota_of = lambda salt: 3 * CHUNK
+    tier.write(writes(0, 1, 2))
+    count = f"kvd:quota:{{{salt_tag('s').hex()}}}:bytes"
+    with contextlib.closing(valkey_server.client()) as plain:
+        assert int(plain.get(count)) == 3 * CHUNK
+        plain.delete(count)  # as maxmemory would
+        for n in range(3, 9):
+            tier.write(writes(n))
+            assert int(plain.get(count)) == 3 * CHUNK
+    assert stored(valkey_server, "s", *range(9)) == [6, 7, 8]
+
+
+def test_a_probe_not_answered_by_its_deadline_is_a_miss_then(valkey_server, open_tier):
+    """A Valkey that stops answering (frozen, or paused) holds a lookup's probe only until the
+    lookup's deadline, not until the tier's socket timeout: the chunks count as not there, and
+    as late. Once it answers again, the probe finds them."""
+    tier = open_tier(valkey_server.url, op_timeout=5.0)
+    assert tier.write(writes(1)) == [True]
+    valkey_server.pause()
+    try:
+        started = time.monotonic()
+        assert tier.lengths([ChunkRef("s", b"k1", b"fp")], timeout=0.2) == [None]
+        waited = time.monotonic() - started
+    finally:
+        valkey_server.resume()
+    assert waited < 2.5  # the deadline, with room for a loaded machine; the socket timeout is 5 s
+    assert tier.stats().late == 1
+    assert tier.lengths([ChunkRef("s", b"k1", b"fp")], timeout=5.0) == [CHUNK]
+
+
+def test_a_whole_cluster_down_degrades_the_tier_and_it_comes_back(tmp_path):
+    """With every node of a cluster unreachable the tier's calls miss instead of raising, the tier
+    is marked down, and it comes back by itself once the cluster is; a server started while the
+    cluster is down starts with the tier down rather than failing."""
+    from kvdepot.server.testing import ValkeyCluster, _binary_or_skip
+
+    cluster = ValkeyCluster(_binary_or_skip(), tmp_path / "cluster").start()
+    tiers: list[RemoteTier] = []
+    try:
+        tier = RemoteTier(cluster.url, **FAST)
+        tiers.append(tier)
+        assert tier.wait_until_up(10)
+        for i in range(3):
+            cluster.kill(i)
+        assert tier.write(writes(1)) == [False]
+        assert tier.lengths([ChunkRef("s", b"k1", b"fp")]) == [None]
+        assert read(tier, 1) == [None]
+        assert tier.state is TierState.DOWN
+        late = RemoteTier(cluster.url, **FAST)
+        tiers.append(late)
+        assert late.state is TierState.DOWN
+        time.sleep(0.5)  # a few rounds of the probe thread against the dead cluster
+        for i in range(3):
+            cluster.restart(i)
+        cluster.wait_ok()
+        assert tier.wait_until_up(20)
+        assert late.wait_until_up(20)
+        assert tier.write(writes(1)) == [True]
+        assert read(late, 1) == [payload(1)]
+    finally:
+        for t in tiers:
+            t.close()
+        cluster.stop()
+
+
 def test_an_object_evicted_behind_the_tier_is_counted_until_it_is_the_oldest(valkey_server, open_tier):
     """Valkey evicts or expires objects without telling anyone: the count errs high until the
     salt's next writes pop the missing name, and the salt never holds more than its quota."""

@@ -45,9 +45,11 @@ def test_password_never_shows():
     a = parse_remote_url("redis://user:hunter2@h:1")
     assert "hunter2" not in repr(a)
     assert "hunter2" not in a.display
-    with pytest.raises(TierConfigError) as info:
-        parse_remote_url("http://user:hunter2@h:1")
-    assert "hunter2" not in str(info.value)
+    for bad in ("http://user:hunter2@h:1", "user:hunter2@h:6379", "redis:/user:hunter2@h:6379", "u:hunter2@h/x"):
+        with pytest.raises(TierConfigError) as info:
+            parse_remote_url(bad)
+        assert "hunter2" not in str(info.value), bad
+        assert "hunter2" not in repr(info.value.fields), bad
 
 
 @pytest.mark.parametrize(
@@ -61,6 +63,7 @@ def test_password_never_shows():
         "redis+cluster://a:1/2",
         "redis://h:1?ssl=true",
         "redis://bad host:1",
+        "redis://h/\u00b2",
     ],
 )
 def test_bad_urls_are_typed_errors(url):

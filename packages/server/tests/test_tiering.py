@@ -27,9 +27,9 @@ class SlowDisk(DiskTier):
         time.sleep(self.delay)
         return super()._read_one(ref, buf)
 
-    def lengths(self, refs):
+    def lengths(self, refs, *, timeout=None):
         time.sleep(self.probe_delay)
-        return super().lengths(refs)
+        return super().lengths(refs, timeout=timeout)
 
 
 def make(tmp_path, answers: list, index_kw: dict | None = None, **kw):

@@ -37,7 +37,7 @@ class FakeTier:
     def read(self, refs, into, *, timeout=None):
         return [False] * len(refs)
 
-    def lengths(self, refs):
+    def lengths(self, refs, *, timeout=None):
         return [len(v) if (v := self.objects.get((r.salt, r.key))) is not None else None for r in refs]
 
     def stats(self):

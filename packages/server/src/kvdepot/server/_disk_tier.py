@@ -483,8 +483,8 @@ class DiskTier:
         self._drop(digest)
         log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=reason)
 
-    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
-        """From the in-memory index: no disk access."""
+    def lengths(self, refs: Sequence[ChunkRef], *, timeout: float | None = None) -> list[int | None]:
+        """From the in-memory index: no disk access (so no wait, whatever ``timeout``)."""
         with self._lock:
             found = [self._index.get(ref.digest) for ref in refs]
         return [

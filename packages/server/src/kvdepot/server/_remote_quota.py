@@ -10,7 +10,8 @@ After each batch of SETs, one script call per salt adds the batch's objects (an 
 there is not counted again) and pops the salt's oldest until its total is within its quota;
 the caller deletes the objects popped (in a cluster they live in other slots than these keys).
 An object that Valkey evicted or expired meanwhile stays counted until it is the oldest and is
-popped, so the count errs high, never low, and heals as the salt writes. A salt without a
+popped, so the count errs high, never low, and heals as the salt writes. A count evicted apart
+from its set is rebuilt from the set's sizes by the next call. A salt without a
 quota is not counted (no cost).
 """
 
@@ -26,6 +27,15 @@ from kvdepot.server._tiers import ChunkWrite, salt_tag
 # popped to bring the count within the quota, for the caller to delete (in a cluster they
 # live in other slots than these keys).
 CHARGE_SCRIPT = """
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  -- the count was evicted apart from its set (allkeys-lru takes keys one by one): rebuild it
+  local total = 0
+  for _, member in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+    local sep = string.find(member, ':', 1, true)
+    total = total + tonumber(string.sub(member, sep + 1))
+  end
+  redis.call('SET', KEYS[2], total)
+end
 local now = redis.call('TIME')
 local score = tonumber(now[1]) * 1000000 + tonumber(now[2])
 local added = 0

@@ -83,7 +83,14 @@ def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseExc
     import redis
     from redis import exceptions
 
-    down = (redis.ConnectionError, redis.TimeoutError, exceptions.ClusterError, exceptions.ClusterDownError, OSError)
+    down = (
+        redis.ConnectionError,
+        redis.TimeoutError,
+        exceptions.ClusterError,
+        exceptions.ClusterDownError,
+        exceptions.RedisClusterException,  # "cannot be connected" with every node down; not a RedisError
+        OSError,
+    )
     return down, (*down, redis.RedisError)
 
 
@@ -249,13 +256,13 @@ class RemoteTier:
             self._wake.clear()
             if self._closed.is_set():
                 return
-            if self._current() is None:
-                if self._closed.is_set():
-                    return
-                self._try_connect()
-                continue
-            if time.monotonic() - self._figures_at >= STATS_INTERVAL:
-                self._refresh_figures()
+            try:
+                if self._current() is None:
+                    self._try_connect()
+                elif time.monotonic() - self._figures_at >= STATS_INTERVAL:
+                    self._refresh_figures()
+            except Exception as exc:  # whatever the client raises, this thread must live to bring the tier back
+                self._warn("remote_tier_probe_failed", url=self.address.display, error=_describe(exc))
 
     def _refresh_figures(self) -> None:
         """Memory and key counts of the server (all of it, other data included)."""
@@ -508,14 +515,26 @@ class RemoteTier:
         finally:
             pipe.reset()
 
-    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
-        """STRLEN of every chunk in one pipeline, less its header; all None while down."""
+    def lengths(self, refs: Sequence[ChunkRef], *, timeout: float | None = None) -> list[int | None]:
+        """STRLEN of every chunk in one pipeline, less its header; all None while down, and
+        where the answer is not in within ``timeout`` seconds (None: the tier's own timeouts)."""
         if not refs:
             return []
         current = self._current()
         if current is None:
             return [None] * len(refs)
-        client, generation = current
+        if timeout is None:
+            return self._lengths(*current, refs)
+        future = self._reads.submit(self._lengths, *current, refs)
+        try:
+            return future.result(timeout=max(0.0, timeout))
+        except concurrent.futures.TimeoutError:
+            future.add_done_callback(_consume)
+            self._counters.add(late=len(refs))
+            self._warn("remote_tier_probe_late", url=self.address.display, timeout_s=round(timeout, 3))
+            return [None] * len(refs)
+
+    def _lengths(self, client: Any, generation: int, refs: Sequence[ChunkRef]) -> list[int | None]:
         pipe = client.pipeline(transaction=False)
         try:
             for ref in refs:

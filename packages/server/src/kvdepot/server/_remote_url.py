@@ -32,7 +32,7 @@ _SCHEMES = {
     "rediss+cluster": (True, True),
     "valkeys+cluster": (True, True),
 }
-_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9._-]+))(?::(?P<port>\d{1,5}))?$")
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[A-Za-z0-9._-]+))(?::(?P<port>[0-9]{1,5}))?$")
 
 
 @attrs.frozen(repr=False)
@@ -106,7 +106,7 @@ def parse_remote_url(
     hostpart, slash, path = hostpart.partition("/")
     db = 0
     if slash and path:
-        if not path.isdigit():
+        if not (path.isascii() and path.isdigit()):  # "²".isdigit() is true, and int() refuses it
             raise TierConfigError(f"the database in the remote tier URL must be a number, got {path!r}", db=path)
         db = int(path)
         if cluster and db:
@@ -140,6 +140,8 @@ def parse_remote_url(
 
 def _redact(url: str) -> str:
     """``url`` with any user:password part replaced, for error messages."""
-    scheme, sep, rest = url.partition("://")
-    _, at, hosts = rest.rpartition("@")
-    return f"{scheme}{sep}***@{hosts}" if at else url
+    head, at, hosts = url.rpartition("@")  # whatever comes before the last "@" may hold a secret
+    if not at:
+        return url
+    scheme, sep, _ = head.partition("://")
+    return f"{scheme}{sep}***@{hosts}" if sep else f"***@{hosts}"

@@ -346,7 +346,8 @@ class TierSet:
             return
         try:
             refs = [ChunkRef(salt, key) for salt, keys in read.missing for key in keys]
-            held = [tier.lengths(refs) if _up(tier) else [None] * len(refs) for tier in self.tiers]
+            left = read.deadline + self.read_deadline - time.monotonic()  # the longest it may wait
+            held = [tier.lengths(refs, timeout=left) if _up(tier) else [None] * len(refs) for tier in self.tiers]
             flat = 0
             for item, (_, keys) in enumerate(read.missing):
                 for i in range(len(keys)):

@@ -132,10 +132,11 @@ class Tier(Protocol):
         """
         ...
 
-    def lengths(self, refs: Sequence[ChunkRef]) -> list[int | None]:
+    def lengths(self, refs: Sequence[ChunkRef], *, timeout: float | None = None) -> list[int | None]:
         """The payload bytes each chunk probably has in the tier, None where it is not there
-        (not verified; a read may still miss). ``refs[i].length`` is not looked at: a chunk's
-        name fixes its bytes, so what the tier holds under it is the length to read it with."""
+        (not verified; a read may still miss), or not known within about ``timeout`` seconds.
+        ``refs[i].length`` is not looked at: a chunk's name fixes its bytes, so what the tier
+        holds under it is the length to read it with."""
         ...
 
     def stats(self) -> TierStats:
