@@ -230,19 +230,18 @@ class TierSet:
         if own + count > MAX_READ_KEYS_PER_CLIENT or sum(self._keys_of.values()) + count > MAX_READ_KEYS:
             self.counters["reads_refused"] += 1
             return None
+        prefixes = self.index.prefix_lengths(items)
+        missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
+        if not any(keys for _, keys in missing):
+            return None  # all in RAM: the common case costs no lease
         leases: list[int] = []
         try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
             if self._prefix_leases + len(items) > MAX_PREFIX_LEASES:
                 raise TooManyError("the tiers hold their share of leases on RAM prefixes")
             self.index.touch(TIER_CLIENT, now, "tiers")
-            held = self.index.lookup(TIER_CLIENT, items, now, count=False)
-            prefixes, leases = [o.num_hits for o in held], [o.lease_id for o in held if o.lease_id]
+            leases = [o.lease_id for o in self.index.lookup(TIER_CLIENT, items, now, count=False) if o.lease_id]
         except ServerError:  # too many leases or sessions: read without holding the prefixes
-            prefixes = self.index.prefix_lengths(items)
-        missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
-        if not any(keys for _, keys in missing):
-            self.index.release(TIER_CLIENT, leases)
-            return None
+            pass
         read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases)
         self._keys_of[client] = own + count
         read.keys = count
