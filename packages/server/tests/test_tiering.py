@@ -29,6 +29,7 @@ class SlowDisk(DiskTier):
 
     def lengths(self, refs, *, timeout=None):
         time.sleep(self.probe_delay)
+        self.__dict__.setdefault("asked", []).append(len(refs))
         return super().lengths(refs, timeout=timeout)
 
 
@@ -329,5 +330,28 @@ def test_a_run_the_tiers_do_not_hold_costs_no_slot_and_no_wait(tmp_path):
         assert answers[0][0].num_hits == 0
         assert tiers.tiers[0].stats().hits == tiers.tiers[0].stats().misses == 0
         assert index.stats().pending_chunks == 0
+    finally:
+        tiers.close()
+
+
+def test_the_first_key_no_tier_holds_ends_the_probe_of_its_item(tmp_path, monkeypatch):
+    """The tiers are asked about a window of keys at a time, and only for the items whose run
+    covered the whole window: a cold prompt of many keys costs one window, while a run the
+    tiers hold is found across windows, whole."""
+    import kvdepot.server._tiering as tiering
+
+    monkeypatch.setattr(tiering, "PROBE_WINDOW", 2)
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers)
+    try:
+        keys = on_disk_only(tiers, index, pool, 6)
+        cold = [bytes([0xC0, i % 256, i // 256]) * 8 for i in range(1000)]
+        items = [("", [*keys, *cold[:100]]), ("", cold)]
+        assert tiers.lookup("a", items, 0.0) is not None
+        settle(tiers, lambda: answers)
+        assert [r.num_hits for r in answers[0]] == [6, 0]
+        # windows of 2 (both items), then 8 (the first only, which ends at its 7th key)
+        assert tiers.tiers[0].asked == [2 + 2, 8]
+        index.check()
     finally:
         tiers.close()

@@ -12,7 +12,8 @@ Write-behind (every committed chunk, written to every tier):
 
 Read-through (a lookup that misses RAM):
     keys past the RAM prefix --> reader thread: which of them each tier holds, and at what
-        length (`lengths`: the disk's index, one STRLEN pipeline on the remote); the deadline
+        length (`lengths`: the disk's index, a STRLEN pipeline on the remote; a window of keys at
+        a time, so the first key no tier holds ends the probe); the deadline
         follows from the longest run held (`deadline_for`) --> loop: reserve RAM slots of
         that length for those runs (owned by the asking client) --> reader thread: each tier
         reads its chunks straight into their slots (one batch per tier, within the deadline;
@@ -70,6 +71,9 @@ MAX_READ_KEYS = 16 * MAX_KEYS_PER_REQUEST
 #: this a read goes on without holding its prefix. The rest of the session's lease limit stays
 #: for the write-behind's pins.
 MAX_PREFIX_LEASES = MAX_LEASES_PER_CLIENT // 2
+#: Keys per item the first probe asks the tiers about; each later probe of the items whose run
+#: goes on asks 4x more. An engine's lookup (a few hundred keys) takes one probe.
+PROBE_WINDOW = 256
 
 
 @attrs.define(eq=False)
@@ -333,7 +337,7 @@ class TierSet:
 
     def _probe(self, read: _Read) -> None:
         """Ask each tier which of the keys past the RAM prefixes it holds, and at what length
-        (reader thread): the disk from its index, the remote with one STRLEN pipeline; nothing is
+        (reader thread): the disk from its index, the remote with STRLEN pipelines; nothing is
         transferred, so a cold prompt costs no bytes and no slots. Sets the lookup's deadline
         from what it would save."""
         runs: list[list[list[int]]] = [[] for _ in read.missing]
@@ -344,20 +348,7 @@ class TierSet:
             self._post(lambda: self._place(read))
             return
         try:
-            refs = [ChunkRef(salt, key) for salt, keys in read.missing for key in keys]
-            left = read.deadline + self.read_deadline - time.monotonic()  # the longest it may wait
-            held = [tier.lengths(refs, timeout=left) if _up(tier) else [None] * len(refs) for tier in self.tiers]
-            flat = 0
-            for item, (_, keys) in enumerate(read.missing):
-                for i in range(len(keys)):
-                    found = [held[t][flat + i] for t in range(len(self.tiers))]
-                    if i == 0:  # the run's chunk size: what the first tier holding its first key has
-                        sizes[item] = next((n for n in found if n), 0)
-                    holders = [t for t, n in enumerate(found) if n and n == sizes[item]]
-                    if not holders or len(runs[item]) != i:
-                        continue  # the run ends at the first key no tier holds at the run's size
-                    runs[item].append(holders)
-                flat += len(keys)
+            self._probe_runs(read, runs, sizes)
         except Exception:
             log.exception("tier_read_failed")
             runs = [[] for _ in read.missing]
@@ -366,6 +357,41 @@ class TierSet:
         read.holders = runs
         read.sizes = sizes
         self._post(lambda: self._place(read))
+
+    def _probe_runs(self, read: _Read, runs: list[list[list[int]]], sizes: list[int]) -> None:
+        """Find each item's run: its keys from the first on that some tier holds at the run's
+        size. Keys are asked for a window at a time (`PROBE_WINDOW`, then 4x larger each time),
+        and only for the items whose run covered the whole last window: the first key no tier
+        holds ends its item's probe, so a cold prompt of 65,536 keys costs one window, not
+        65,536 names and lookups (one STRLEN pipeline per window on the remote)."""
+        open_items = [item for item, (_, keys) in enumerate(read.missing) if keys]
+        start, window = 0, PROBE_WINDOW
+        while open_items:
+            left = read.deadline + self.read_deadline - time.monotonic()  # the longest it may wait
+            if start and left <= 0:
+                return
+            spans = [(item, min(start + window, len(read.missing[item][1]))) for item in open_items]
+            refs = [
+                ChunkRef(salt, key)
+                for item, stop in spans
+                for salt, keys in [read.missing[item]]
+                for key in keys[start:stop]
+            ]
+            held = [tier.lengths(refs, timeout=left) if _up(tier) else [None] * len(refs) for tier in self.tiers]
+            flat, open_items = 0, []
+            for item, stop in spans:
+                run = runs[item]
+                for i in range(start, stop):
+                    found = [lengths[flat] for lengths in held]
+                    flat += 1
+                    if i == 0:  # the run's chunk size: what the first tier holding its first key has
+                        sizes[item] = next((n for n in found if n), 0)
+                    holders = [t for t, n in enumerate(found) if n and n == sizes[item]]
+                    if holders and len(run) == i:  # else the run ended at an earlier key
+                        run.append(holders)
+                if len(run) == stop < len(read.missing[item][1]):
+                    open_items.append(item)
+            start, window = start + window, window * 4
 
     def deadline_for(self, chunks: int, engine_per_chunk: float | None = None) -> float:
         """Seconds a lookup may wait for the tiers when they hold a run of ``chunks``: the prefill

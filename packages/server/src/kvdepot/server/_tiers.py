@@ -55,9 +55,11 @@ class ChunkRef:
     key: bytes
     fingerprint: bytes = b""
     length: int = 0
+    #: Its name's digest (`slot_digest`), computed once: every tier asks for it.
+    digest: bytes = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def digest(self) -> bytes:
+    @digest.default
+    def _digest(self) -> bytes:
         return slot_digest(self.salt, self.key)
 
 
