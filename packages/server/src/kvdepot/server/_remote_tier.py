@@ -12,10 +12,10 @@ chunk). Values may carry a TTL; the server should run with ``maxmemory-policy al
 
 Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
 
-Failure: every command has short socket timeouts and no client-side retries. The first
-connection error or timeout marks the tier DOWN (one warning, ``outages`` counted); while
-down, reads miss and writes are dropped at once. A background thread tries a fresh
-connection every ``retry_interval`` seconds and marks the tier UP again when it works.
+Failure: every command has short socket timeouts and no client-side retries. The connection
+and its state live in `_remote_link`: the first connection error or timeout marks the tier
+DOWN; while down, reads miss and writes are dropped at once, until the link's thread finds the
+server answering again.
 Reads run on a small pool of I/O threads, so a caller waits at most its deadline: a large batch
 is split into ordered pipelines that run one after the other, and the chunks of those not in by then
 are counted ``late`` and missed, while those in time still hit (the bytes are copied into the
@@ -25,7 +25,6 @@ caller's buffers only by the caller, so a late reply never writes into a slot it
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 import time
@@ -35,8 +34,8 @@ from typing import Any
 import structlog
 
 from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._remote_link import CONNECT_TIMEOUT, OP_TIMEOUT, RETRY_INTERVAL, RemoteLink
 from kvdepot.server._remote_quota import charge, quotas_of
-from kvdepot.server._remote_send import zero_copy_connection
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, header_size, verify
 from kvdepot.server._tiers import (
@@ -45,7 +44,6 @@ from kvdepot.server._tiers import (
     Counters,
     TierState,
     TierStats,
-    WarnLimiter,
     check_batch,
     object_name,
 )
@@ -54,17 +52,8 @@ log = structlog.get_logger(__name__)
 
 #: Prefix of every key kvdepot writes, so a shared server's other data is never touched.
 DEFAULT_PREFIX = "kvd:"
-# Seconds to open a connection: loopback and a LAN answer in well under a millisecond.
-CONNECT_TIMEOUT = 0.5
-# Seconds one command may wait on its socket; past that the server counts as slow, so down.
-# Long enough for a batch of 8 MiB values over a 10 Gb/s link.
-OP_TIMEOUT = 2.0
 # Seconds a read waits when the caller gives no deadline.
 READ_TIMEOUT = 1.0
-# Seconds between two reconnection attempts while down.
-RETRY_INTERVAL = 2.0
-# Seconds between two refreshes of the server's memory figures while up.
-STATS_INTERVAL = 5.0
 # Bytes of the buffer a writing thread keeps to assemble values in (one WriteBehind batch).
 MAX_SCRATCH_BYTES = 64 << 20
 # Threads that run reads (one per batch), so that a caller can stop waiting at its deadline;
@@ -76,22 +65,6 @@ READ_WORKERS = 4
 # is ~0.1 ms: the split costs no throughput. (Side by side they cost it: 8 MiB chunks read
 # at 59-65% of a plain client, against 78% in order, on a 2-core machine.)
 READ_GROUP_BYTES = 16 << 20
-
-
-def _redis_errors() -> tuple[tuple[type[BaseException], ...], tuple[type[BaseException], ...]]:
-    """(errors that mean the server is down or slow, every error a command may raise)."""
-    import redis
-    from redis import exceptions
-
-    down = (
-        redis.ConnectionError,
-        redis.TimeoutError,
-        exceptions.ClusterError,
-        exceptions.ClusterDownError,
-        exceptions.RedisClusterException,  # "cannot be connected" with every node down; not a RedisError
-        OSError,
-    )
-    return down, (*down, redis.RedisError)
 
 
 class RemoteTier:
@@ -130,177 +103,27 @@ class RemoteTier:
         #: no limit of its own). Called on the writing thread; the server sets it to its quotas.
         self.quota_of: Callable[[str], int | None] | None = None
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
-        self.ssl_ca_certs = ssl_ca_certs
-        self.connect_timeout = connect_timeout
-        self.op_timeout = op_timeout
         self.read_timeout = read_timeout
-        self.retry_interval = retry_interval
-        self._down_errors, self._errors = _redis_errors()
-        self._warn = WarnLimiter(log)
-        self._lock = threading.Lock()
-        self._client: Any = None
-        self._generation = 0  # bumped with every new client, so a stale failure cannot mark a new one down
-        self._state = TierState.DOWN
-        self._down_since = time.monotonic()
-        self._server_figures: tuple[int | None, int | None, int | None] = (None, None, None)
-        self._figures_at = 0.0
         self._counters = Counters()
-        self._closed = threading.Event()
-        self._wake = threading.Event()
+        self._link = RemoteLink(
+            self.address,
+            self._counters,
+            ssl_ca_certs=ssl_ca_certs,
+            connect_timeout=connect_timeout,
+            op_timeout=op_timeout,
+            retry_interval=retry_interval,
+        )
+        self._errors, self._warn = self._link.errors, self._link.warn
         self._local = threading.local()  # per writing thread: the scratch buffer of `write`
         self._reads = concurrent.futures.ThreadPoolExecutor(READ_WORKERS, thread_name_prefix="kvdepot-remote-read")
-        self._last_error = ""
-        if not self._try_connect():
-            log.warning("remote_tier_down", url=self.address.display, error=self._last_error, when="start")
-            self._counters.add(outages=1)
-        self._prober = threading.Thread(target=self._probe_loop, name="kvdepot-remote-probe", daemon=True)
-        self._prober.start()
-
-    # -- connection and state -------------------------------------------------------------------
-
-    def _new_client(self) -> Any:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        common: dict[str, Any] = {
-            "username": self.address.username,
-            "password": self.address.password,
-            "socket_timeout": self.op_timeout,
-            "socket_connect_timeout": self.connect_timeout,
-            "retry": Retry(NoBackoff(), 0),  # no hidden retries: a failure marks the tier down at once
-            "client_name": "kvdepot",
-        }
-        if self.address.tls:
-            common.update(ssl=True, ssl_ca_certs=self.ssl_ca_certs)
-        else:
-            common["connection_class"] = zero_copy_connection()
-        if self.address.cluster:
-            from redis.cluster import ClusterNode, RedisCluster
-
-            nodes: list[Any] = [ClusterNode(host, port) for host, port in self.address.nodes]  # type: ignore[no-untyped-call]
-            if "connection_class" in common:
-                # RedisCluster honours connection_class only for a client made from a URL.
-                host, port = self.address.nodes[0]
-                common["url"] = f"redis://[{host}]:{port}" if ":" in host else f"redis://{host}:{port}"
-            cluster: Any = RedisCluster(
-                startup_nodes=nodes,
-                require_full_coverage=True,
-                **common,
-            )
-            try:
-                cluster.ping(target_nodes=RedisCluster.ALL_NODES)
-                infos: dict[Any, Any] = cluster.cluster_info(target_nodes=RedisCluster.ALL_NODES)
-                for info in infos.values():
-                    if info.get("cluster_state") != "ok":
-                        raise redis.exceptions.ClusterDownError("a node says the cluster is not ok")
-            except BaseException:
-                cluster.close()
-                raise
-            return cluster
-        host, port = self.address.nodes[0]
-        if self.address.tls:
-            client: Any = redis.Redis(host=host, port=port, db=self.address.db, **common)
-        else:
-            pool = redis.ConnectionPool(host=host, port=port, db=self.address.db, **common)
-            client = redis.Redis(connection_pool=pool)
-        try:
-            client.ping()
-        except BaseException:
-            client.close()
-            raise
-        return client
-
-    def _try_connect(self) -> bool:
-        """Open a fresh client and mark the tier up when the server answers."""
-        try:
-            client = self._new_client()
-        except self._errors as exc:
-            self._last_error = _describe(exc)
-            return False
-        with self._lock:
-            old, self._client = self._client, client
-            self._generation += 1
-            self._state = TierState.UP
-            down_for = time.monotonic() - self._down_since
-        if old is not None:
-            self._close_client(old)
-        log.info("remote_tier_up", url=self.address.display, down_s=round(down_for, 3))
-        return True
-
-    @staticmethod
-    def _close_client(client: Any) -> None:
-        with contextlib.suppress(Exception):  # a broken client's close may fail too; it is dropped either way
-            client.close()
-
-    def _current(self) -> tuple[Any, int] | None:
-        """The client and its generation, or None while down."""
-        with self._lock:
-            if self._state is TierState.DOWN or self._client is None:
-                return None
-            return self._client, self._generation
-
-    def _mark_down(self, generation: int, exc: BaseException) -> None:
-        with self._lock:
-            if generation != self._generation or self._state is TierState.DOWN:
-                return
-            self._state = TierState.DOWN
-            self._down_since = time.monotonic()
-        self._counters.add(outages=1, errors=1)
-        log.warning("remote_tier_down", url=self.address.display, error=_describe(exc))
-        self._wake.set()
-
-    def _probe_loop(self) -> None:
-        while not self._closed.is_set():
-            self._wake.wait(self.retry_interval)
-            self._wake.clear()
-            if self._closed.is_set():
-                return
-            try:
-                if self._current() is None:
-                    self._try_connect()
-                elif time.monotonic() - self._figures_at >= STATS_INTERVAL:
-                    self._refresh_figures()
-            except Exception as exc:  # whatever the client raises, this thread must live to bring the tier back
-                self._warn("remote_tier_probe_failed", url=self.address.display, error=_describe(exc))
-
-    def _refresh_figures(self) -> None:
-        """Memory and key counts of the server (all of it, other data included)."""
-        current = self._current()
-        if current is None:
-            return
-        client, generation = current
-        try:
-            if self.address.cluster:
-                from redis.cluster import RedisCluster
-
-                infos = list(client.info("memory", target_nodes=RedisCluster.PRIMARIES).values())
-                objects = int(client.dbsize())
-            else:
-                infos = [client.info("memory")]
-                objects = int(client.dbsize())
-        except self._errors as exc:
-            self._mark_down(generation, exc)
-            return
-        used = sum(int(i.get("used_memory", 0)) for i in infos)
-        limits = [int(i.get("maxmemory", 0)) for i in infos]
-        capacity = sum(limits) if all(limits) else None
-        self._server_figures = (capacity, used, objects)
-        self._figures_at = time.monotonic()
 
     @property
     def state(self) -> TierState:
-        return self._state
+        return self._link.state
 
     def wait_until_up(self, timeout: float) -> bool:
         """Block until the tier is up (tests and start-up checks); False at the timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._state is TierState.UP:
-                return True
-            self._wake.set()
-            time.sleep(0.05)
-        return self._state is TierState.UP
+        return self._link.wait_until_up(timeout)
 
     # -- the tier API -------------------------------------------------------------------------
 
@@ -311,7 +134,7 @@ class RemoteTier:
         """SET every chunk in one pipeline; all False at once while the tier is down."""
         if not items:
             return []
-        current = self._current()
+        current = self._link.current()
         if current is None:
             self._counters.add(failed_writes=len(items))
             return [False] * len(items)
@@ -346,9 +169,7 @@ class RemoteTier:
         try:
             replies = pipe.execute(raise_on_error=False)
         except self._errors as exc:
-            if isinstance(exc, self._down_errors):
-                self._mark_down(generation, exc)
-            else:
+            if not self._link.failed(generation, exc):
                 self._warn("remote_tier_write_failed", url=self.address.display, error=repr(exc))
             self._counters.add(failed_writes=len(items), errors=1)
             return [False] * len(items)
@@ -364,8 +185,8 @@ class RemoteTier:
             errors=len(failures),
         )
         if failures:
-            if any(isinstance(f, self._down_errors) for f in failures):
-                self._mark_down(generation, failures[0])
+            if any(isinstance(f, self._link.down_errors) for f in failures):
+                self._link.mark_down(generation, failures[0])
             else:  # refused by the server (e.g. out of memory): the tier stays up
                 self._warn("remote_tier_write_failed", url=self.address.display, error=repr(failures[0]))
         if quotas:
@@ -384,8 +205,7 @@ class RemoteTier:
         try:
             popped = charge(client, self.prefix, items, results, quotas)
         except self._errors as exc:
-            if isinstance(exc, self._down_errors):
-                self._mark_down(generation, exc)
+            self._link.failed(generation, exc)
             self._counters.add(errors=1)
             self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(exc))
             return
@@ -411,8 +231,7 @@ class RemoteTier:
                 pipe.get(key)
             return list(pipe.execute(raise_on_error=False))
         except self._errors as exc:
-            if isinstance(exc, self._down_errors):
-                self._mark_down(generation, exc)
+            self._link.failed(generation, exc)
             raise
         finally:
             pipe.reset()
@@ -435,8 +254,8 @@ class RemoteTier:
         check_batch(refs, into)
         if not refs:
             return []
-        current = self._current()
-        if current is None or self._closed.is_set():
+        current = self._link.current()
+        if current is None or self._link.closed:
             self._counters.add(skipped=len(refs), misses=len(refs))
             return [False] * len(refs)
         client, generation = current
@@ -475,8 +294,8 @@ class RemoteTier:
             self._counters.add(late=late)
         if failures:
             self._counters.add(errors=len(failures))
-            if any(isinstance(f, self._down_errors) for f in failures):
-                self._mark_down(generation, failures[0])
+            if any(isinstance(f, self._link.down_errors) for f in failures):
+                self._link.mark_down(generation, failures[0])
             else:
                 self._warn("remote_tier_read_failed", url=self.address.display, error=repr(failures[0]))
         hits = sum(results)
@@ -510,8 +329,7 @@ class RemoteTier:
                 pipe.delete(key)
             pipe.execute(raise_on_error=False)
         except self._errors as exc:
-            if isinstance(exc, self._down_errors):
-                self._mark_down(generation, exc)
+            self._link.failed(generation, exc)
         finally:
             pipe.reset()
 
@@ -520,7 +338,7 @@ class RemoteTier:
         where the answer is not in within ``timeout`` seconds (None: the tier's own timeouts)."""
         if not refs:
             return []
-        current = self._current()
+        current = self._link.current()
         if current is None:
             return [None] * len(refs)
         if timeout is None:
@@ -544,15 +362,14 @@ class RemoteTier:
                 for ref, n in zip(refs, pipe.execute(False), strict=True)
             ]
         except self._errors as exc:
-            if isinstance(exc, self._down_errors):
-                self._mark_down(generation, exc)
+            self._link.failed(generation, exc)
             return [None] * len(refs)
         finally:
             pipe.reset()
 
     def delete(self, refs: Sequence[ChunkRef]) -> None:
         """Delete these chunks (best effort; nothing happens while down)."""
-        current = self._current()
+        current = self._link.current()
         if current is not None and refs:
             self._delete_keys(current[0], current[1], [self._key(ref.digest) for ref in refs])
 
@@ -561,10 +378,10 @@ class RemoteTier:
         return self.prefix + object_name(salt, key)
 
     def stats(self) -> TierStats:
-        capacity, used, objects = self._server_figures
+        capacity, used, objects = self._link.server_figures
         return TierStats(
             kind=self.kind,
-            state=self._state,
+            state=self._link.state,
             capacity=capacity,
             used_bytes=used,
             objects=objects,
@@ -572,17 +389,9 @@ class RemoteTier:
         )
 
     def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._wake.set()
-        self._prober.join(timeout=5.0)
-        self._reads.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            client, self._client = self._client, None
-            self._state = TierState.DOWN
-        if client is not None:
-            self._close_client(client)
+        if not self._link.closed:
+            self._link.close()
+            self._reads.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RemoteTier:
         return self
@@ -612,7 +421,3 @@ def _consume(future: concurrent.futures.Future[Any]) -> None:
     """Retrieve a late read's outcome, so that its exception is never reported as unhandled."""
     if not future.cancelled():
         future.exception()
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
