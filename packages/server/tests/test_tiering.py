@@ -221,6 +221,7 @@ def test_a_client_cannot_queue_tier_reads_without_bound(tmp_path):
         settle(tiers, lambda: len(answers) == len(waiting) + 1)
         assert tiers.counters["reads_expired"] >= 1  # the last ones waited behind 0.2 s probes past 0.3 s
         assert tiers._keys_of == {}
+        assert tiers._keys_waiting == 0
         assert tiers._prefix_leases == 0
         assert index.stats().pending_chunks == 0
         index.check()

@@ -171,6 +171,7 @@ class TierSet:
             "pins_dropped": 0,
         }
         self._keys_of: dict[str, int] = {}  # per client: keys of its lookups waiting for the tiers
+        self._keys_waiting = 0  # and their sum
         self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
@@ -231,7 +232,7 @@ class TierSet:
         if count > MAX_KEYS_PER_REQUEST:
             return None  # the lookup from RAM refuses it with its typed error
         own = self._keys_of.get(client, 0)
-        if own + count > MAX_READ_KEYS_PER_CLIENT or sum(self._keys_of.values()) + count > MAX_READ_KEYS:
+        if own + count > MAX_READ_KEYS_PER_CLIENT or self._keys_waiting + count > MAX_READ_KEYS:
             self.counters["reads_refused"] += 1
             return None
         prefixes = self.index.prefix_lengths(items)
@@ -246,9 +247,9 @@ class TierSet:
             leases = [o.lease_id for o in self.index.lookup(TIER_CLIENT, items, now, count=False) if o.lease_id]
         except ServerError:  # too many leases or sessions: read without holding the prefixes
             pass
-        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases)
+        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases, count)
         self._keys_of[client] = own + count
-        read.keys = count
+        self._keys_waiting += count
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
         self._reader.submit(client, self._probe, read)
@@ -296,6 +297,7 @@ class TierSet:
             reply = error_reply_from(exc)
         self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
         self._prefix_leases -= len(read.prefix_leases)
+        self._keys_waiting -= read.keys
         left = self._keys_of[read.client] - read.keys
         if left:
             self._keys_of[read.client] = left
