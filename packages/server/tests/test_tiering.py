@@ -356,3 +356,35 @@ def test_the_first_key_no_tier_holds_ends_the_probe_of_its_item(tmp_path, monkey
         index.check()
     finally:
         tiers.close()
+
+
+def test_a_lookup_is_answered_without_the_tiers_when_a_tier_call_hangs(tmp_path, monkeypatch):
+    """A disk read that blocks (a hung mount) holds the reader thread: the lookups waiting for
+    it, and those queued behind it, are answered from RAM once past their longest wait, not
+    when the read returns. What the read brings in later is still published, and no slot stays
+    reserved."""
+    import kvdepot.server._tiering as tiering
+
+    monkeypatch.setattr(tiering, "OVERDUE_GRACE_S", 0.1)
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers, read_deadline=0.1, read_deadline_per_chunk=None)
+    try:
+        keys = on_disk_only(tiers, index, pool, 2)
+        index.touch("b", 0.0)
+        tiers.tiers[0].delay = 2.0  # one file read takes 2 s; the tier checks its deadline only between files
+        start = time.monotonic()
+        assert tiers.lookup("a", [("", keys)], 0.0) is not None
+        settle(tiers, lambda: index.stats().pending_chunks == 2)  # probed, slots reserved: the read starts
+        time.sleep(0.05)
+        assert tiers.lookup("b", [("", keys)], 0.0) is not None
+        settle(tiers, lambda: len(answers) == 2)
+        assert time.monotonic() - start < 1.5  # not the 2 s the read takes
+        assert [result.num_hits for (result,) in answers] == [0, 0]
+        assert tiers.counters["reads_overdue"] == 2
+        settle(tiers, lambda: tiers._keys_waiting == 0)  # the reader is done: everything settled
+        assert len(answers) == 2  # nobody is answered twice
+        assert index.stats().pending_chunks == 0
+        assert index.lookup("a", [("", keys)], time.monotonic())[0].num_hits == 1  # the chunk read in time
+        index.check()
+    finally:
+        tiers.close()

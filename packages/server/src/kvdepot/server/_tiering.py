@@ -43,7 +43,7 @@ from kvdepot.server._errors import ServerError, TooManyError
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._records import Entry
 from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
-from kvdepot.server._tiers import ChunkRef, Tier, TierState
+from kvdepot.server._tiers import ChunkRef, Tier, TierState, WarnLimiter
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
 from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred, error_reply_from
 
@@ -71,6 +71,12 @@ MAX_READ_KEYS = 16 * MAX_KEYS_PER_REQUEST
 #: this a read goes on without holding its prefix. The rest of the session's lease limit stays
 #: for the write-behind's pins.
 MAX_PREFIX_LEASES = MAX_LEASES_PER_CLIENT // 2
+#: Seconds past the longest a lookup may wait for the tiers (twice the read deadline: the probe,
+#: then the transfer) after which the loop answers it from RAM without them: a tier call that
+#: blocks (a hung NFS mount, a dying disk) holds the single reader thread, and the lookups
+#: waiting behind it would otherwise never be answered. Their slots stay reserved until the
+#: reader is done with them.
+OVERDUE_GRACE_S = 1.0
 #: Keys per item the first probe asks the tiers about; each later probe of the items whose run
 #: goes on asks 4x more. An engine's lookup (a few hundred keys) takes one probe.
 PROBE_WINDOW = 256
@@ -132,6 +138,9 @@ class _Read:
     # per item: (reservation id, [(index in missing keys, payload offset, length)]) of the slots to fill
     targets: list[tuple[int, list[tuple[int, int, int]]]] = attrs.field(factory=list)
     filled: list[set[int]] = attrs.field(factory=list)  # per item: the indices whose slots now hold their chunk
+    overdue_at: float = 0.0  # when the loop answers it without the tiers, if the reader has not by then
+    answered: bool = False  # its lookup got its reply (settled, or answered as overdue)
+    settled: bool = False  # the reader is done with it, its slots published or given back
 
 
 class TierSet:
@@ -168,10 +177,13 @@ class TierSet:
             "reads_deferred": 0,
             "reads_refused": 0,
             "reads_expired": 0,
+            "reads_overdue": 0,
             "pins_dropped": 0,
         }
         self._keys_of: dict[str, int] = {}  # per client: keys of its lookups waiting for the tiers
         self._keys_waiting = 0  # and their sum
+        self._open: deque[_Read] = deque()  # reads not settled yet, oldest first (for `_answer_overdue`)
+        self._warn = WarnLimiter(log)
         self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
@@ -183,12 +195,26 @@ class TierSet:
     # -- loop thread ------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Apply what the tier threads handed back (loop thread, every pass)."""
+        """Apply what the tier threads handed back, and answer the lookups the reader is too late
+        for (loop thread, every pass)."""
         while self._posted:
             try:
                 self._posted.popleft()()
             except Exception:  # a bug here must not stop the server: the chunk is only not written below
                 log.exception("tier_work_failed")
+        if self._open:
+            self._answer_overdue(time.monotonic())
+
+    def _answer_overdue(self, now: float) -> None:
+        """Answer from RAM the lookups still waiting past their longest wait: the reader is stuck
+        in a tier call. What it reads for them later is still published when it settles."""
+        while self._open and (self._open[0].settled or self._open[0].overdue_at <= now):
+            read = self._open.popleft()
+            if read.settled or read.answered:
+                continue
+            self.counters["reads_overdue"] += 1
+            self._warn("tier_read_overdue", after_s=round(self._longest_wait(), 3), reason="a tier call hangs")
+            self._reply(read, now)
 
     def _committed(self, client: str, entries: list[Entry]) -> None:
         """Write-behind: pin the chunks a client just committed and queue them for every tier."""
@@ -247,13 +273,20 @@ class TierSet:
             leases = [o.lease_id for o in self.index.lookup(TIER_CLIENT, items, now, count=False) if o.lease_id]
         except ServerError:  # too many leases or sessions: read without holding the prefixes
             pass
-        read = _Read(Deferred(), client, items, missing, time.monotonic(), per_chunk, leases, count)
+        started = time.monotonic()
+        read = _Read(Deferred(), client, items, missing, started, per_chunk, leases, count)
+        read.overdue_at = started + self._longest_wait()
+        self._open.append(read)
         self._keys_of[client] = own + count
         self._keys_waiting += count
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
         self._reader.submit(client, self._probe, read)
         return read.deferred
+
+    def _longest_wait(self) -> float:
+        """Seconds a lookup may wait for the tiers before it counts as overdue."""
+        return 2 * self.read_deadline + OVERDUE_GRACE_S
 
     def _place(self, read: _Read) -> None:
         """Reserve RAM slots for the run of chunks the tiers hold past each RAM prefix, then
@@ -277,7 +310,8 @@ class TierSet:
             self._reader.submit(read.client, self._fill, read)
 
     def _settle(self, read: _Read) -> None:
-        """Publish the slots filled in time, give back the others, and answer the lookup (loop thread)."""
+        """Publish the slots filled in time, give back the others, and answer the lookup unless it
+        was answered as overdue (loop thread)."""
         now = time.monotonic()
         for item, (reservation_id, _slots) in enumerate(read.targets):
             filled = read.filled[item] if item < len(read.filled) else set()
@@ -291,10 +325,9 @@ class TierSet:
                 self.index.abort(TIER_CLIENT, reservation_id)  # the slots not filled (a no-op when none)
             except ServerError as exc:  # a peer ended the tiers' session meanwhile: those chunks are misses
                 log.warning("tier_read_not_placed", error=str(exc))
-        try:
-            reply = self._lookup(read.client, read.items, now)
-        except Exception as exc:  # the client left meanwhile, or its leases are at their limit
-            reply = error_reply_from(exc)
+        read.settled = True
+        if not read.answered:
+            self._reply(read, now)
         self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
         self._prefix_leases -= len(read.prefix_leases)
         self._keys_waiting -= read.keys
@@ -303,6 +336,14 @@ class TierSet:
             self._keys_of[read.client] = left
         else:
             del self._keys_of[read.client]
+
+    def _reply(self, read: _Read, now: float) -> None:
+        """Answer the lookup from RAM, as it stands now (loop thread)."""
+        read.answered = True
+        try:
+            reply = self._lookup(read.client, read.items, now)
+        except Exception as exc:  # the client left meanwhile, or its leases are at their limit
+            reply = error_reply_from(exc)
         self._answer(read.deferred, reply)
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
