@@ -210,10 +210,13 @@ def test_salts_are_isolated(tier):
 
 
 def test_other_fingerprint_is_a_miss(tier):
-    """Asked with another fingerprint, a chunk is a counted mismatch, never served."""
+    """Asked with another fingerprint (or length), a chunk is a miss, never served; the file is
+    intact, so it stays and is still served to who asks for it as it is."""
     write(tier, 1)
     assert read(tier, 1, fingerprint=b"other") == [None]
-    assert tier.stats().corrupt == 1
+    assert tier.read([ChunkRef("s", b"k1", b"fp", CHUNK // 2)], [memoryview(bytearray(CHUNK // 2))]) == [False]
+    assert tier.stats().corrupt == 0
+    assert read(tier, 1) == [payload(1)]
 
 
 def test_permissions_are_owner_only(tier, tier_dir):

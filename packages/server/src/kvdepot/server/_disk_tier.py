@@ -1,8 +1,8 @@
 """The disk tier: one file per chunk under a private directory, LRU-evicted by capacity.
 
-Layout of ``DIR`` (0700, this user's alone; a lock file keeps a second server out)::
+Layout of ``DIR`` (0700, this user's alone; flock'ed on the directory itself while a server
+uses it, so a second server is kept out)::
 
-    DIR/lock                 flock'ed while a server uses DIR
     DIR/tmp/NAME.RANDOM      a file being written (removed at start: a crash left it)
     DIR/objects/ab/NAME      a chunk: `_tier_format` header + payload; NAME = object_name(salt, key)
 
@@ -11,6 +11,15 @@ file's overhead is small; writing to a temporary name and renaming makes every o
 appear whole or not at all, with no log to replay; eviction is an unlink that frees the space
 at once, with no compaction; and the index rebuilds from the headers alone. The 256
 subdirectories keep directories small.
+
+Every file operation is relative to a descriptor of ``DIR`` opened once at start (``openat``
+and friends), never to its path: a user who can write a parent of ``DIR`` cannot swap in a
+directory of their own and have the tier serve their bytes. ``tmp``, ``objects`` and the 256
+subdirectories must be real directories of this user's alone (a symlink is refused), and a
+file must be a regular one (opened with ``O_NONBLOCK``, so a FIFO never blocks the tier). A
+file removed behind the tier's back is forgotten at its first read and written again when
+the chunk is; removed subdirectories are made again; a full file system (ENOSPC) evicts the
+least recently used files and tries once more.
 
 No fsync: this is a cache. A process crash (SIGKILL) loses nothing that was renamed, since
 the page cache survives it; a power loss may leave a renamed file empty or short, and its
@@ -31,6 +40,7 @@ waits for the write-behind's batch (or another lookup's) to finish.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -72,7 +82,14 @@ log = structlog.get_logger(__name__)
 _NAME = re.compile(r"^[0-9a-f]{64}$")
 # A read or write batch of at least this many bytes is split between two threads.
 SPLIT_BYTES = 2 << 20
+# Seconds `close` waits for reads and writes under way.
+CLOSE_WAIT_S = 5.0
 _OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS
+_FAN = [f"{fan:02x}" for fan in range(256)]
+# Errors that mean the file system is full: the tier evicts and tries once more.
+_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @attrs.define
@@ -83,15 +100,42 @@ class _Entry:
     tag: bytes  # `salt_tag` of the chunk's salt
 
 
-def _private_dir(path: Path) -> None:
-    """Make ``path`` a directory of this user's alone, or raise `TierConfigError`."""
+def _open_private_dir(path: Path) -> int:
+    """A descriptor of ``path``, a directory of this user's alone (made if missing), or raise
+    `TierConfigError`."""
     try:
         path.mkdir(mode=0o700, parents=False, exist_ok=True)
-        st = os.lstat(path)
+        fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise TierConfigError(f"{path} is not a directory (a symlink is not followed)", path=str(path)) from None
         raise TierConfigError(f"cannot create the disk tier directory {path}: {exc.strerror}", path=str(path)) from exc
+    try:
+        _check_private(path, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _private_subdir(parent: int, name: str, shown: Path) -> None:
+    """Make ``name`` under the directory ``parent`` a directory of this user's alone (made if
+    missing), or raise `TierConfigError`; ``shown`` is its path, for the message."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=parent)
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except OSError as exc:
+        raise TierConfigError(f"cannot create {shown}: {exc.strerror}", path=str(shown)) from exc
+    _check_private(shown, st)
+
+
+def _check_private(path: Path, st: os.stat_result) -> None:
     if not stat.S_ISDIR(st.st_mode):
-        raise TierConfigError(f"{path} is not a directory (a symlink is not followed)", path=str(path))
+        raise TierConfigError(
+            f"{path} is not a directory (a symlink is not followed); remove it, or name another --disk-dir",
+            path=str(path),
+        )
     if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise TierConfigError(
             f"{path} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; the disk tier keeps "
@@ -143,28 +187,28 @@ class DiskTier:
     def __init__(
         self,
         directory: str | os.PathLike[str],
-        capacity: int,
+        capacity: int | None,
         *,
         quota_of: Callable[[str], int | None] | None = None,
     ) -> None:
-        if capacity <= 0:
+        """``capacity``: bytes of files at most; None: half of what the file system has free
+        besides the tier's own files (so a restart does not shrink it)."""
+        if capacity is not None and capacity <= 0:
             raise TierConfigError(f"the disk tier's capacity must be positive, got {capacity}", capacity=capacity)
         self.directory = Path(directory)
-        self.capacity = capacity
         #: The bytes a salt may hold in this tier (its RAM quota; None: no limit of its own).
         #: Called on the writing thread; the server sets it to the index's quotas.
         self.quota_of = quota_of
-        _private_dir(self.directory)
-        self._lock_fd = self._take_lock()
-        self._objects = self.directory / "objects"
-        self._objects_str = str(self._objects)
-        self._tmp = self.directory / "tmp"
-        self._tmp_str = str(self._tmp)
-        _private_dir(self._objects)
-        _private_dir(self._tmp)
-        for fan in range(256):  # made once here, so that a write needs no mkdir
-            (self._objects / f"{fan:02x}").mkdir(mode=0o700, exist_ok=True)
+        self._dir = _open_private_dir(self.directory)
+        try:
+            self._take_lock()
+            for name in ("objects", "tmp", *(f"objects/{fan}" for fan in _FAN)):  # so that a write needs no mkdir
+                _private_subdir(self._dir, name, self.directory / name)
+        except BaseException:
+            os.close(self._dir)
+            raise
         self._lock = threading.Lock()
+        self._busy = 0  # reads and writes under way, which use `_dir` (close waits for them)
         self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
         self._used = 0  # bytes of the files in the index
         self._salts: dict[bytes, OrderedDict[bytes, None]] = {}  # per salt tag: its digests, LRU first
@@ -179,6 +223,10 @@ class DiskTier:
         removed = self._remove_temporaries()
         corrupt = self._rebuild()
         self._counters.add(corrupt=corrupt)
+        if capacity is None:  # half of the free space, counting the tier's own files as free
+            vfs = os.fstatvfs(self._dir)
+            capacity = max(1, (vfs.f_bavail * vfs.f_frsize + self._used) // 2)
+        self.capacity = capacity
         with self._lock:
             evicted = self._make_room(0)
         log.info(
@@ -194,44 +242,48 @@ class DiskTier:
 
     # -- setup -------------------------------------------------------------------------------
 
-    def _take_lock(self) -> int:
-        path = self.directory / "lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | _OPEN_FLAGS, 0o600)
+    def _take_lock(self) -> None:
+        """flock the directory itself: a lock file could be removed from under a running server."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
             raise TierConfigError(
                 f"another kvdepot server uses the disk tier {self.directory}; give each server its own --disk-dir",
                 path=str(self.directory),
             ) from None
-        return fd
+
+    def _listdir(self, name: str) -> list[str]:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=self._dir)
+        try:
+            return os.listdir(fd)
+        finally:
+            os.close(fd)
 
     def _remove_temporaries(self) -> int:
         removed = 0
-        for name in os.listdir(self._tmp):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self._tmp / name)
+        for name in self._listdir("tmp"):
+            try:
+                os.unlink(f"tmp/{name}", dir_fd=self._dir)
                 removed += 1
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # a directory someone made there: not the tier's, left alone
+                log.warning("disk_tier_stray_entry", path=str(self.directory / "tmp" / name), error=exc.strerror)
         return removed
 
     def _rebuild(self) -> int:
         """Index every intact object under objects/, oldest first; delete the broken ones."""
         found: list[tuple[float, bytes, _Entry]] = []
         corrupt = 0
-        for sub in os.listdir(self._objects):
-            subdir = self._objects / sub
-            if not (len(sub) == 2 and subdir.is_dir() and not subdir.is_symlink()):
-                continue
-            for name in os.listdir(subdir):
-                path = subdir / name
+        for sub in _FAN:
+            for name in self._listdir(f"objects/{sub}"):
                 if not _NAME.match(name) or name[:2] != sub:
                     continue
+                path = f"objects/{sub}/{name}"
                 entry, mtime = self._scan_one(path, bytes.fromhex(name))
                 if entry is None:
                     corrupt += 1
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
+                    self._unlink(path)
                     continue
                 found.append((mtime, bytes.fromhex(name), entry))
         found.sort(key=lambda item: item[0])
@@ -239,15 +291,26 @@ class DiskTier:
             self._add(digest, entry)
         return corrupt
 
-    @staticmethod
-    def _scan_one(path: Path, digest: bytes) -> tuple[_Entry | None, float]:
+    def _unlink(self, path: str) -> None:
         try:
-            fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+            os.unlink(path, dir_fd=self._dir)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a directory in a file's place, a read-only file system: left there
+            self._warn("disk_tier_unlink_failed", path=str(self.directory / path), error=exc.strerror or str(exc))
+
+    def _scan_one(self, path: str, digest: bytes) -> tuple[_Entry | None, float]:
+        try:
+            fd = os.open(path, _READ_FLAGS, dir_fd=self._dir)
         except OSError:  # a symlink or a file that vanished: not ours to serve
             return None, 0.0
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO: never read
+                return None, 0.0
             head = os.pread(fd, FIXED_HEADER_BYTES + MAX_FINGERPRINT_BYTES, 0)
+        except OSError:
+            return None, 0.0
         finally:
             os.close(fd)
         try:
@@ -255,8 +318,7 @@ class DiskTier:
         except CorruptObjectError:
             return None, 0.0
         if (
-            not stat.S_ISREG(st.st_mode)
-            or header.digest != digest
+            header.digest != digest
             or st.st_size != header.object_size
             or len(header.fingerprint) < SALT_TAG_BYTES  # not written by this tier
         ):
@@ -266,9 +328,11 @@ class DiskTier:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _path(self, digest: bytes) -> str:
+    @staticmethod
+    def _path(digest: bytes) -> str:
+        """The object's path, relative to the tier's directory (a string: pathlib costs ~10 us a read)."""
         name = digest.hex()
-        return f"{self._objects_str}/{name[:2]}/{name}"  # a string: pathlib costs ~10 us a read
+        return f"objects/{name[:2]}/{name}"
 
     def _make_room(self, size: int) -> int:
         """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
@@ -321,8 +385,13 @@ class DiskTier:
 
     def _evict(self, digest: bytes) -> None:
         self._forget(digest)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._path(digest))
+        self._unlink(self._path(digest))
+
+    def _forget_if(self, digest: bytes, entry: _Entry) -> None:
+        """Forget a file found gone, unless it was written again meanwhile."""
+        with self._lock:
+            if self._index.get(digest) is entry:
+                self._forget(digest)
 
     def _drop(self, digest: bytes) -> None:
         """Forget and delete one object (a corrupt or vanished one)."""
@@ -361,9 +430,15 @@ class DiskTier:
         return self._split(self._write_helper, len(items), nbytes, lambda i: self._write_one(items[i]))
 
     def _write_one(self, item: ChunkWrite) -> bool:
-        if self._closed or len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES:
+        if len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES or not self._enter():
             self._counters.add(failed_writes=1)
             return False
+        try:
+            return self._write_entered(item)
+        finally:
+            self._leave()
+
+    def _write_entered(self, item: ChunkWrite) -> bool:
         digest = item.digest
         tag = salt_tag(item.salt)
         payload = memoryview(item.payload).cast("B")
@@ -373,11 +448,23 @@ class DiskTier:
         if size > self.capacity:
             self._counters.add(failed_writes=1)
             return False
+        final = self._path(digest)
+        with self._lock:
+            kept = self._index.get(digest)
+            if kept is not None and kept.length == payload.nbytes and kept.fingerprint == item.fingerprint:
+                self._touch(digest, kept)
+            else:
+                kept = None
+        if kept is not None:  # already there: a use, for the LRU order of a restart too
+            try:
+                os.utime(final, dir_fd=self._dir, follow_symlinks=False)
+                return True
+            except FileNotFoundError:  # removed behind the tier's back: forget it, write it again
+                self._forget_if(digest, kept)
+            except OSError:
+                return True
         with self._lock:
             entry = self._index.get(digest)
-            if entry is not None and entry.length == payload.nbytes and entry.fingerprint == item.fingerprint:
-                self._touch(digest, entry)
-                return True
             if entry is not None:  # a stale object under this name: it goes, whatever happens next
                 self._evict(digest)
             # The salt's quota first, from its own files; then the capacity, from everyone's LRU.
@@ -390,23 +477,18 @@ class DiskTier:
                 return False
             self._reserved += size
             self._charge(tag, size)  # counts toward the salt's quota while it is written
-        final = self._path(digest)
-        tmp = f"{self._tmp_str}/{digest.hex()}.{secrets.token_hex(4)}"
+        new = _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag)
         ok = False
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600)
-            try:
-                _write_full(fd, [memoryview(header), payload])
-            finally:
-                os.close(fd)
-            with self._lock:
-                os.rename(tmp, final)
-                ok = True
-                self._forget(digest)  # written meanwhile by another thread: the new file replaced it
-                self._add(digest, _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag))
+            for retry in (False, True):
+                try:
+                    self._put_file(digest, new, [memoryview(header), payload])
+                    ok = True
+                    break
+                except OSError as exc:
+                    if retry or not self._repair(exc, final, size):
+                        raise
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
             self._counters.add(failed_writes=1, errors=1)
             self._warn("disk_tier_write_failed", path=str(self.directory), error=exc.strerror or str(exc))
         finally:
@@ -416,6 +498,43 @@ class DiskTier:
         if ok:
             self._counters.add(writes=1, bytes_written=payload.nbytes)
         return ok
+
+    def _put_file(self, digest: bytes, entry: _Entry, buffers: list[memoryview]) -> None:
+        """Write the object to a temporary file and rename it into place; index it."""
+        tmp = f"tmp/{digest.hex()}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dir)
+            try:
+                _write_full(fd, buffers)
+            finally:
+                os.close(fd)
+            with self._lock:
+                os.rename(tmp, self._path(digest), src_dir_fd=self._dir, dst_dir_fd=self._dir)
+                self._forget(digest)  # written meanwhile by another thread: the new file replaced it
+                self._add(digest, entry)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=self._dir)
+            raise
+
+    def _repair(self, exc: OSError, final: str, size: int) -> bool:
+        """Whether a write that failed with ``exc`` may be tried once more: its directories were
+        removed (made again), or the file system is full (least recently used files evicted)."""
+        if isinstance(exc, FileNotFoundError):
+            for name in ("tmp", final.rsplit("/", 1)[0]):
+                with contextlib.suppress(OSError):
+                    os.mkdir(name, 0o700, dir_fd=self._dir)
+            return True
+        if exc.errno in _FULL:
+            with self._lock:
+                freed = 0
+                while self._index and freed < 2 * size:
+                    digest = next(iter(self._index))
+                    freed += self._index[digest].size
+                    self._evict(digest)
+            self._warn("disk_tier_full", path=str(self.directory), evicted_bytes=freed, capacity=self.capacity)
+            return freed > 0
+        return False
 
     def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
         """Read each chunk found into its buffer, checked; ``timeout`` bounds the whole batch."""
@@ -433,27 +552,35 @@ class DiskTier:
         return self._split(self._read_helper, len(refs), sum(ref.length for ref in refs), one)
 
     def _read_one(self, ref: ChunkRef, buf: memoryview) -> bool:
-        if self._closed:
+        if not self._enter():
             return False
+        try:
+            return self._read_entered(ref, buf)
+        finally:
+            self._leave()
+
+    def _read_entered(self, ref: ChunkRef, buf: memoryview) -> bool:
         digest = ref.digest
         with self._lock:
             entry = self._index.get(digest)
             if entry is None:
                 return False
             self._touch(digest, entry)
-        fingerprint = entry.tag + ref.fingerprint  # the tag: the name mixes the salt in, so it matches
         if entry.length != ref.length or entry.fingerprint != ref.fingerprint:
-            self._corrupt(digest, "length" if entry.length != ref.length else "fingerprint")
-            return False
+            return False  # another chunk than the one asked for: a miss, and the file stays
+        fingerprint = entry.tag + ref.fingerprint  # the tag: the name mixes the salt in, so it matches
         try:
-            fd = os.open(self._path(digest), os.O_RDONLY | _OPEN_FLAGS)
-        except FileNotFoundError:  # evicted or deleted since we looked
+            fd = os.open(self._path(digest), _READ_FLAGS, dir_fd=self._dir)
+        except (FileNotFoundError, NotADirectoryError):  # evicted since we looked, or removed behind our back
+            self._forget_if(digest, entry)
             return False
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory or a FIFO in the file's place
+                raise CorruptObjectError("not a regular file", reason="type")
             header = bytearray(FIXED_HEADER_BYTES + len(fingerprint))
             payload = buf.cast("B")
             beyond = bytearray(1)  # a byte read here means the file is longer than its header says
@@ -461,6 +588,9 @@ class DiskTier:
             got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
             with contextlib.suppress(OSError):  # the file's mtime is its last use: a restart rebuilds the LRU from it
                 os.utime(fd)
+        except CorruptObjectError as exc:
+            self._corrupt(digest, exc.fields.get("reason"))
+            return False
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
@@ -528,13 +658,35 @@ class DiskTier:
             **self._counters.snapshot(),
         )
 
+    def _enter(self) -> bool:
+        """Count a read or write under way; False once the tier is closed."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._busy += 1
+            return True
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._busy -= 1
+
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Stop; the directory's descriptor (and lock) goes once no read or write uses it. One
+        still under way after `CLOSE_WAIT_S` (a hung disk) keeps it: closing it then could give
+        its number to another file, which a late rename would then be relative to."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._read_helper.shutdown(wait=True)
         self._write_helper.shutdown(wait=True)
-        os.close(self._lock_fd)
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._busy:
+            log.warning("disk_tier_busy_at_close", path=str(self.directory), operations=self._busy)
+            return
+        os.close(self._dir)
 
     def __enter__(self) -> DiskTier:
         return self

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -259,11 +258,9 @@ class CacheServer:
         tiers: list[Tier] = []
         try:
             if config.disk_dir is not None:
-                capacity = config.disk_capacity
-                if capacity is None:
-                    config.disk_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-                    capacity = shutil.disk_usage(config.disk_dir).free // 2
-                tiers.append(DiskTier(config.disk_dir, capacity))
+                if config.disk_capacity is None:  # half its free space (the tier counts its own files as free)
+                    config.disk_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                tiers.append(DiskTier(config.disk_dir, config.disk_capacity))
             if config.remote_url is not None:
                 tiers.append(
                     RemoteTier(
