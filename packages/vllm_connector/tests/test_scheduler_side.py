@@ -492,3 +492,30 @@ def test_a_multimodal_input_keys_only_the_chunks_from_its_position_on():
     assert all(x != y for x, y in zip(keys["a"][1:], keys["b"][1:], strict=True))
     assert all(x != y for x, y in zip(keys["a"][1:], keys["d"][1:], strict=True))
     assert keys["a"] == keys["c"]
+
+
+def test_a_streaming_session_stops_storing_once_media_arrive_after_it_was_keyed():
+    """vLLM's streaming-input sessions append tokens and media to the same request and schedule it
+    again without a new lookup. Its keys were made from the media it had then, so chunks holding
+    the new media would be stored under keys that do not name them: two sessions with different
+    audio would share them. Such chunks are not stored."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    def second_turn_keys(s: SchedulerSide, req_id: str, media: str) -> list[bytes]:
+        req = request(req_id, 2 * CHUNK)  # turn 1: two chunks of text, the same in every session
+        s.on_new_request(req)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+        s.update_state_after_alloc(req, (list(range(4)),), 0)
+        s.build_connector_meta(output(new=[(req_id, list(range(4)))], scheduled={req_id: 2 * CHUNK}))
+        req.all_token_ids += [7] * (2 * CHUNK)  # turn 2: audio placeholders, and the audio itself
+        req.num_tokens = len(req.all_token_ids)
+        req.mm_features.append(
+            MultiModalFeatureSpec(None, "audio", media, PlaceholderRange(offset=2 * CHUNK, length=2 * CHUNK))
+        )
+        s.update_state_after_alloc(req, (list(range(8)),), 0)
+        meta = s.build_connector_meta(output(new=[(req_id, list(range(8)))], scheduled={req_id: 2 * CHUNK}))
+        return [key for op in meta.stores for key in op.keys[0]]
+
+    s = side(FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items])))
+    assert second_turn_keys(s, "a", "audio-of-a") == []
+    assert second_turn_keys(s, "b", "audio-of-b") == []

@@ -10,6 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +346,75 @@ def test_a_failed_load_of_a_sliding_window_model_is_reported_per_request(client:
         assert worker.take_failed_requests() == {"b"}
     finally:
         worker.shutdown()
+
+
+@pytest.mark.parametrize("old_pool", ["left behind", "removed"])
+def test_a_server_restart_during_registration_never_maps_the_old_pool_under_the_new_id(old_pool):
+    """The server restarts right after answering the worker's Register: the reply names the old
+    instance's pool, and the client has already greeted the new one. The worker must not map that
+    pool under the new instance's id (its stores would go into a file nobody serves, and their
+    commits to the new instance would make its never-written slots hits); the registration the
+    reconnection brings is the one that counts. The old pool file is either left behind (another
+    --pool-dir) or removed by the new instance."""
+    base = Path(f"/tmp/kvd-wr-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    base.mkdir(mode=0o700)
+    dirs = [base / "pool-a", base / ("pool-b" if old_pool == "left behind" else "pool-a")]
+    for d in dirs:
+        d.mkdir(mode=0o700, exist_ok=True)
+    address = f"ipc://{base}/kvdepot.sock"
+    old = kvdepot.server.ServerProcess(address, capacity="16MiB", args=["--no-metrics", "--pool-dir", str(dirs[0])])
+    new = kvdepot.server.ServerProcess(address, capacity="16MiB", args=["--no-metrics", "--pool-dir", str(dirs[1])])
+    old.start()
+    reconnected = threading.Event()
+    workers: list[WorkerSide] = []
+
+    def on_reconnect(hello: Any, register: Any) -> None:
+        workers[0].on_reconnect(hello, register)
+        reconnected.set()
+
+    client = CacheClient(address, timeout=5.0, heartbeat_interval=0.1, on_reconnect=on_reconnect)
+    register = client.register
+
+    def register_then_restart(*args: Any, **kwargs: Any) -> Any:
+        reply = register(*args, **kwargs).result(10)  # the old instance's pool
+        old.kill()
+        new.start()
+        assert reconnected.wait(20)
+        done: Future[Any] = Future()
+        done.set_result(reply)
+        return done
+
+    client.register = register_then_restart  # type: ignore[method-assign]
+    kv = torch.randn((8, 2, BLOCK, 64))
+    workers.append(
+        WorkerSide(
+            client=client,
+            health=ServerHealth(client),
+            strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
+            chunk_size=CHUNK,
+            block_size=BLOCK,
+            layout_name="test-layout",
+            model="m",
+            backend_hint=None,
+            prefault_pool=False,
+        )
+    )
+    try:
+        workers[0].register_kv_caches({"layers.0": kv})
+        store(workers[0], "s", [KEY], [1, 2])
+        with CacheClient(address, timeout=5.0) as other:
+            kv2 = torch.zeros((8, 2, BLOCK, 64))
+            reader = make_worker(other, kv2)
+            workers.append(reader)
+            hit = other.lookup([("", [KEY])]).result(5).results[0]
+            assert hit.num_hits == 1  # stored through the new instance's pool
+            reader.start_load_kv(KVDepotMetadata(loads=[leased_load(other, "l", hit, [KEY], [5, 6])]))
+            finished(reader, "l", sending=False)
+            assert not reader.take_failed_blocks()
+            assert torch.equal(kv2[5:7], kv[1:3])
+    finally:
+        for worker in workers:
+            worker.shutdown()
+        client.close()
+        new.stop()
+        old.kill()

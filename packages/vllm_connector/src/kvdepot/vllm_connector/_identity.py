@@ -10,7 +10,10 @@ samples of its bytes (the first, middle and last MiB). So
 
 Hashing whole multi-GB files at every engine start would cost seconds; a fine-tune changes
 every tensor, so the samples change with it. A model named on a hub is named by its id and
-revision. The fingerprint is computed once per process and path.
+revision. The fingerprint is computed once per path and state of its files (names, sizes,
+modification times, inodes): an adapter written over in place, as RL loops reload theirs,
+gets a new one at its next request, while an unchanged directory costs a listing and a stat
+per file.
 """
 
 from __future__ import annotations
@@ -49,9 +52,16 @@ def _sample_digest(path: Path, size: int) -> bytes:
     return digest.digest()
 
 
-@functools.lru_cache(maxsize=64)
 def directory_fingerprint(directory: str) -> str:
     """A hex digest of the weights and config in ``directory`` (see the module's docstring)."""
+    files = sorted(p for p in Path(directory).rglob("*") if p.is_file())
+    state = tuple((str(p), st.st_size, st.st_mtime_ns, st.st_ino) for p in files for st in [p.stat()])
+    return _fingerprint(directory, state)
+
+
+@functools.lru_cache(maxsize=64)
+def _fingerprint(directory: str, state: tuple[tuple[str, int, int, int], ...]) -> str:
+    """The digest of ``directory``'s files, cached while they keep ``state`` (names, sizes, times, inodes)."""
     digest = hashlib.sha256(b"kvdepot/weights/v1")
     root = Path(directory)
     for path in sorted(p for p in root.rglob("*") if p.is_file()):

@@ -229,7 +229,11 @@ class SchedulerSide:
             self._plan_store(
                 meta, req_id, scheduled.get(req_id, 0), new_blocks[0] if new_blocks else [], replace=resumed
             )
-        for req_id in preempted:
+        # A request preempted outside `schedule` (reset_prefix_cache(reset_running_requests=True))
+        # is named preempted by the very pass that resumes it: it was admitted again (a load, or
+        # scheduled new or resumed), and must not be taken for preempted now.
+        readmitted = {op.req_id for op in meta.loads} | {new.req_id for new in scheduler_output.scheduled_new_reqs}
+        for req_id in preempted - readmitted - set(cached.resumed_req_ids):
             if req_id in self.planner and self.planner.get(req_id).state in _RUNNING:
                 self.planner.on_preempted(req_id)
         self._flush_releases()
@@ -287,6 +291,14 @@ class SchedulerSide:
 
     def reset(self) -> bool:
         """Make everything stored before unreachable from this engine (new weights): a fresh epoch."""
+        # vLLM runs this even when its own prefix-cache reset failed because blocks are in use
+        # (`reset_connector_cache() and reset_successful`). Requests running through it would
+        # then store KV computed before the reset (old weights) under the new epoch's keys, so
+        # refuse on vLLM's own condition: any block in use besides the null block.
+        pool = getattr(self.kv_cache_manager, "block_pool", None)
+        if pool is not None and pool.get_num_free_blocks() < pool.num_gpu_blocks - 1:
+            log.warning("kvdepot cache reset refused: vLLM still holds KV blocks, so its own reset failed too")
+            return False
         self.planner.new_epoch(secrets.token_hex(16))
         self._flush_releases()
         log.info("kvdepot cache reset: this engine's keys start a new epoch; nothing stored before can be a hit")
@@ -342,6 +354,8 @@ class SchedulerSide:
         record = self._records.get(req_id)
         if record is None or self.planner.get(req_id).state not in _RUNNING:
             return
+        if len(getattr(record.request, "mm_features", None) or ()) != len(self.planner.get(req_id).marks):
+            return  # a streaming session got media after it was keyed: its keys no longer describe its KV
         plan = self.planner.on_scheduled(
             req_id, num_tokens, record.request.all_token_ids, block_ids, replace_blocks=replace
         )

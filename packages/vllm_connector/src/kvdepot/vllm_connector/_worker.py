@@ -98,6 +98,7 @@ class _PoolMapping:
             os.close(fd)
         self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
         self.server_id = server_id
+        self.path = path
         self.size = size
         # One copier per KV-cache group and mapping: on CUDA the first registers the pool for DMA.
         self.copiers = [open_copier(layout, self.tensor, register=i == 0) for i, layout in enumerate(layouts)]
@@ -212,6 +213,7 @@ class WorkerSide:
         self.group_bytes = [layout.chunk_bytes(self.blocks_per_chunk) for layout in self.layouts]
         self.group_offsets = [sum(self.group_bytes[:i]) for i in range(len(self.group_bytes))]
         self.chunk_bytes = sum(self.group_bytes)
+        before = self.client.server_id
         try:
             reply = self.client.register(
                 self.layout_name,
@@ -229,7 +231,10 @@ class WorkerSide:
                 exc,
             )
             return
-        self._pending = (reply, self.client.server_id or "")
+        after = self.client.server_id
+        with self._lock:  # a reply paired with the id of the server that sent it; else on_reconnect brings one
+            if self._pending is None and (before is None or after == before):
+                self._pending = (reply, after or "")
         pool = self._copier.submit(self._current_pool).result()
         log.info(
             "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s, copies: %s",
@@ -263,7 +268,7 @@ class WorkerSide:
         if pending is None or self.layout is None:
             return self._pool
         reply, server_id = pending
-        if self._pool is not None and self._pool.server_id == server_id:
+        if self._pool is not None and self._pool.server_id == server_id and self._pool.path == reply.pool.path:
             return self._pool
         try:
             pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layouts, prefault=self.prefault_pool)
