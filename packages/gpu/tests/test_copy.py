@@ -389,3 +389,13 @@ def test_a_missing_native_copy_is_a_clear_error(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(info.value, KVDepotError)
     assert "_rowcopy" in info.value.cause
     assert isinstance(kvdepot.gpu.open_copier(layout, filled_pool(1 << 16), method="reference"), ReferenceCopier)
+
+
+def test_a_copy_of_no_chunks_does_nothing() -> None:
+    """A gather or scatter of no chunks is a no-op (an empty scatter raised a bare IndexError)."""
+    kv = torch.randn(4, 2, 4, 8)
+    before = kv.clone()
+    copier = open_copier(KVLayout.from_kv_caches({"l0": kv}), torch.zeros(1024, dtype=torch.uint8))
+    copier.gather([], []).wait()
+    copier.scatter([], []).wait()
+    assert torch.equal(kv, before)

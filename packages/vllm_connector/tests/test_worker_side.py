@@ -418,3 +418,33 @@ def test_a_server_restart_during_registration_never_maps_the_old_pool_under_the_
         client.close()
         new.stop()
         old.kill()
+
+
+def test_kernel_blocks_are_merged_into_the_engines_blocks(client):
+    """vLLM splits an engine block into kernel blocks where the attention backend needs smaller
+    ones, and registers views of those; block ids still count engine blocks. A load of engine
+    blocks 1 and 2 into engine blocks 5 and 6 moves exactly those (it moved kernel blocks 5 and
+    6, halves of other engine blocks, and stored half a chunk)."""
+    kernel = BLOCK // 2
+    kv = torch.randn((8 * 2, 2, kernel, 64))  # 8 engine blocks as 16 kernel blocks
+    engine = kv.view(8, 2, 2, kernel, 64)
+    worker = make_worker(client, kv, num_blocks=8)
+    try:
+        assert (worker.layout.block_size, worker.layout.num_blocks) == (BLOCK, 8)
+        store(worker, "s", [KEY], [1, 2])
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "l", hit, [KEY], [5, 6])]))
+        finished(worker, "l", sending=False)
+        assert not worker.take_failed_blocks()
+        assert torch.equal(engine[5:7], engine[1:3])
+    finally:
+        worker.shutdown()
+
+
+def test_kv_tensors_with_another_number_of_blocks_than_the_engine_are_refused(client):
+    """Blocks that do not tile the engine's (or another count of them) cannot be mapped to the
+    engine's block ids: refused at start, never copied wrong."""
+    from kvdepot.gpu import UnsupportedLayoutError
+
+    with pytest.raises(UnsupportedLayoutError, match="engine 9 of"):
+        make_worker(client, torch.randn((8, 2, BLOCK, 64)), num_blocks=9)

@@ -191,6 +191,8 @@ def _check_disjoint(spans: list[tuple[int, int, int]], pool_bytes: int) -> None:
 
 
 def _check_written_once(ids: list[list[int]], skips: list[int], num_blocks: int) -> None:
+    if not ids:  # no chunks: nothing is written
+        return
     written = [b for t, s in zip(ids, skips, strict=True) for b in t[s:]] if len(ids) > 1 else ids[0][skips[0] :]
     if len(set(written)) != len(written):
         seen: set[int] = set()

@@ -200,6 +200,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 load_delay=self.config.load_delay,
                 prefault_pool=self.config.prefault_pool,
                 groups=self.groups,
+                num_blocks=kv_cache_config.num_blocks,
             )
         log.info(
             "kvdepot connector (%s) using server %s, chunk size %d tokens, KV-cache groups: %s",

@@ -96,7 +96,10 @@ class _PoolMapping:
             self.mmap = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self.tensor = torch.frombuffer(self.mmap, dtype=torch.uint8)
+        # Held until `close`: while this export lives the mapping cannot be closed (BufferError)
+        # under the copiers, which use its raw address with the GIL released.
+        self._export = memoryview(self.mmap)
+        self.tensor = torch.frombuffer(self._export, dtype=torch.uint8)
         self.server_id = server_id
         self.path = path
         self.size = size
@@ -122,7 +125,8 @@ class _PoolMapping:
         for copier in reversed(self.copiers):  # the first, which registered the pool, last
             copier.close()
         del self.tensor
-        with contextlib.suppress(BufferError):  # a view is still alive somewhere; the OS unmaps at exit
+        with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the OS unmaps at exit
+            self._export.release()
             self.mmap.close()
 
 
@@ -161,11 +165,16 @@ class WorkerSide:
         load_delay: float = 0.0,
         prefault_pool: bool = True,
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
+        num_blocks: int | None = None,
     ) -> None:
+        """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
+        group's layout must have; None leaves that unchecked."""
         self.client = client
         self.health = health
         self.strategy = strategy
         self.chunk_size = chunk_size
+        self.block_size = block_size
+        self.num_blocks = num_blocks
         self.blocks_per_chunk = chunk_size // block_size
         self.layout_name = layout_name
         self.model = model
@@ -202,13 +211,24 @@ class WorkerSide:
     # -- set-up ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvdepot.gpu import KVLayout
+        from kvdepot.gpu import KVLayout, UnsupportedLayoutError
 
         if len(self.groups) == 1:  # every layer, and layers that share another's KV as aliases
             per_group = [kv_caches]
         else:  # layers of different groups share tensors (one block belongs to one group at a time)
             per_group = [{n: kv_caches[n] for n in group.layer_names if n in kv_caches} for group in self.groups]
-        self.layouts = [KVLayout.from_kv_caches(caches, backend_hint=self.backend_hint) for caches in per_group]
+        # The engine's block size: vLLM splits an engine block into smaller kernel blocks where the
+        # attention backend needs them (FlashMLA 64, FlashInfer at most 64, CPU multiples of 32),
+        # while block ids count engine blocks; the layout merges the kernel blocks back.
+        self.layouts = [
+            KVLayout.from_kv_caches(caches, self.block_size, backend_hint=self.backend_hint) for caches in per_group
+        ]
+        for layout in self.layouts:
+            if self.num_blocks is not None and layout.num_blocks != self.num_blocks:
+                raise UnsupportedLayoutError(
+                    f"the KV cache tensors hold {layout.num_blocks} blocks of {layout.block_size} tokens, the engine "
+                    f"{self.num_blocks} of {self.block_size}: kvdepot cannot map its block ids to them"
+                )
         self.layout = self.layouts[0]
         self.group_bytes = [layout.chunk_bytes(self.blocks_per_chunk) for layout in self.layouts]
         self.group_offsets = [sum(self.group_bytes[:i]) for i in range(len(self.group_bytes))]
