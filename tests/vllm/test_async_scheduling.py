@@ -349,3 +349,18 @@ def test_a_cache_reset_that_failed_in_vllm_fails_in_kvdepot_too(tiny_llama, serv
     assert scheduler.reset_prefix_cache(reset_connector=True) is True
     assert side.planner.namespace.epoch != epoch
     scheduler.shutdown()
+
+
+def test_the_layout_name_names_the_cpu_attention_instruction_set(tiny_llama, server, stub_connector_registry):
+    """On a CPU the bytes within a block follow the attention's instruction set (AMX tiles or
+    vector kernels): nodes of different CPUs sharing a tier must not share chunks."""
+    import platform
+
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from kvdepot.vllm_connector._connector import layout_name
+
+    config = make_scheduler(tiny_llama, server.address, sync=True).vllm_config
+    model, cache = config.model_config, config.cache_config
+    isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    assert f"|isa={platform.machine()}-{isa}" in layout_name(config)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -80,7 +81,8 @@ def layout_name(vllm_config: VllmConfig, groups: tuple[CacheGroup, ...] = ()) ->
 
     Everything a user or an upgrade can change about a block's bytes: device, dtypes, shape,
     parallel layout, the attention backend asked for, vLLM's KV-cache layout setting and
-    vLLM's version, and the KV-cache groups of a hybrid or sliding-window model. What the
+    vLLM's version, on a CPU the attention's instruction set, and the KV-cache groups of a
+    hybrid or sliding-window model. What the
     worker then measures on its tensors goes to the server as the layout's fingerprint, and
     the server refuses a second fingerprint under one name.
     """
@@ -106,9 +108,27 @@ def layout_name(vllm_config: VllmConfig, groups: tuple[CacheGroup, ...] = ()) ->
             f"attn={getattr(backend, 'name', backend) or 'auto'}",
             f"kvlayout={os.environ.get('VLLM_KV_CACHE_LAYOUT') or 'auto'}",
             f"vllm={getattr(vllm, '__version__', '')}",
-            *filter(None, [layout_part(groups)]),
+            *filter(None, [_cpu_attention_isa(vllm_config), layout_part(groups)]),
         )
     )
+
+
+def _cpu_attention_isa(vllm_config: VllmConfig) -> str | None:
+    """On a CPU, the machine and the instruction set vLLM's attention uses (``isa=x86_64-amx``):
+    the order of the bytes within a block follows it (AMX tiles differ from the vector
+    kernels), so nodes of different CPUs sharing a tier must not share chunks. None elsewhere."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type != "cpu":
+        return None
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+    except Exception:  # another vLLM, or a combination its CPU attention refuses anyway
+        isa = "unknown"
+    return f"isa={platform.machine()}-{isa}"
 
 
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
