@@ -96,8 +96,9 @@ def test_concurrent_stores_and_lookups_never_show_wrong_or_half_written_bytes(se
 
 
 def test_client_killed_mid_store_and_mid_retrieve_is_reclaimed(serve, workers, wait_until):
-    """SIGKILL of a client holding reservations and leases gives all of it back, and the pool is whole again."""
-    server = serve(*SMALL_POOL, "--peer-timeout", "1")
+    """SIGKILL of a client holding reservations and leases gives all of it back (its reservations'
+    slots after one more reservation TTL in quarantine), and the pool is whole again."""
+    server = serve(*SMALL_POOL, "--peer-timeout", "1", "--reservation-ttl", "2")
     with CacheClient(server.address, timeout=T) as client:
         reg = client.register("test-layout", 256, CHUNK).result(T)
         with PoolMapping(reg.pool.path, reg.pool.size) as pool:

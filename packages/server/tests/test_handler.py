@@ -7,6 +7,7 @@ import time
 import pytest
 
 from kvdepot.server import PoolMapping
+from kvdepot.server._index import QUARANTINE_CLIENT
 from kvdepot.transport import (
     CacheClient,
     NotRegisteredError,
@@ -88,15 +89,24 @@ def test_stats_and_quotas_round_trip(server, client):
     assert client.clear("t").result(T).removed == 1
 
 
-def test_end_session_reclaims_leases_and_reservations(server, client):
-    """EndSession returns everything the client held."""
-    client.register("layout", 256, CHUNK).result(T)
-    res = client.reserve("", [key(1), key(2)], CHUNK).result(T)
-    client.commit(res.reservation_id, [0]).result(T)
-    client.lookup([("", [key(1)])]).result(T)
-    client.end_session().result(T)
-    stats = server.index.stats()
-    assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 0, 0)
+def test_end_session_reclaims_leases_and_reservations(make_server):
+    """EndSession returns everything the client held: its leases at once, the slots of its
+    reservations once they were quarantined for one more reservation TTL (a copy into them
+    may still be under way)."""
+    server = make_server(reservation_ttl=0.3)
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        res = client.reserve("", [key(1), key(2)], CHUNK).result(T)
+        client.commit(res.reservation_id, [0]).result(T)
+        client.lookup([("", [key(1)])]).result(T)
+        client.end_session().result(T)
+        stats = server.index.stats()
+        assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 1, 1)  # quarantined
+        deadline = time.monotonic() + 5
+        while server.index.stats().pending_chunks and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stats = server.index.stats()
+        assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 0, 0)
 
 
 def test_silent_client_is_reclaimed(make_server):
@@ -107,10 +117,10 @@ def test_silent_client_is_reclaimed(make_server):
     client.reserve("", [key(1)], CHUNK).result(T)
     assert server.index.stats().reservations == 1
     deadline = time.monotonic() + 5
-    while server.index.stats().reservations and time.monotonic() < deadline:
+    while server.index.clients() != [QUARANTINE_CLIENT] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert server.index.stats().reservations == 0
-    assert server.index.stats().clients == 0
+    assert server.index.clients() == [QUARANTINE_CLIENT]  # its reservation's slots, for one more TTL
+    assert server.index.stats().pending_chunks == 1
     client.close(end_session=False)
 
 

@@ -8,10 +8,12 @@ from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server import (
     ChunkIndex,
     NotRegisteredError,
+    ServerArgumentError,
     SlabAllocator,
     TooManyError,
     UnknownReservationError,
 )
+from kvdepot.server._index import QUARANTINE_CLIENT
 
 PAGE = 4096
 SLOT = 1024  # four slots per page
@@ -179,7 +181,7 @@ def test_taking_a_page_for_another_class_evicts_a_bounded_number_of_chunks():
 
     page = 8 << 20
     index = ChunkIndex(SlabAllocator(2 * page, page), max_client_pending_bytes=2 * page)
-    index.register("tiny", 1, 0.0)
+    index.register("tiny", CHUNK, 0.0)
     keys = [k(i) for i in range(2 * MAX_SLOTS_PER_PAGE)]  # two pages of 1-byte chunks
     for start in range(0, len(keys), 1024):
         store(index, keys[start : start + 1024], client="tiny")
@@ -266,7 +268,7 @@ def test_same_size_chunk_goes_alone_unless_a_whole_page_is_older():
     store(index, [k(i) for i in range(4)])  # page 0
     out = index.reserve("c", "", [k(50)], 3000, 0.0)  # page 1, one slot
     index.commit("c", out.reservation_id, None, 0.0)
-    index.close_session("c")  # gone: its chunk counts toward nobody's fair share of the pool
+    index.close_session("c", 0.0)  # gone: its chunk counts toward nobody's fair share of the pool
     store(index, [k(i) for i in range(4, 8)])  # page 2
     store(index, [k(100)])
     assert present(index, [k(0), k(1), k(50), k(100)]) == [False, True, True, True]
@@ -304,14 +306,37 @@ def test_lowering_a_quota_evicts_down_to_it():
 
 
 def test_expired_reservation_frees_slots():
-    """A reservation not committed by its deadline expires and its slots return."""
+    """A reservation not committed by its deadline expires; its slots stay out of everyone's
+    reach for one more TTL (a copy into them may still land), then return."""
     index = make_index(reservation_ttl=5.0)
     out = index.reserve("a", "", [k(1)], CHUNK, 0.0)
     assert index.expire(4.0).reservations == 0
     assert index.expire(5.0).reservations == 1
-    assert index.stats().used_bytes == 0
     with pytest.raises(UnknownReservationError):
         index.commit("a", out.reservation_id, None, 6.0)
+    assert index.stats().used_bytes == SLOT
+    index.expire(10.0)
+    assert index.stats().used_bytes == 0
+    index.check()
+
+
+def test_a_late_copy_into_an_expired_reservation_never_lands_in_another_chunk():
+    """The slots of a reservation that expired (or whose client left) are not handed to anyone
+    for one more TTL: a copy still under way lands in them, never in a chunk another client
+    committed meanwhile, which every reader's check would pass."""
+    for end in ("expired", "session ended"):
+        index = make_index(reservation_ttl=5.0, pages=1)
+        (_, late, _), *_ = index.reserve("a", "", [k(1)], CHUNK, 0.0).slots
+        if end == "expired":
+            index.expire(5.0)
+        else:
+            index.close_session("a", 5.0)
+        slots = index.reserve("b", "", [k(i) for i in range(2, 40)], CHUNK, 6.0).slots
+        assert slots
+        assert late not in {offset for _, offset, _ in slots}
+        index.expire(10.0)  # one more TTL: the slot returns
+        assert late in {offset for _, offset, _ in index.reserve("b", "", [k(99)], CHUNK, 10.0).slots}
+        index.check()
 
 
 def test_expired_lease_makes_chunk_evictable_again():
@@ -334,7 +359,9 @@ def test_silent_client_is_reclaimed():
     index.touch("a", 9.0)
     gone = index.expire(11.0)
     assert (gone.leases, gone.reservations) == (1, 1)
-    assert index.clients() == ["a"]
+    assert index.clients() == ["a", QUARANTINE_CLIENT]  # which holds b's reservation's slots one more TTL
+    index.touch("a", 70.0)
+    index.expire(72.0)
     stats = index.stats()
     assert (stats.leases, stats.reservations, stats.pending_chunks) == (0, 0, 0)
     index.check()
@@ -346,9 +373,9 @@ def test_closing_a_session_reclaims_everything():
     store(index, [k(1)])
     index.lookup("b", [("", [k(1)])], 0.0)
     index.reserve("b", "", [k(2), k(3)], CHUNK, 0.0)
-    gone = index.close_session("b")
+    gone = index.close_session("b", 0.0)
     assert (gone.leases, gone.reservations, gone.chunks) == (1, 1, 2)
-    assert index.close_session("b").leases == 0
+    assert index.close_session("b", 0.0).leases == 0
     index.check()
 
 
@@ -459,7 +486,7 @@ def test_sessions_are_bounded_and_an_ended_one_frees_its_place():
     with pytest.raises(TooManyError):
         index.touch("one-too-many", 0.0)
     index.touch("a", 1.0)  # a known client is still served
-    index.close_session("c0")
+    index.close_session("c0", 0.0)
     index.touch("one-too-many", 1.0)
     assert index.stats().clients == MAX_SESSIONS
 
@@ -474,8 +501,69 @@ def test_a_client_past_its_fair_share_evicts_its_own_chunks_whatever_the_salt():
         index.check()
     assert present(index, [k(i) for i in range(3)], salt="b-salt") == [True] * 3
     assert index.stats().used_bytes == index.allocator.capacity  # free slots go to anyone; only eviction is shared
-    index.close_session("b")
+    index.close_session("b", 0.0)
     for i in range(20, 30):
         store(index, [k(100 + i)], salt=f"fresh-{i}", client="a")
     assert present(index, [k(i) for i in range(3)], salt="b-salt") == [False] * 3
     index.check()
+
+
+def test_a_reserve_never_evicts_a_chunk_it_reports_present():
+    """The chunks a reserve finds stored are reported present (the client skips writing them),
+    so placing the later keys of the same call must not evict them: under a quota, and under
+    the pool's own LRU."""
+    index = make_index(pages=2)
+    store(index, [k(0)], salt="s")
+    index.set_quota("s", SLOT)  # room for this one chunk only
+    out = index.reserve("a", "s", [k(0), k(1)], CHUNK, 1.0)
+    assert out.present == [0]
+    assert out.slots == []  # k(1) would need k(0)'s room
+    assert index.prefix_lengths([("s", [k(0)])]) == [1]
+    index = make_index(pages=1)  # four slots
+    store(index, [k(0), k(1)])
+    store(index, [k(2), k(3)])
+    out = index.reserve("a", "", [k(i) for i in range(6)], CHUNK, 1.0)
+    assert out.present == [0, 1, 2, 3]
+    assert index.prefix_lengths([("", [k(i) for i in range(4)])]) == [4]
+    index.check()
+
+
+def test_a_reserve_that_can_place_nothing_evicts_nothing_for_its_quota():
+    """When no slot of the size asked for can be had (the only page holds another size class and a
+    leased chunk), the salt's chunks are not evicted to make quota room for it."""
+    index = ChunkIndex(SlabAllocator(PAGE, PAGE))
+    index.register("b", 1000, 0.0)  # 1088-byte slots
+    index.register("a", 500, 0.0)  # 1024-byte slots
+    for i, salt in [(1, "s"), (2, "s"), (3, "other")]:
+        out = index.reserve("b", salt, [k(i)], 1000, float(i))
+        index.commit("b", out.reservation_id, None, float(i))
+    index.lookup("b", [("other", [k(3)])], 4.0)  # a lease pins the page
+    index.set_quota("s", 2200)
+    out = index.reserve("a", "s", [k(9)], 500, 5.0)
+    assert out.full
+    assert out.slots == []
+    assert index.evictions == 0
+    index.check()
+
+
+def test_client_ids_using_their_floor_never_pin_more_than_seven_eighths_of_the_pool():
+    """Past the global bound on pending bytes each client still gets a small floor, but all of
+    them together stop at 7/8 of the pool: any number of client ids that never commit cannot
+    pin every slot."""
+    index = ChunkIndex(SlabAllocator(64 * PAGE, PAGE))
+    for n in range(12):
+        client = f"hog{n}"
+        index.register(client, CHUNK, 0.0)
+        i = 0
+        while index.reserve(client, "", [k(n * 10_000 + i)], CHUNK, 0.0).slots:
+            i += 1
+    assert index.sessions.pending_bytes <= index.allocator.capacity * 7 // 8
+    index.check()
+
+
+def test_a_reserve_of_another_chunk_size_than_registered_is_refused():
+    """Each slot size costs the allocator a class: a client may reserve only the chunk size it
+    registered (the server's memory would otherwise grow with every size a peer names)."""
+    index = make_index()
+    with pytest.raises(ServerArgumentError, match="registered with"):
+        index.reserve("a", "", [k(1)], CHUNK - 1, 0.0)

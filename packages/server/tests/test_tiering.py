@@ -127,7 +127,7 @@ def test_a_commit_stands_and_is_written_behind_after_the_tier_session_was_ended(
     answers: list = []
     pool, index, tiers = make(tmp_path, answers)
     try:
-        index.close_session(TIER_CLIENT)
+        index.close_session(TIER_CLIENT, 0.0)
         assert store(index, pool, "a", [b"\x01" * 32]) == 1
         settle(tiers, lambda: tiers.tiers[0].stats().objects == 1 and index.stats().leased_chunks == 0)
         index.check()

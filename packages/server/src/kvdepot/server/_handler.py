@@ -130,7 +130,7 @@ class CacheHandler:
             # An old connection of a client that is still here under another identity.
             log.info("stale_connection_dropped", peer=peer.client_id)
             return
-        gone = self.index.close_session(peer.client_id)
+        gone = self.index.close_session(peer.client_id, self.clock())
         self._count_reclaimed(gone)
         log.info(
             "client_reclaimed",
@@ -229,7 +229,7 @@ class CacheHandler:
         return ReleaseReply(released=self.index.release(client, body.lease_ids))
 
     def _end_session(self, client: str, body: EndSession, now: float) -> ReplyBody:
-        gone = self.index.close_session(client)
+        gone = self.index.close_session(client, now)
         self._count_reclaimed(gone)
         log.info("client_left", peer=client, leases=gone.leases, reservations=gone.reservations)
         return EndSessionReply()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._chunk_state import LIVE, MOVES, VISIBLE, ChunkEvent, ChunkState, move
-from kvdepot.server._errors import ServerArgumentError, UnknownReservationError
+from kvdepot.server._errors import ServerArgumentError, ServerError, UnknownReservationError
 from kvdepot.server._eviction import EvictionPolicy
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._records import Entry, Lease, Reservation
@@ -41,6 +41,7 @@ from kvdepot.server._sessions import (
     Sessions,
 )
 from kvdepot.server._slabs import SlabAllocator
+from kvdepot.transport import RESERVED_CLIENT_PREFIX
 
 # Share of the pool one client may hold in uncommitted reservations (a store in progress is a
 # few engine steps of chunks): one that never commits cannot fill the pool with pending slots.
@@ -49,10 +50,16 @@ DEFAULT_MAX_CLIENT_PENDING_FRACTION = 0.5
 # past that, a client still gets a small share of its own, so one that was idle can store.
 MAX_PENDING_FRACTION = 0.75
 CLIENT_PENDING_FLOOR_FRACTION = 1 / 16
+# ... but never past this share of the pool in all, however many client ids use their floor:
+# eight of them otherwise pinned every slot with reservations they never committed.
+MAX_PENDING_WITH_FLOORS_FRACTION = 7 / 8
 # Chunks one Clear request removes; a larger clear takes several (the client's `clear` loops).
 CLEAR_SLICE = 8192
 # Keys in one lookup, summed over its items (the wire format bounds each item, not their sum).
 MAX_KEYS_PER_REQUEST = 1 << 16
+#: The server's own session that holds, for one more reservation TTL, the slots of reservations
+#: that expired or whose client left (`ChunkIndex._quarantine`).
+QUARANTINE_CLIENT = f"{RESERVED_CLIENT_PREFIX}quarantine"
 
 EntryKey = tuple[str, bytes]
 S, E = ChunkState, ChunkEvent
@@ -87,6 +94,7 @@ class ChunkIndex:
             max_client_pending_bytes=max_client_pending_bytes,
             max_pending_bytes=max(int(allocator.capacity * MAX_PENDING_FRACTION), max_client_pending_bytes),
             client_pending_floor=int(allocator.capacity * CLIENT_PENDING_FLOOR_FRACTION),
+            max_pending_with_floors=int(allocator.capacity * MAX_PENDING_WITH_FLOORS_FRACTION),
         )
         self.policy = EvictionPolicy(allocator, self._residents, self.sessions)
         self._page_pinned, self._page_size = self.policy.page_pinned, allocator.page_size
@@ -118,14 +126,15 @@ class ChunkIndex:
     def is_registered(self, client: str) -> bool:
         return self.sessions.is_registered(client)
 
-    def close_session(self, client: str) -> Reclaimed:
-        """Give back everything `client` holds and forget it; a no-op for unknown clients."""
+    def close_session(self, client: str, now: float) -> Reclaimed:
+        """Give back everything `client` holds and forget it; a no-op for unknown clients. Its
+        reservations' slots are quarantined (`_quarantine`) for one more reservation TTL."""
         held = self.sessions.close(client)
         if held is None:
             return Reclaimed()
         self.policy.session_changed(client, opened=False)
         reservations, leases = held
-        chunks = sum(self._abort(reservation) for reservation in reservations)
+        chunks = sum(self._quarantine(reservation, now) for reservation in reservations)
         for lease in leases:
             self._drop_lease(lease)
         return Reclaimed(len(reservations), len(leases), chunks)
@@ -146,30 +155,47 @@ class ChunkIndex:
         then says so. Never blocks. The chunks count toward `owner`'s share (default: the client).
         """
         session = self.sessions.active(client, now)
+        if chunk_bytes != session.chunk_bytes:  # each new slot size would cost the allocator a class for good
+            raise ServerArgumentError(
+                f"reserve of {chunk_bytes}-byte chunks by a client registered with {session.chunk_bytes}-byte ones; "
+                "register again with the chunk size you store",
+                expected=session.chunk_bytes,
+                got=chunk_bytes,
+            )
         owner = client if owner is None else owner
         slot_size = self.allocator.slot_size(chunk_bytes)
         reservation = self.sessions.new_reservation(session, salt, now)
         slots: list[tuple[int, int, int]] = []
         present: list[int] = []
         full = False
-        for index, key in enumerate(keys):
-            entry = self._entries.get((salt, key))
-            if entry is not None:
-                present.append(index)
-                if entry.state is S.COMMITTED:  # a reserve that finds the chunk counts as a use
-                    self.policy.order.drop(entry)
-                    self.policy.order.add(entry)
-                continue
-            if full:
-                continue
-            offset = self._place(salt, slot_size, owner) if self.sessions.may_pend(session, slot_size) else None
-            if offset is None:
-                full = True
-                continue
-            entry = self._new_entry(Entry(salt, key, offset, chunk_bytes, slot_size, owner))
-            self.sessions.pend(session, slot_size)
-            reservation.pending[index] = entry
-            slots.append((index, offset + SLOT_HEADER_BYTES, chunk_bytes))
+        # The chunks found committed are held out of eviction until the call ends (then put back
+        # as just used): the client is told they are stored, so placing a later key of the same
+        # call must not evict them.
+        found: dict[int, Entry] = {}
+        try:
+            for index, key in enumerate(keys):
+                entry = self._entries.get((salt, key))
+                if entry is not None:
+                    present.append(index)
+                    if entry.state is S.COMMITTED and id(entry) not in found:
+                        found[id(entry)] = entry
+                        self.policy.order.drop(entry)
+                        self._page_pinned[entry.offset // self._page_size] += 1
+                    continue
+                if full:
+                    continue
+                offset = self._place(salt, slot_size, owner) if self.sessions.may_pend(session, slot_size) else None
+                if offset is None:
+                    full = True
+                    continue
+                entry = self._new_entry(Entry(salt, key, offset, chunk_bytes, slot_size, owner))
+                self.sessions.pend(session, slot_size)
+                reservation.pending[index] = entry
+                slots.append((index, offset + SLOT_HEADER_BYTES, chunk_bytes))
+        finally:
+            for entry in found.values():  # a reserve that finds a chunk counts as a use of it
+                self._page_pinned[entry.offset // self._page_size] -= 1
+                self.policy.order.add(entry)
         self.full_reserves += full
         if not reservation.pending:
             return ReserveOutcome(0, slots, present, full)
@@ -309,12 +335,12 @@ class ChunkIndex:
                 self._drop_lease(held)
                 leases += 1
             else:
-                chunks += self._abort(held)
+                chunks += self._quarantine(held, now)
                 reservations += 1
         self.expired_leases += leases
         self.expired_reservations += reservations
         for client in self.sessions.silent(now):
-            gone = self.close_session(client)
+            gone = self.close_session(client, now)
             leases += gone.leases
             reservations += gone.reservations
             chunks += gone.chunks
@@ -399,6 +425,9 @@ class ChunkIndex:
         if quota is not None:
             if slot_size > quota:
                 return None
+            over = self._salt_bytes.get(salt, 0) + slot_size > quota
+            if over and not self._slot_possible(salt, slot_size):
+                return None  # the salt's chunks would be evicted for a slot that cannot be had
             while self._salt_bytes.get(salt, 0) + slot_size > quota:
                 if (oldest := self.policy.quota_victim(salt)) is None:
                     return None
@@ -410,6 +439,19 @@ class ChunkIndex:
             for victim in victims:
                 self._evict(victim)
         return offset
+
+    def _slot_possible(self, salt: str, slot_size: int) -> bool:
+        """Whether a slot of `slot_size` is free, can be freed by the policy, or is what evicting
+        the salt's own oldest chunk frees (the quota's first victim)."""
+        order = self.policy.order  # what `victims` would choose from, without its side effects
+        if (
+            self.allocator.can_allocate(slot_size)
+            or order.oldest_of_size(slot_size) is not None
+            or order.pages.oldest(self._page_pinned) is not None
+        ):
+            return True
+        oldest = self.policy.quota_victim(salt)
+        return oldest is not None and oldest.slot_size == slot_size
 
     def _new_entry(self, entry: Entry) -> Entry:
         """Put a placed chunk in the index, PENDING."""
@@ -444,6 +486,29 @@ class ChunkIndex:
             self.sessions.pend(session, -entry.slot_size)
             self._step(entry, _ABORT)
             self._free_slot(entry)
+        return len(reservation.pending)
+
+    def _quarantine(self, reservation: Reservation, now: float) -> int:
+        """End a reservation its client did not end (expired, or the client left) without
+        freeing its slots yet: the client's copy into them may still be under way (a stalled
+        GPU stream, a paused process), and landing in a slot another client has since filled
+        and committed it would pass every reader's check with the wrong bytes. The slots stay
+        pending, held by the server's `QUARANTINE_CLIENT`, for one more reservation TTL; then
+        they are freed. How many chunks it held."""
+        if reservation.client == QUARANTINE_CLIENT:
+            return self._abort(reservation)
+        try:
+            self.touch(QUARANTINE_CLIENT, now, "quarantine")
+            holder = self.sessions.active(QUARANTINE_CLIENT, now, need_layout=False)
+            moved = self.sessions.new_reservation(holder, reservation.salt, now, ttl=self.sessions.reservation_ttl)
+        except ServerError:  # too many sessions or reservations: freed now, as before
+            return self._abort(reservation)
+        session = self.sessions.end_reservation(reservation)
+        for index, entry in reservation.pending.items():
+            self.sessions.pend(session, -entry.slot_size)
+            self.sessions.pend(holder, entry.slot_size)
+            moved.pending[index] = entry
+        self.sessions.hold(holder, moved)
         return len(reservation.pending)
 
     def _drop_lease(self, lease: Lease) -> None:

@@ -45,6 +45,7 @@ class Sessions:
         max_client_pending_bytes: int,
         max_pending_bytes: int,
         client_pending_floor: int,
+        max_pending_with_floors: int | None = None,
     ) -> None:
         self.lease_ttl = lease_ttl
         self.reservation_ttl = reservation_ttl
@@ -52,6 +53,8 @@ class Sessions:
         self.max_client_pending_bytes = max_client_pending_bytes
         self.max_pending_bytes = max_pending_bytes
         self.client_pending_floor = client_pending_floor
+        #: Pending bytes of all clients at most, floors included (None: no bound past the floors).
+        self.max_pending_with_floors = max_pending_with_floors
         self.pending_bytes = 0  # slot bytes of every reservation's pending chunks
         self.reservations: dict[int, Reservation] = {}
         self.leases: dict[int, Lease] = {}
@@ -123,8 +126,9 @@ class Sessions:
 
     # -- reservations ---------------------------------------------------------------------
 
-    def new_reservation(self, session: Session, salt: str, now: float) -> Reservation:
-        """A reservation for `session` to fill, not yet held (`hold` it once it has chunks)."""
+    def new_reservation(self, session: Session, salt: str, now: float, ttl: float | None = None) -> Reservation:
+        """A reservation for `session` to fill, not yet held (`hold` it once it has chunks);
+        ``ttl`` overrides the seconds it may stay uncommitted."""
         if len(session.reservations) >= MAX_RESERVATIONS_PER_CLIENT:
             raise TooManyError(
                 f"client holds {len(session.reservations)} reservations; commit or abort some first",
@@ -133,7 +137,8 @@ class Sessions:
         # The server's own sessions (no peer may take their ids) end their reservations
         # themselves: a tier read fills its slots from another thread until it settles, so
         # slots freed by expiry under it could be handed to another client and overwritten.
-        ttl = float("inf") if session.client.startswith(RESERVED_CLIENT_PREFIX) else self.reservation_ttl
+        if ttl is None:
+            ttl = float("inf") if session.client.startswith(RESERVED_CLIENT_PREFIX) else self.reservation_ttl
         return Reservation(self._new_id(), session.client, salt, now + ttl, {})
 
     def may_pend(self, session: Session, slot_size: int) -> bool:
@@ -141,7 +146,12 @@ class Sessions:
         own = session.pending_bytes + slot_size
         if own > self.max_client_pending_bytes:
             return False
-        return self.pending_bytes + slot_size <= self.max_pending_bytes or own <= self.client_pending_floor
+        total = self.pending_bytes + slot_size
+        if total <= self.max_pending_bytes:
+            return True
+        return own <= self.client_pending_floor and (
+            self.max_pending_with_floors is None or total <= self.max_pending_with_floors
+        )
 
     def pend(self, session: Session | None, slot_size: int) -> None:
         """Count `slot_size` pending bytes (negative: no longer pending) to `session` and to all."""
