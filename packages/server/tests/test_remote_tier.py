@@ -235,39 +235,57 @@ def test_cluster_node_killed_then_back(valkey_cluster, open_tier):
     assert read(tier, *keys) == [payload(i) for i in keys]
 
 
-def test_a_read_cut_off_by_the_deadline_keeps_the_groups_in_by_then(valkey_server, open_tier, monkeypatch):
-    """A batch split into pipelines keeps the chunks of those in by the deadline; the late ones
-    are misses, counted, and never land in the buffers afterwards."""
-    from kvdepot.server import _remote_tier
+def test_a_read_cut_off_by_the_deadline_keeps_the_chunks_in_by_then(valkey_server, open_tier, monkeypatch):
+    """The server stops answering after the first chunk (CLIENT PAUSE): that chunk hits, the
+    late ones are misses, counted, and never land in the buffers afterwards; the next read gets
+    a clean connection."""
+    import redis
 
-    monkeypatch.setattr(_remote_tier, "READ_GROUP_BYTES", CHUNK)
-    tier = open_tier(valkey_server.url)
+    from kvdepot.server import _remote_read
+
+    monkeypatch.setattr(_remote_read, "READ_WINDOW_BYTES", CHUNK)  # one GET per window
+    tier = open_tier(valkey_server.url, op_timeout=5.0)
     tier.write(writes(1, 2, 3, 4))
-    fetch = tier._fetch
+    admin = valkey_server.client()
+    sent = []
+    send = redis.Connection.send_packed_command
 
-    def slow_after_the_first(client, generation, keys):
-        if keys[0] != tier.key_of("s", b"k1"):
-            time.sleep(0.5)
-        return fetch(client, generation, keys)
+    def pause_before_the_second(self, *args, **kwargs):
+        sent.append(1)
+        if len(sent) == 2:
+            time.sleep(0.05)  # the first GET is answered
+            admin.execute_command("CLIENT", "PAUSE", 1500, "ALL")  # sent #3
+        return send(self, *args, **kwargs)
 
-    tier._fetch = slow_after_the_first
+    monkeypatch.setattr(redis.Connection, "send_packed_command", pause_before_the_second)
     bufs = [bytearray(CHUNK) for _ in range(4)]
-    hits = tier.read(
-        [ChunkRef("s", b"k%d" % i, b"fp", CHUNK) for i in (1, 2, 3, 4)], [memoryview(b) for b in bufs], timeout=0.25
-    )
-    assert hits == [True, False, False, False]
-    assert bytes(bufs[0]) == payload(1)
-    assert tier.stats().late == 3
-    time.sleep(0.5)
+    try:
+        start = time.monotonic()
+        hits = tier.read(
+            [ChunkRef("s", b"k%d" % i, b"fp", CHUNK) for i in (1, 2, 3, 4)],
+            [memoryview(b) for b in bufs],
+            timeout=0.3,
+        )
+        assert time.monotonic() - start < 0.6
+        monkeypatch.setattr(redis.Connection, "send_packed_command", send)
+        assert hits == [True, False, False, False]
+        assert bytes(bufs[0]) == payload(1)
+        assert tier.stats().late == 3
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        admin.close()
+    time.sleep(0.2)
     assert bufs[1:] == [bytearray(CHUNK)] * 3  # the late replies never wrote
+    assert read(tier, 4, 3, 2, 1) == [payload(4), payload(3), payload(2), payload(1)]
+    assert tier.state is TierState.UP
 
 
-def test_a_batch_in_several_pipelines_lands_each_group_checked(valkey_server, open_tier, monkeypatch):
-    """Group by group as they come in: every chunk lands in its own buffer, a corrupt one in a
-    middle group is a miss (deleted, counted), an absent one a miss, the rest hit."""
-    from kvdepot.server import _remote_tier
+def test_a_batch_in_several_windows_lands_each_chunk_checked(valkey_server, open_tier, monkeypatch):
+    """Window by window as the replies come in: every chunk lands in its own buffer, a corrupt
+    one in a middle window is a miss (deleted, counted), an absent one a miss, the rest hit."""
+    from kvdepot.server import _remote_read
 
-    monkeypatch.setattr(_remote_tier, "READ_GROUP_BYTES", 2 * CHUNK)
+    monkeypatch.setattr(_remote_read, "READ_WINDOW_BYTES", 2 * CHUNK)
     tier = open_tier(valkey_server.url)
     tier.write(writes(1, 2, 3, 4, 5, 6))
     key = "kvd:" + object_name("s", b"k4")
@@ -281,20 +299,38 @@ def test_a_batch_in_several_pipelines_lands_each_group_checked(valkey_server, op
 
 
 @pytest.mark.parametrize(
-    ("lengths", "groups"),
+    ("lengths", "spans"),
     [
         ([], []),
         ([1 << 20] * 8, [(0, 8)]),
         ([16 << 20] * 3, [(0, 1), (1, 2), (2, 3)]),
-        ([16 << 20] * 8, [(0, 2), (2, 4), (4, 6), (6, 8)]),
         ([10 << 20] * 3, [(0, 2), (2, 3)]),
+        ([1 << 20] * 40, [(0, 16), (16, 32), (32, 40)]),
     ],
 )
-def test_read_groups_are_consecutive_large_and_few(lengths, groups):
-    """A batch splits into at most READ_WORKERS consecutive groups of at least READ_GROUP_BYTES."""
-    from kvdepot.server._remote_tier import _groups
+def test_read_windows_are_consecutive_and_large(lengths, spans):
+    """A batch's GETs are sent in consecutive windows of at least READ_WINDOW_BYTES of values."""
+    from kvdepot.server._remote_read import windows
 
-    assert _groups(lengths) == groups
+    assert windows(lengths) == spans
+
+
+def test_a_cluster_read_follows_a_moved_slot(valkey_cluster, open_tier):
+    """A client whose map of the slots is stale (as while slots move) is answered MOVED by the
+    node it asks: those chunks are fetched again from the right node and hit."""
+    tier = open_tier(valkey_cluster.url)
+    keys = list(range(12))
+    assert tier.write(writes(*keys)) == [True] * 12
+    client, _ = tier._link.current()
+    manager = client.nodes_manager
+    slot = client.keyslot(tier.key_of("s", b"k5"))
+    owner = manager.slots_cache[slot][0]
+    wrong = next(n for n in client.get_primaries() if n.name != owner.name)
+    manager.slots_cache[slot] = [wrong]  # the stale map: the slot's key goes to a node that no longer has it
+    assert client.get_node_from_key(tier.key_of("s", b"k5")).name == wrong.name
+    assert read(tier, *keys) == [payload(i) for i in keys]
+    s = tier.stats()
+    assert (s.hits, s.errors) == (12, 0)
 
 
 def stored(server, salt: str, *keys: int) -> list[int]:

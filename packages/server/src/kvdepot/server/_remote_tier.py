@@ -7,8 +7,9 @@ without ``--remote`` never imports it). valkey-glide would add a Rust core with 
 runtime and threads to the server for no gain at these sizes.
 
 Each chunk is one string value, ``PREFIX + object_name(salt, key)``, holding the
-`_tier_format` header then the payload; a batch is one pipeline (GET, SET or STRLEN per
-chunk). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
+`_tier_format` header then the payload; a batch of writes or probes is one pipeline (SET or
+STRLEN per chunk), a batch of reads a stream of GETs whose replies are landed one by one
+(`_remote_read`). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
 
 Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
 
@@ -16,10 +17,10 @@ Failure: every command has short socket timeouts and no client-side retries. The
 and its state live in `_remote_link`: the first connection error or timeout marks the tier
 DOWN; while down, reads miss and writes are dropped at once, until the link's thread finds the
 server answering again.
-Reads run on a small pool of I/O threads, so a caller waits at most its deadline: a large batch
-is split into ordered pipelines that run one after the other, and the chunks of those not in by then
-are counted ``late`` and missed, while those in time still hit (the bytes are copied into the
-caller's buffers only by the caller, so a late reply never writes into a slot it gave up).
+Reads run on a small pool of I/O threads, so a caller waits at most its deadline: the chunks
+whose replies are not in by then are counted ``late`` and missed, while those in time still hit
+(a reply is copied into the caller's buffer only while the caller waits, so a late one never
+writes into a slot it gave up).
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._errors import TierConfigError
 from kvdepot.server._remote_link import CONNECT_TIMEOUT, OP_TIMEOUT, RETRY_INTERVAL, RemoteLink
 from kvdepot.server._remote_quota import charge, quotas_of
+from kvdepot.server._remote_read import Landing, stream_gets
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
-from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, header_size, verify
+from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, header_size
 from kvdepot.server._tiers import (
     ChunkRef,
     ChunkWrite,
@@ -56,15 +58,8 @@ DEFAULT_PREFIX = "kvd:"
 READ_TIMEOUT = 1.0
 # Bytes of the buffer a writing thread keeps to assemble values in (one WriteBehind batch).
 MAX_SCRATCH_BYTES = 64 << 20
-# Threads that run reads (one per batch), so that a caller can stop waiting at its deadline;
-# also the most groups one batch is split into.
+# Threads that run probes (STRLEN pipelines), so that a caller can stop waiting at its deadline.
 READ_WORKERS = 4
-# Bytes of values one read pipeline asks for at least (the last may have less): a batch past
-# this is split into ordered pipelines, fetched one after the other, so that at the deadline
-# the groups in by then still hit. 16 MiB is ~10 ms on a 10 Gb/s link, where a round trip
-# is ~0.1 ms: the split costs no throughput. (Side by side they cost it: 8 MiB chunks read
-# at 59-65% of a plain client, against 78% in order, on a 2-core machine.)
-READ_GROUP_BYTES = 16 << 20
 
 
 class RemoteTier:
@@ -236,21 +231,9 @@ class RemoteTier:
         finally:
             pipe.reset()
 
-    def _fetch_in_order(
-        self, client: Any, generation: int, key_groups: list[list[str]], futures: list[concurrent.futures.Future[Any]]
-    ) -> None:
-        """Each group's pipeline in turn, its values (or error) in its future; on a read thread."""
-        for i, (keys, future) in enumerate(zip(key_groups, futures, strict=True)):
-            try:
-                future.set_result(self._fetch(client, generation, keys))
-            except BaseException as exc:  # the tier failed: this group and the rest get the error
-                for rest in futures[i:]:
-                    rest.set_exception(exc)
-                return
-
     def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
-        """GET every chunk (one pipeline per `READ_GROUP_BYTES`, in order) and copy the intact
-        ones into ``into``; groups not in by the deadline are misses, those before them still hit."""
+        """GET every chunk and copy the intact ones into ``into``, each as its reply comes in
+        (`_remote_read`); those not in by the deadline are late misses, those before still hit."""
         check_batch(refs, into)
         if not refs:
             return []
@@ -259,39 +242,23 @@ class RemoteTier:
             self._counters.add(skipped=len(refs), misses=len(refs))
             return [False] * len(refs)
         client, generation = current
-        digests = [ref.digest for ref in refs]
         timeout = self.read_timeout if timeout is None else timeout
         deadline = time.monotonic() + max(0.0, timeout)
-        # Ordered groups, one pipeline each, fetched one after the other on a read thread: at the
-        # deadline the groups in by then still count, so a slow tier yields the prefix it
-        # managed, not nothing. One after the other, not side by side: one stream keeps a
-        # single Valkey (single-threaded) busy as well, and parallel ones cost CPU for nothing.
-        groups = _groups([ref.length for ref in refs])
-        futures: list[concurrent.futures.Future[list[Any]]] = [concurrent.futures.Future() for _ in groups]
-        key_groups = [[self._key(d) for d in digests[lo:hi]] for lo, hi in groups]
-        self._reads.submit(self._fetch_in_order, client, generation, key_groups, futures)
-        results = [False] * len(refs)
-        corrupt: list[str] = []
-        failures: list[BaseException] = []
-        late = 0
-        # Each group is checked and copied into its slots as soon as it is in, while the read
-        # thread fetches the next one: the checksum and the copy overlap the transfer.
-        for (lo, hi), future in zip(groups, futures, strict=True):
-            try:
-                values = future.result(timeout=max(0.0, deadline - time.monotonic()))
-            except concurrent.futures.TimeoutError:
-                future.add_done_callback(_consume)
-                late += hi - lo
-                continue
-            except self._errors:  # the tier went down (marked by `_fetch`): these are misses
-                continue
-            for i, value in enumerate(values, lo):
-                if isinstance(value, BaseException):
-                    failures.append(value)
-                elif isinstance(value, bytes):  # else absent
-                    results[i] = self._land(refs[i], into[i], digests[i], value, corrupt)
-        if late:
-            self._counters.add(late=late)
+        landing = Landing(refs, into, [self._key(ref.digest) for ref in refs])
+        try:
+            again = stream_gets(
+                client, landing, cluster=self.address.cluster, deadline=deadline, op_timeout=self._link.op_timeout
+            )
+            if again and not landing.late:  # redirected while a cluster's slots move: the cluster client follows
+                values = self._fetch(client, generation, [landing.keys[i] for i in again])
+                for i, value in zip(again, values, strict=True):
+                    landing.land(i, value)
+        except self._errors as exc:  # the tier went down: the rest are misses
+            self._link.failed(generation, exc)
+        if landing.late:
+            self._counters.add(late=landing.late)
+            self._link.suspect(generation)  # a server this slow may be gone: the link checks it now
+        results, failures, corrupt = landing.results, landing.failures, landing.corrupt
         if failures:
             self._counters.add(errors=len(failures))
             if any(isinstance(f, self._link.down_errors) for f in failures):
@@ -308,19 +275,6 @@ class RemoteTier:
         if corrupt:
             self._delete_keys(client, generation, corrupt)
         return results
-
-    def _land(self, ref: ChunkRef, buf: memoryview, digest: bytes, value: bytes, corrupt: list[str]) -> bool:
-        """Check one object read back and copy its payload into ``buf``; a corrupt one is noted."""
-        view = memoryview(value)
-        start = FIXED_HEADER_BYTES + len(ref.fingerprint)
-        try:
-            verify(view, view[start:], digest=digest, fingerprint=ref.fingerprint, length=ref.length)
-        except CorruptObjectError as exc:
-            corrupt.append(self._key(digest))
-            log.warning("tier_object_corrupt", tier=self.kind, name=digest.hex(), reason=exc.fields.get("reason"))
-            return False
-        buf.cast("B")[:] = view[start:]
-        return True
 
     def _delete_keys(self, client: Any, generation: int, keys: list[str]) -> None:
         pipe = client.pipeline(transaction=False)
@@ -398,23 +352,6 @@ class RemoteTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _groups(lengths: Sequence[int]) -> list[tuple[int, int]]:
-    """Split a batch into consecutive (start, stop) groups of at least `READ_GROUP_BYTES`, at
-    most `READ_WORKERS` of them."""
-    total = sum(lengths)
-    per = max(READ_GROUP_BYTES, -(-total // READ_WORKERS))
-    groups: list[tuple[int, int]] = []
-    start = size = 0
-    for i, length in enumerate(lengths):
-        size += length
-        if size >= per:
-            groups.append((start, i + 1))
-            start, size = i + 1, 0
-    if start < len(lengths):
-        groups.append((start, len(lengths)))
-    return groups
 
 
 def _consume(future: concurrent.futures.Future[Any]) -> None:
