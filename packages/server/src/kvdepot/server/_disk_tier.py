@@ -1,10 +1,7 @@
 """The disk tier: one file per chunk under a private directory, LRU-evicted by capacity.
 
-Layout of ``DIR`` (0700, this user's alone; flock'ed on the directory itself while a server
-uses it, so a second server is kept out)::
-
-    DIR/tmp/NAME.RANDOM      a file being written (removed at start: a crash left it)
-    DIR/objects/ab/NAME      a chunk: `_tier_format` header + payload; NAME = object_name(salt, key)
+The directory, its layout and every file operation are `_disk_files.TierDirectory`'s; this
+module keeps the index of the files (LRU order, per-salt quotas) and the read and write paths.
 
 One file per chunk rather than a few large files: a chunk is hundreds of KiB to MiBs, so a
 file's overhead is small; writing to a temporary name and renaming makes every object
@@ -12,12 +9,7 @@ appear whole or not at all, with no log to replay; eviction is an unlink that fr
 at once, with no compaction; and the index rebuilds from the headers alone. The 256
 subdirectories keep directories small.
 
-Every file operation is relative to a descriptor of ``DIR`` opened once at start (``openat``
-and friends), never to its path: a user who can write a parent of ``DIR`` cannot swap in a
-directory of their own and have the tier serve their bytes. ``tmp``, ``objects`` and the 256
-subdirectories must be real directories of this user's alone (a symlink is refused), and a
-file must be a regular one (opened with ``O_NONBLOCK``, so a FIFO never blocks the tier). A
-file removed behind the tier's back is forgotten at its first read and written again when
+A file removed behind the tier's back is forgotten at its first read and written again when
 the chunk is; removed subdirectories are made again; a full file system (ENOSPC) evicts the
 least recently used files and tries once more.
 
@@ -40,12 +32,7 @@ waits for the write-behind's batch (or another lookup's) to finish.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
-import re
-import secrets
-import stat
 import threading
 import time
 from collections import OrderedDict
@@ -53,9 +40,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import attrs
 import structlog
 
+from kvdepot.server._disk_files import FULL, ObjectFile, TierDirectory, object_path, read_full
 from kvdepot.server._errors import CorruptObjectError, TierConfigError
 from kvdepot.server._tier_format import (
     FIXED_HEADER_BYTES,
@@ -79,104 +66,10 @@ from kvdepot.server._tiers import (
 
 log = structlog.get_logger(__name__)
 
-_NAME = re.compile(r"^[0-9a-f]{64}$")
 # A read or write batch of at least this many bytes is split between two threads.
 SPLIT_BYTES = 2 << 20
 # Seconds `close` waits for reads and writes under way.
 CLOSE_WAIT_S = 5.0
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC
-_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _OPEN_FLAGS
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _OPEN_FLAGS
-_FAN = [f"{fan:02x}" for fan in range(256)]
-# Errors that mean the file system is full: the tier evicts and tries once more.
-_FULL = (errno.ENOSPC, errno.EDQUOT)
-
-
-@attrs.define
-class _Entry:
-    size: int  # bytes of the file: header and payload
-    length: int
-    fingerprint: bytes  # the caller's, without the salt tag
-    tag: bytes  # `salt_tag` of the chunk's salt
-
-
-def _open_private_dir(path: Path) -> int:
-    """A descriptor of ``path``, a directory of this user's alone (made if missing), or raise
-    `TierConfigError`."""
-    try:
-        path.mkdir(mode=0o700, parents=False, exist_ok=True)
-        fd = os.open(path, _DIR_FLAGS)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise TierConfigError(f"{path} is not a directory (a symlink is not followed)", path=str(path)) from None
-        raise TierConfigError(f"cannot create the disk tier directory {path}: {exc.strerror}", path=str(path)) from exc
-    try:
-        _check_private(path, os.fstat(fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def _private_subdir(parent: int, name: str, shown: Path) -> None:
-    """Make ``name`` under the directory ``parent`` a directory of this user's alone (made if
-    missing), or raise `TierConfigError`; ``shown`` is its path, for the message."""
-    try:
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(name, 0o700, dir_fd=parent)
-        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-    except OSError as exc:
-        raise TierConfigError(f"cannot create {shown}: {exc.strerror}", path=str(shown)) from exc
-    _check_private(shown, st)
-
-
-def _check_private(path: Path, st: os.stat_result) -> None:
-    if not stat.S_ISDIR(st.st_mode):
-        raise TierConfigError(
-            f"{path} is not a directory (a symlink is not followed); remove it, or name another --disk-dir",
-            path=str(path),
-        )
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise TierConfigError(
-            f"{path} belongs to uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}; the disk tier keeps "
-            "tenants' KV bytes and needs a directory of its own user's alone (chmod 700, or name a new one)",
-            path=str(path),
-            owner=st.st_uid,
-        )
-
-
-def _read_full(fd: int, buffers: list[memoryview], offset: int, enough: int) -> int:
-    """Fill ``buffers`` from ``offset`` of ``fd``; bytes read (less only at EOF).
-
-    A short read of a regular file means its end, so once ``enough`` bytes are in, a short read
-    ends the loop without the extra call that would return 0: one syscall for a whole chunk.
-    """
-    total = 0
-    want = sum(b.nbytes for b in buffers)
-    buffers = list(buffers)
-    while buffers:
-        asked = sum(b.nbytes for b in buffers)
-        n = os.preadv(fd, buffers, offset + total)
-        total += n
-        if n == 0 or (n < asked and total >= enough):
-            break
-        while buffers and n >= buffers[0].nbytes:
-            n -= buffers[0].nbytes
-            buffers.pop(0)
-        if buffers and n:
-            buffers[0] = buffers[0][n:]
-    assert total <= want
-    return total
-
-
-def _write_full(fd: int, buffers: list[memoryview]) -> None:
-    while buffers:
-        n = os.writev(fd, buffers)
-        while buffers and n >= buffers[0].nbytes:
-            n -= buffers[0].nbytes
-            buffers.pop(0)
-        if buffers and n:
-            buffers[0] = buffers[0][n:]
 
 
 class DiskTier:
@@ -199,33 +92,27 @@ class DiskTier:
         #: The bytes a salt may hold in this tier (its RAM quota; None: no limit of its own).
         #: Called on the writing thread; the server sets it to the index's quotas.
         self.quota_of = quota_of
-        self._dir = _open_private_dir(self.directory)
-        try:
-            self._take_lock()
-            for name in ("objects", "tmp", *(f"objects/{fan}" for fan in _FAN)):  # so that a write needs no mkdir
-                _private_subdir(self._dir, name, self.directory / name)
-        except BaseException:
-            os.close(self._dir)
-            raise
+        self._warn = WarnLimiter(log)
+        self._files = TierDirectory(self.directory, self._warn)
         self._lock = threading.Lock()
-        self._busy = 0  # reads and writes under way, which use `_dir` (close waits for them)
-        self._index: OrderedDict[bytes, _Entry] = OrderedDict()  # least recently used first
+        self._busy = 0  # reads and writes under way, which use the directory's descriptor (close waits for them)
+        self._index: OrderedDict[bytes, ObjectFile] = OrderedDict()  # least recently used first
         self._used = 0  # bytes of the files in the index
         self._salts: dict[bytes, OrderedDict[bytes, None]] = {}  # per salt tag: its digests, LRU first
         self._salt_used: dict[bytes, int] = {}  # per salt tag: bytes of its files, and of one being written
         self._reserved = 0  # bytes of files being written
         self._counters = Counters()
         self._closed = False
-        self._warn = WarnLimiter(log)
         # One helper thread for reads and one for writes (each starts at first use).
         self._read_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-read")
         self._write_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-write")
-        removed = self._remove_temporaries()
-        corrupt = self._rebuild()
+        removed = self._files.remove_temporaries()
+        found, corrupt = self._files.scan()
+        for _, digest, entry in sorted(found, key=lambda item: item[0]):  # oldest first
+            self._add(digest, entry)
         self._counters.add(corrupt=corrupt)
         if capacity is None:  # half of the free space, counting the tier's own files as free
-            vfs = os.fstatvfs(self._dir)
-            capacity = max(1, (vfs.f_bavail * vfs.f_frsize + self._used) // 2)
+            capacity = max(1, (self._files.free_bytes() + self._used) // 2)
         self.capacity = capacity
         with self._lock:
             evicted = self._make_room(0)
@@ -240,99 +127,7 @@ class DiskTier:
             evicted=evicted,
         )
 
-    # -- setup -------------------------------------------------------------------------------
-
-    def _take_lock(self) -> None:
-        """flock the directory itself: a lock file could be removed from under a running server."""
-        try:
-            fcntl.flock(self._dir, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise TierConfigError(
-                f"another kvdepot server uses the disk tier {self.directory}; give each server its own --disk-dir",
-                path=str(self.directory),
-            ) from None
-
-    def _listdir(self, name: str) -> list[str]:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=self._dir)
-        try:
-            return os.listdir(fd)
-        finally:
-            os.close(fd)
-
-    def _remove_temporaries(self) -> int:
-        removed = 0
-        for name in self._listdir("tmp"):
-            try:
-                os.unlink(f"tmp/{name}", dir_fd=self._dir)
-                removed += 1
-            except FileNotFoundError:
-                pass
-            except OSError as exc:  # a directory someone made there: not the tier's, left alone
-                log.warning("disk_tier_stray_entry", path=str(self.directory / "tmp" / name), error=exc.strerror)
-        return removed
-
-    def _rebuild(self) -> int:
-        """Index every intact object under objects/, oldest first; delete the broken ones."""
-        found: list[tuple[float, bytes, _Entry]] = []
-        corrupt = 0
-        for sub in _FAN:
-            for name in self._listdir(f"objects/{sub}"):
-                if not _NAME.match(name) or name[:2] != sub:
-                    continue
-                path = f"objects/{sub}/{name}"
-                entry, mtime = self._scan_one(path, bytes.fromhex(name))
-                if entry is None:
-                    corrupt += 1
-                    self._unlink(path)
-                    continue
-                found.append((mtime, bytes.fromhex(name), entry))
-        found.sort(key=lambda item: item[0])
-        for _, digest, entry in found:
-            self._add(digest, entry)
-        return corrupt
-
-    def _unlink(self, path: str) -> None:
-        try:
-            os.unlink(path, dir_fd=self._dir)
-        except FileNotFoundError:
-            pass
-        except OSError as exc:  # a directory in a file's place, a read-only file system: left there
-            self._warn("disk_tier_unlink_failed", path=str(self.directory / path), error=exc.strerror or str(exc))
-
-    def _scan_one(self, path: str, digest: bytes) -> tuple[_Entry | None, float]:
-        try:
-            fd = os.open(path, _READ_FLAGS, dir_fd=self._dir)
-        except OSError:  # a symlink or a file that vanished: not ours to serve
-            return None, 0.0
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):  # a directory, a FIFO: never read
-                return None, 0.0
-            head = os.pread(fd, FIXED_HEADER_BYTES + MAX_FINGERPRINT_BYTES, 0)
-        except OSError:
-            return None, 0.0
-        finally:
-            os.close(fd)
-        try:
-            header = parse_header(head)
-        except CorruptObjectError:
-            return None, 0.0
-        if (
-            header.digest != digest
-            or st.st_size != header.object_size
-            or len(header.fingerprint) < SALT_TAG_BYTES  # not written by this tier
-        ):
-            return None, 0.0
-        tag, fingerprint = header.fingerprint[:SALT_TAG_BYTES], header.fingerprint[SALT_TAG_BYTES:]
-        return _Entry(size=header.object_size, length=header.length, fingerprint=fingerprint, tag=tag), st.st_mtime
-
-    # -- helpers -----------------------------------------------------------------------------
-
-    @staticmethod
-    def _path(digest: bytes) -> str:
-        """The object's path, relative to the tier's directory (a string: pathlib costs ~10 us a read)."""
-        name = digest.hex()
-        return f"objects/{name[:2]}/{name}"
+    # -- the index ----------------------------------------------------------------------------
 
     def _make_room(self, size: int) -> int:
         """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
@@ -352,14 +147,14 @@ class DiskTier:
             self._evict(next(iter(own)))
         return self._salt_used.get(tag, 0) + size <= quota
 
-    def _add(self, digest: bytes, entry: _Entry) -> None:
+    def _add(self, digest: bytes, entry: ObjectFile) -> None:
         """Index a file (lock held), most recently used."""
         self._index[digest] = entry
         self._used += entry.size
         self._salts.setdefault(entry.tag, OrderedDict())[digest] = None
         self._salt_used[entry.tag] = self._salt_used.get(entry.tag, 0) + entry.size
 
-    def _forget(self, digest: bytes) -> _Entry | None:
+    def _forget(self, digest: bytes) -> ObjectFile | None:
         """Drop a file from the index (lock held); its entry, or None."""
         entry = self._index.pop(digest, None)
         if entry is not None:
@@ -378,16 +173,16 @@ class DiskTier:
         else:
             self._salt_used.pop(tag, None)
 
-    def _touch(self, digest: bytes, entry: _Entry) -> None:
+    def _touch(self, digest: bytes, entry: ObjectFile) -> None:
         """Mark a file most recently used (lock held)."""
         self._index.move_to_end(digest)
         self._salts[entry.tag].move_to_end(digest)
 
     def _evict(self, digest: bytes) -> None:
         self._forget(digest)
-        self._unlink(self._path(digest))
+        self._files.unlink(object_path(digest))
 
-    def _forget_if(self, digest: bytes, entry: _Entry) -> None:
+    def _forget_if(self, digest: bytes, entry: ObjectFile) -> None:
         """Forget a file found gone, unless it was written again meanwhile."""
         with self._lock:
             if self._index.get(digest) is entry:
@@ -448,7 +243,7 @@ class DiskTier:
         if size > self.capacity:
             self._counters.add(failed_writes=1)
             return False
-        final = self._path(digest)
+        final = object_path(digest)
         with self._lock:
             kept = self._index.get(digest)
             if kept is not None and kept.length == payload.nbytes and kept.fingerprint == item.fingerprint:
@@ -457,7 +252,7 @@ class DiskTier:
                 kept = None
         if kept is not None:  # already there: a use, for the LRU order of a restart too
             try:
-                os.utime(final, dir_fd=self._dir, follow_symlinks=False)
+                self._files.touch(final)
                 return True
             except FileNotFoundError:  # removed behind the tier's back: forget it, write it again
                 self._forget_if(digest, kept)
@@ -477,7 +272,7 @@ class DiskTier:
                 return False
             self._reserved += size
             self._charge(tag, size)  # counts toward the salt's quota while it is written
-        new = _Entry(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag)
+        new = ObjectFile(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag)
         ok = False
         try:
             for retry in (False, True):
@@ -499,33 +294,25 @@ class DiskTier:
             self._counters.add(writes=1, bytes_written=payload.nbytes)
         return ok
 
-    def _put_file(self, digest: bytes, entry: _Entry, buffers: list[memoryview]) -> None:
+    def _put_file(self, digest: bytes, entry: ObjectFile, buffers: list[memoryview]) -> None:
         """Write the object to a temporary file and rename it into place; index it."""
-        tmp = f"tmp/{digest.hex()}.{secrets.token_hex(4)}"
+        tmp = self._files.write_temporary(digest, buffers)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _OPEN_FLAGS, 0o600, dir_fd=self._dir)
-            try:
-                _write_full(fd, buffers)
-            finally:
-                os.close(fd)
             with self._lock:
-                os.rename(tmp, self._path(digest), src_dir_fd=self._dir, dst_dir_fd=self._dir)
+                self._files.rename(tmp, object_path(digest))
                 self._forget(digest)  # written meanwhile by another thread: the new file replaced it
                 self._add(digest, entry)
         except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=self._dir)
+            self._files.discard(tmp)
             raise
 
     def _repair(self, exc: OSError, final: str, size: int) -> bool:
         """Whether a write that failed with ``exc`` may be tried once more: its directories were
         removed (made again), or the file system is full (least recently used files evicted)."""
         if isinstance(exc, FileNotFoundError):
-            for name in ("tmp", final.rsplit("/", 1)[0]):
-                with contextlib.suppress(OSError):
-                    os.mkdir(name, 0o700, dir_fd=self._dir)
+            self._files.remake_directories(final)
             return True
-        if exc.errno in _FULL:
+        if exc.errno in FULL:
             with self._lock:
                 freed = 0
                 while self._index and freed < 2 * size:
@@ -570,22 +357,23 @@ class DiskTier:
             return False  # another chunk than the one asked for: a miss, and the file stays
         fingerprint = entry.tag + ref.fingerprint  # the tag: the name mixes the salt in, so it matches
         try:
-            fd = os.open(self._path(digest), _READ_FLAGS, dir_fd=self._dir)
+            fd = self._files.open_object(object_path(digest))
         except (FileNotFoundError, NotADirectoryError):  # evicted since we looked, or removed behind our back
             self._forget_if(digest, entry)
+            return False
+        except CorruptObjectError as exc:  # a directory or a FIFO in the file's place
+            self._corrupt(digest, exc.fields.get("reason"))
             return False
         except OSError as exc:
             self._counters.add(errors=1)
             self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
             return False
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory or a FIFO in the file's place
-                raise CorruptObjectError("not a regular file", reason="type")
             header = bytearray(FIXED_HEADER_BYTES + len(fingerprint))
             payload = buf.cast("B")
             beyond = bytearray(1)  # a byte read here means the file is longer than its header says
             total = len(header) + payload.nbytes
-            got = _read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
+            got = read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
             with contextlib.suppress(OSError):  # the file's mtime is its last use: a restart rebuilds the LRU from it
                 os.utime(fd)
         except CorruptObjectError as exc:
@@ -686,7 +474,7 @@ class DiskTier:
         if self._busy:
             log.warning("disk_tier_busy_at_close", path=str(self.directory), operations=self._busy)
             return
-        os.close(self._dir)
+        self._files.close()
 
     def __enter__(self) -> DiskTier:
         return self
