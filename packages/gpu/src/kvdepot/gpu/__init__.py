@@ -11,6 +11,7 @@ from kvdepot.gpu._errors import (
     NativeCopyError,
     PoolBoundsError,
     PoolDtypeError,
+    PoolReadOnlyError,
     SlotSizeError,
     UnsupportedLayoutError,
 )
@@ -30,6 +31,7 @@ __all__ = [
     "NativeCopyError",
     "PoolBoundsError",
     "PoolDtypeError",
+    "PoolReadOnlyError",
     "ReferenceCopier",
     "SlotSizeError",
     "UnsupportedLayoutError",

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import structlog
 import torch
 
-from kvdepot.gpu._copy import BlockIds, CompletedCopy, CopyHandle, CopyPlan, check_pool, plan_copy
+from kvdepot.gpu._copy import BlockIds, CompletedCopy, CopyHandle, CopyPlan, check_pool, plan_copy, require_writable
 from kvdepot.gpu._cuda import CudaCopier
 from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError, NativeCopyError
 from kvdepot.gpu._layout import KVLayout
@@ -86,6 +86,7 @@ class _SyncCopier:
         self.layout = layout
         self.pool = check_pool(pool)
         self._closed = False
+        self._writable = False  # checked at the first gather: a reader's pool may be read-only
 
     def gather(
         self,
@@ -98,6 +99,9 @@ class _SyncCopier:
         """Copy every layer's bytes of each chunk's blocks into its slot (after `after`, an event
         from `compute_event`; None on a CPU, where the engine's work is done when it calls)."""
         self._check_open()
+        if not self._writable:
+            require_writable(self.pool)
+            self._writable = True
         _wait_for(after)
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False

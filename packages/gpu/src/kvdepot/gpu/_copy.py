@@ -15,7 +15,14 @@ from typing import Any, Protocol, TypeAlias
 import attrs
 import torch
 
-from kvdepot.gpu._errors import BlockIdError, CopyArgumentError, PoolBoundsError, PoolDtypeError, SlotSizeError
+from kvdepot.gpu._errors import (
+    BlockIdError,
+    CopyArgumentError,
+    PoolBoundsError,
+    PoolDtypeError,
+    PoolReadOnlyError,
+    SlotSizeError,
+)
 from kvdepot.gpu._layout import KVLayout
 
 BlockIds: TypeAlias = "Sequence[int] | torch.Tensor"
@@ -76,6 +83,41 @@ def check_pool(pool: Any) -> torch.Tensor:
             got=f"{pool.dtype} {tuple(pool.shape)} on {pool.device}",
         )
     return pool
+
+
+def require_writable(pool: torch.Tensor, maps: str = "/proc/self/maps") -> None:
+    """Raise `PoolReadOnlyError` unless every page of ``pool`` is mapped writable.
+
+    A reader's view of the server's pool may be mapped read-only (``PROT_READ``); a gather's
+    store into it kills the process with SIGSEGV, not an error. The process's memory map says
+    which it is (Linux; elsewhere nothing is checked). Copiers ask once, at their first gather.
+    """
+    start = pool.data_ptr()
+    end = start + pool.numel()
+    if end == start:
+        return
+    try:
+        with open(maps) as lines:
+            covered = start
+            for line in lines:
+                span, permissions = line.split(maxsplit=2)[:2]
+                low, high = (int(x, 16) for x in span.split("-"))
+                if high <= covered:
+                    continue
+                if low > covered:  # a hole: not a mapping this process knows of
+                    return
+                if "w" not in permissions:
+                    raise PoolReadOnlyError(
+                        f"the pool is mapped without write permission ({permissions} at {covered:#x}); a gather "
+                        "writes into it. Map the pool read-write (PROT_READ | PROT_WRITE, MAP_SHARED).",
+                        address=covered,
+                        permissions=permissions,
+                    )
+                covered = high
+                if covered >= end:
+                    return
+    except OSError:
+        return
 
 
 def _bad_ids(chunk: int, ids: Any) -> BlockIdError:

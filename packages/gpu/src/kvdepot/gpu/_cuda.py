@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from kvdepot.gpu import _triton
-from kvdepot.gpu._copy import BlockIds, CopyPlan, check_pool, plan_copy
+from kvdepot.gpu._copy import BlockIds, CopyPlan, check_pool, plan_copy, require_writable
 from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError
 from kvdepot.gpu._layout import KVLayout, PlaneGroup, dtype_of_width, width_of
 from kvdepot.gpu._table import LENGTH, CopyTable, CopyTables, merge_runs
@@ -147,6 +147,7 @@ class CudaCopier:
         self.method = _pick_method(method, can_zero_copy=(self.registered or pool.is_pinned()) and _triton.available())
         self.tables = CopyTables(layout)
         self._closed = False
+        self._writable = False  # checked at the first gather: a reader's pool may be read-only
 
     def describe(self) -> str:
         """How copies run, for logs."""
@@ -161,6 +162,9 @@ class CudaCopier:
         after: Any = None,
     ) -> CudaCopyHandle:
         """Queue copies of each chunk's blocks into its slot; returns at once."""
+        if not self._writable:
+            require_writable(self.pool)
+            self._writable = True
         plan = plan_copy(
             self.layout, self.pool, slot_offsets, block_ids_per_chunk, slot_size=slot_size, writes_kv=False, check=False
         )

@@ -33,6 +33,10 @@ class PoolDtypeError(CopyArgumentError):
     """The pool view is not a 1-D contiguous uint8 CPU tensor (fields `expected`, `got`)."""
 
 
+class PoolReadOnlyError(CopyArgumentError):
+    """A gather was asked to write into a pool mapped read-only (fields `address`, `permissions`)."""
+
+
 class PoolBoundsError(CopyArgumentError):
     """A slot lies outside the pool or overlaps another slot (fields `chunk`, `offset`, `size`, `pool_bytes`)."""
 
