@@ -339,6 +339,20 @@ def test_a_late_copy_into_an_expired_reservation_never_lands_in_another_chunk():
         index.check()
 
 
+def test_the_stats_show_quarantined_slots_apart_from_clients_and_their_pending_chunks():
+    """The quarantine's slots are neither pending chunks nor a client's, nor is its session a client."""
+    index = make_index(reservation_ttl=5.0)
+    index.reserve("a", "", [k(1), k(2)], CHUNK, 0.0)
+    index.reserve("b", "", [k(3)], CHUNK, 0.0)
+    index.close_session("a", 1.0)
+    stats = index.stats()
+    assert (stats.pending_chunks, stats.quarantined_chunks, stats.reservations, stats.clients) == (1, 2, 1, 1)
+    index.expire(6.0)  # a's slots leave the quarantine, b's reservation expires into it
+    stats = index.stats()
+    assert (stats.pending_chunks, stats.quarantined_chunks, stats.reservations) == (0, 1, 0)
+    index.check()
+
+
 def test_expired_lease_makes_chunk_evictable_again():
     """A lease never released expires and its chunk can be evicted again."""
     index = make_index(pages=1, lease_ttl=5.0, session_ttl=100.0)

@@ -284,6 +284,7 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         "pages_total": stats.pages_total,
         "pages_free": stats.pages_free,
         "pending_chunks": stats.pending_chunks,
+        "quarantined_chunks": stats.quarantined_chunks,
         "leased_chunks": stats.leased_chunks,
         "expired_leases": stats.expired_leases,
         "expired_reservations": stats.expired_reservations,

@@ -353,6 +353,10 @@ class ChunkIndex:
         else:
             salt_bytes = {salt: self._salt_bytes[salt] for salt in salts if salt in self._salt_bytes}
             salt_chunks = {salt: self._salt_chunks.get(salt, 0) for salt in salt_bytes}
+        # The quarantine's slots are pending for the allocator, but no client is writing them.
+        quarantine = self.sessions.session_of(QUARANTINE_CLIENT)
+        held = [self.sessions.reservations[r] for r in quarantine.reservations] if quarantine is not None else []
+        quarantined = sum(len(reservation.pending) for reservation in held)
         return IndexStats(
             capacity_bytes=self.allocator.capacity,
             used_bytes=self.allocator.used_bytes,
@@ -360,7 +364,8 @@ class ChunkIndex:
             pages_total=self.allocator.num_pages,
             pages_free=self.allocator.free_pages,
             chunks=self._in_state[S.COMMITTED] + self._in_state[S.LEASED],
-            pending_chunks=self._in_state[S.PENDING],
+            pending_chunks=self._in_state[S.PENDING] - quarantined,
+            quarantined_chunks=quarantined,
             leased_chunks=self._in_state[S.LEASED],
             hits=self.hits,
             misses=self.misses,
@@ -368,10 +373,10 @@ class ChunkIndex:
             bytes_loaded=self.bytes_loaded,
             evictions=self.evictions,
             leases=len(self.sessions.leases),
-            reservations=len(self.sessions.reservations),
+            reservations=len(self.sessions.reservations) - len(held),
             expired_leases=self.expired_leases,
             expired_reservations=self.expired_reservations,
-            clients=len(self.sessions),
+            clients=self.sessions.outside_clients(),
             full_reserves=self.full_reserves,
             salt_bytes=salt_bytes,
             salt_chunks=salt_chunks,

@@ -86,11 +86,16 @@ class _Collector:
             ("page_size_bytes", s.page_size, "Size of one allocation page of the pool."),
             ("pages_free", s.pages_free, "Pages of the pool that hold no chunk."),
             ("chunks", s.chunks, "Committed chunks."),
-            ("pending_chunks", s.pending_chunks, "Reserved chunks not yet committed."),
+            ("pending_chunks", s.pending_chunks, "Chunks reserved by clients, not yet committed."),
+            (
+                "quarantined_chunks",
+                s.quarantined_chunks,
+                "Slots of reservations that expired or whose client left, held for one more reservation TTL.",
+            ),
             ("leased_chunks", s.leased_chunks, "Chunks pinned by at least one lease."),
             ("leases", s.leases, "Live leases."),
             ("reservations", s.reservations, "Live reservations."),
-            ("clients", s.clients, "Clients with a session."),
+            ("clients", s.clients, "Clients with a session (the server's own ids apart)."),
         ):
             yield GaugeMetricFamily(f"kvdepot_{name}", doc, value=value)
         for name, value, doc in (

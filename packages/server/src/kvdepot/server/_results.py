@@ -51,7 +51,7 @@ class IndexStats:
     pages_total: int
     pages_free: int
     chunks: int
-    pending_chunks: int
+    pending_chunks: int  # reserved by clients, not yet committed (the quarantine's apart)
     leased_chunks: int
     hits: int
     misses: int
@@ -68,6 +68,8 @@ class IndexStats:
     salt_chunks: dict[str, int]  # committed chunks per salt
     quotas: dict[str, int]
     salt_count: int = 0  # salts holding any bytes, whether or not `salt_bytes` lists them all
+    #: Slots of reservations that expired or whose client left, held until a late copy cannot land.
+    quarantined_chunks: int = 0
 
     @property
     def per_salt(self) -> dict[str, SaltUsage]:

@@ -71,6 +71,13 @@ class Sessions:
     def clients(self) -> list[str]:
         return list(self._sessions)
 
+    def session_of(self, client: str) -> Session | None:
+        return self._sessions.get(client)
+
+    def outside_clients(self) -> int:
+        """Sessions of clients, not of the server's own reserved ids."""
+        return sum(not client.startswith(RESERVED_CLIENT_PREFIX) for client in self._sessions)
+
     # -- sessions -------------------------------------------------------------------------
 
     def touch(self, client: str, now: float, name: str = "") -> bool:

@@ -68,7 +68,7 @@ def format_stats(reply: StatsReply) -> str:
         (
             "chunks",
             f"{reply.chunks} committed, {extra.get('pending_chunks', 0)} pending, "
-            f"{extra.get('leased_chunks', 0)} leased",
+            f"{extra.get('leased_chunks', 0)} leased, {extra.get('quarantined_chunks', 0)} quarantined",
         ),
         ("hit ratio", f"{ratio} ({reply.hits} hits, {reply.misses} misses)"),
         ("stored", format_size(reply.bytes_stored)),
