@@ -448,3 +448,46 @@ def test_kv_tensors_with_another_number_of_blocks_than_the_engine_are_refused(cl
 
     with pytest.raises(UnsupportedLayoutError, match="engine 9 of"):
         make_worker(client, torch.randn((8, 2, BLOCK, 64)), num_blocks=9)
+
+
+def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(tmp_path) -> None:
+    """A copy thread stalled between the reserve and the copy (a paused process): the server's
+    reservation TTL, told at Register, bounds it. No byte lands in the slots, the reservation
+    is aborted, and the store counts as late; a store in time goes through."""
+    workdir = Path(f"/tmp/kvd-ws-{os.getpid()}-{time.monotonic_ns() % 10**9}")
+    workdir.mkdir(mode=0o700)
+    args = ("--no-metrics", "--reservation-ttl", "1")
+    with (
+        kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="16MiB", args=args) as proc,
+        CacheClient(proc.address, timeout=5.0) as client,
+    ):
+        kv = torch.randn((8, 2, BLOCK, 64))
+        worker = make_worker(client, kv)
+        try:
+            pool = worker._copier.submit(worker._current_pool).result()
+            assert pool.reservation_ttl == 1.0
+            store_in_time = worker._store
+
+            slots: list[tuple[int, bytes]] = []  # (offset, its bytes before the store)
+
+            def stalled(op, reply, pool, after, asked):
+                slots.extend((s.offset, bytes(pool.mmap[s.offset : s.offset + s.length])) for s in reply.slots)
+                time.sleep(0.7)  # past half the TTL, before the copy
+                return store_in_time(op, reply, pool, after, asked)
+
+            worker._store = stalled
+            worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("late", "", [[KEY]], [[1, 2]])]))
+            worker.start_load_kv(KVDepotMetadata(held={"late"}))
+            finished(worker, "late", sending=True)
+            assert slots
+            assert all(bytes(pool.mmap[at : at + len(was)]) == was for at, was in slots)  # nothing copied
+            assert worker.take_stats().data["store_late"] == 1
+            assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
+            stats = client.stats().result(5)
+            assert (stats.reservations, stats.extra["pending_chunks"], stats.extra["quarantined_chunks"]) == (0, 0, 0)
+
+            worker._store = store_in_time
+            store(worker, "in-time", [KEY], [1, 2])
+            assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
+        finally:
+            worker.shutdown()

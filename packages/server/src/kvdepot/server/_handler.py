@@ -174,7 +174,10 @@ class CacheHandler:
             kv_world_size=body.kv_world_size,
         )
         return RegisterReply(
-            chunk_size=body.chunk_size or self.chunk_size, pool=self.pool_info, slot_alignment=SLOT_ALIGNMENT
+            chunk_size=body.chunk_size or self.chunk_size,
+            pool=self.pool_info,
+            slot_alignment=SLOT_ALIGNMENT,
+            reservation_ttl_s=self.index.sessions.reservation_ttl,
         )
 
     def _lookup(self, client: str, body: Lookup, now: float) -> ReplyBody | Deferred:

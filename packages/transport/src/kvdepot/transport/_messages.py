@@ -20,7 +20,8 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 3  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk
+PROTOCOL_VERSION = 4  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
+# 4: RegisterReply.reservation_ttl_s
 
 #: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
 #: under one is refused, so no peer can take over or end such a session.
@@ -218,6 +219,9 @@ class RegisterReply(_Body, frozen=True, tag="register_reply"):
     chunk_size: Count
     pool: PoolInfo
     slot_alignment: Count = 1
+    #: Seconds a reservation lives uncommitted (0: not said). A client must not start a copy
+    #: into a reserved slot after that: the server hands the slots out again once they expire.
+    reservation_ttl_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
 
 
 class Slot(_Inner, frozen=True):

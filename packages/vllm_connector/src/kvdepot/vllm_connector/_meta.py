@@ -85,6 +85,7 @@ STAT_COUNTERS = (
     "stored_chunks",
     "stored_bytes",
     "store_skipped",
+    "store_late",
 )
 
 

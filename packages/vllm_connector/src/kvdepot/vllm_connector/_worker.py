@@ -53,6 +53,10 @@ _MADV_POPULATE_WRITE = 23
 PREFAULT_STEP = 64 << 20
 #: A hybrid layout's fingerprint longer than this is sent as its digest (the wire allows 1024).
 FINGERPRINT_MAX = 512
+# A store copies into its reserved slots only within this fraction of the server's reservation
+# TTL since it asked for them: the copy then has the rest of the TTL, and the quarantine's one
+# more TTL, to land before the slots can go to another client.
+LATE_COPY_FRACTION = 0.5
 
 
 def _leading_nulls(block_ids: list[int]) -> int:
@@ -103,6 +107,8 @@ class _PoolMapping:
         self.server_id = server_id
         self.path = path
         self.size = size
+        #: Seconds the server keeps a reservation uncommitted (0: it did not say).
+        self.reservation_ttl = 0.0
         # One copier per KV-cache group and mapping: on CUDA the first registers the pool for DMA.
         self.copiers = [open_copier(layout, self.tensor, register=i == 0) for i, layout in enumerate(layouts)]
         self._stop_prefault = threading.Event()
@@ -292,6 +298,7 @@ class WorkerSide:
             return self._pool
         try:
             pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layouts, prefault=self.prefault_pool)
+            pool.reservation_ttl = reply.reservation_ttl_s
         except (OSError, PoolError) as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
             return self._pool
@@ -413,6 +420,7 @@ class WorkerSide:
             self._add("store_skipped", len(ops))
             return
         rank = self.strategy.kv_rank
+        asked = time.monotonic()  # the reservations expire no sooner than their TTL from now
         with self.client.batch() as batch:
             futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops]
         answers = []
@@ -427,7 +435,7 @@ class WorkerSide:
                 self._add("store_skipped")
                 continue
             if reply.slots:
-                answers.append(self._store(op, reply, pool, after))
+                answers.append(self._store(op, reply, pool, after, asked))
         for answer in answers:
             try:
                 answer.result()
@@ -435,13 +443,27 @@ class WorkerSide:
                 self._server_failed(exc)
                 log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", exc)
 
-    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping, after: Any = None) -> Future[Any]:
-        """Copy the reserved chunks into their slots; the future of the commit (or of the abort)."""
+    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping, after: Any, asked: float) -> Future[Any]:
+        """Copy the reserved chunks into their slots; the future of the commit (or of the abort).
+
+        No copy starts past half the reservation's TTL since it was asked for (a process paused,
+        a copy thread stalled): the server hands expired slots out again after one more TTL of
+        quarantine, and a copy landing then would overwrite another client's chunk.
+        """
         bpc = self.blocks_per_chunk
         try:
             for copier, ids, at, size in zip(
                 pool.copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True
             ):
+                if pool.reservation_ttl and time.monotonic() - asked > pool.reservation_ttl * LATE_COPY_FRACTION:
+                    self._add("store_late")
+                    log.warning(
+                        "kvdepot store of %s dropped: its reservation is %.1f s old, the server keeps it %.1f s",
+                        op.req_id,
+                        time.monotonic() - asked,
+                        pool.reservation_ttl,
+                    )
+                    return self.client.abort(reply.reservation_id, server_id=pool.server_id)
                 blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
                 copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size, after=after).wait()
         except Exception as exc:
