@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import threading
 import time
 
 import pytest
@@ -278,6 +280,77 @@ def test_a_read_cut_off_by_the_deadline_keeps_the_chunks_in_by_then(valkey_serve
     assert bufs[1:] == [bytearray(CHUNK)] * 3  # the late replies never wrote
     assert read(tier, 4, 3, 2, 1) == [payload(4), payload(3), payload(2), payload(1)]
     assert tier.state is TierState.UP
+
+
+class TricklingLink:
+    """A TCP relay in front of a real Valkey: requests pass at once; once `slow` is set, replies
+    come ``piece`` bytes every ``pause`` seconds (a congested link, an overloaded server)."""
+
+    def __init__(self, port: int, piece: int, pause: float) -> None:
+        self.port_to, self.piece, self.pause = port, piece, pause
+        self.slow = False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                near, _ = self.listener.accept()
+                far = socket.create_connection(("127.0.0.1", self.port_to))
+                self.sockets += [near, far]
+                threading.Thread(target=self._relay, args=(near, far, False), daemon=True).start()
+                threading.Thread(target=self._relay, args=(far, near, True), daemon=True).start()
+
+    def _relay(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(self.piece if replies else 1 << 16):
+                dst.sendall(data)
+                if replies and self.slow:
+                    time.sleep(self.pause)
+
+    def close(self) -> None:
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def test_a_reply_trickling_in_costs_the_caller_its_deadline_only(valkey_server, open_tier):
+    """A 1 MiB value coming 32 KiB every 50 ms (each piece well within any socket timeout)
+    takes 1.6 s; a read with a 0.3 s deadline returns at it, a late miss, and its buffer is
+    never written afterwards."""
+    link = TricklingLink(valkey_server.port, piece=32 << 10, pause=0.05)
+    try:
+        tier = open_tier(f"redis://127.0.0.1:{link.port}", op_timeout=0.5)
+        size = 1 << 20
+        assert tier.write(writes(1, size=size)) == [True]
+        link.slow = True
+        buf = bytearray(size)
+        start = time.monotonic()
+        assert tier.read([ChunkRef("s", b"k1", b"fp", size)], [memoryview(buf)], timeout=0.3) == [False]
+        assert time.monotonic() - start < 0.6
+        assert tier.stats().late == 1
+        time.sleep(1.5)
+        assert buf == bytearray(size)
+    finally:
+        link.close()
+
+
+def test_the_read_after_a_late_one_on_a_hung_server_costs_its_deadline_only(valkey_server, open_tier):
+    """The late read dropped its connection; the next one must open another, whose handshake
+    a hung (SIGSTOP) server never answers: the caller still waits its deadline only."""
+    tier = open_tier(valkey_server.url, op_timeout=2.0)
+    tier.write(writes(1))
+    valkey_server.pause()
+    try:
+        for _ in range(2):
+            start = time.monotonic()
+            assert read(tier, 1, timeout=0.1) == [None]
+            assert time.monotonic() - start < 0.3
+        assert tier.stats().late == 2
+    finally:
+        valkey_server.resume()
 
 
 def test_a_batch_in_several_windows_lands_each_chunk_checked(valkey_server, open_tier, monkeypatch):

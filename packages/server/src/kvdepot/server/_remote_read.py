@@ -17,16 +17,16 @@ nodes that hold their keys, and the replies are read in the batch's order, each 
 key's connection; a reply that redirects (MOVED, ASK, TRYAGAIN, while slots move) is fetched
 again through redis-py's cluster pipeline, which follows redirections.
 
-The read runs on the caller's thread, each reply waited for at most until the caller's
-deadline (redis-py's per-read socket timeout): handing the read to another thread and back
-cost ~10% at 1 MiB chunks on a 2-core machine. Past the deadline the read stops, and replies
-still on the way are dropped with their connection: nothing lands in a slot after the read
-returns.
+The read runs on a read thread while the caller waits at most until its deadline, whatever
+the server does (a reply trickling in, a connection that must be made again to a hung
+server). A reply lands only while the caller waits (`Landing`): once it has given up, the
+read stops at the next reply, and replies still on the way are dropped with their
+connection.
 """
 
 from __future__ import annotations
 
-import time
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,24 +45,40 @@ READ_WINDOW_BYTES = 16 << 20
 
 
 class Landing:
-    """The slots of one read and what its replies said."""
+    """The slots of one read, written by the read thread while the caller waits for them.
+
+    `land` checks one object read back and copies its payload into its slot, under the lock;
+    `close` (the caller, at its deadline or when the read is over) takes the lock, so once it
+    returns no copy is under way and none starts. The caller waits at most one copy past its
+    deadline.
+    """
 
     def __init__(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], keys: Sequence[str]) -> None:
         self.refs = refs
         self.into = into
         self.keys = keys
         self.results = [False] * len(refs)
-        #: Chunks whose replies were not in by the deadline.
-        self.late = 0
         self.corrupt: list[str] = []
         self.failures: list[BaseException] = []
+        self._answered = 0  # replies taken: a hit, an absent or corrupt object, or an error
+        self._lock = threading.Lock()
+        self._open = True
 
-    def land(self, i: int, value: Any) -> None:
-        """Take the reply for chunk ``i``: check an object and copy its payload into its slot."""
-        if isinstance(value, BaseException):
-            self.failures.append(value)
-        elif isinstance(value, bytes):  # else absent
-            self.results[i] = self._check_and_copy(i, value)
+    @property
+    def open(self) -> bool:
+        return self._open
+
+    def land(self, i: int, value: Any) -> bool:
+        """Take the reply for chunk ``i``; False once the caller has stopped waiting (nothing written)."""
+        with self._lock:
+            if not self._open:
+                return False
+            self._answered += 1
+            if isinstance(value, BaseException):
+                self.failures.append(value)
+            elif isinstance(value, bytes):  # else absent
+                self.results[i] = self._check_and_copy(i, value)
+            return True
 
     def _check_and_copy(self, i: int, value: bytes) -> bool:
         ref = self.refs[i]
@@ -76,6 +92,12 @@ class Landing:
             return False
         self.into[i].cast("B")[:] = view[start:]
         return True
+
+    def close(self) -> int:
+        """Stop every later write into the slots; the number of chunks with no reply taken."""
+        with self._lock:
+            self._open = False
+            return len(self.refs) - self._answered
 
 
 def windows(lengths: Sequence[int]) -> list[tuple[int, int]]:
@@ -99,16 +121,15 @@ def redirections() -> tuple[type[BaseException], ...]:
     return (MovedError, AskError, TryAgainError)
 
 
-def stream_gets(client: Any, landing: Landing, *, cluster: bool, deadline: float, op_timeout: float) -> list[int]:
-    """GET every key of ``landing`` on ``client``'s connections and land each reply as it comes.
+def stream_gets(client: Any, landing: Landing, *, cluster: bool) -> list[int]:
+    """GET every key of ``landing`` on ``client``'s connections and land each reply as it comes,
+    until the caller stops waiting.
 
-    A reply not in by ``deadline`` (`time.monotonic`) ends the read: it and the rest count as
-    late. Returns the chunks whose replies were redirections, to fetch again; raises the
-    client's errors (a connection lost, no reply within ``op_timeout`` seconds). The connections
-    go back to their pools, dropped when replies were left unread.
+    Returns the chunks whose replies were redirections, to fetch again; raises the client's
+    errors (a connection lost, no reply within the socket timeout). The connections go back to
+    their pools, dropped when replies were left unread.
     """
     from redis.exceptions import ResponseError
-    from redis.exceptions import TimeoutError as ReplyTimeout
 
     redirected = redirections()
     keys = landing.keys
@@ -141,22 +162,14 @@ def stream_gets(client: Any, landing: Landing, *, cluster: bool, deadline: float
             if w + 1 < len(spans):
                 send(*spans[w + 1])
             for i in range(lo, hi):
-                left = deadline - time.monotonic()
                 try:
-                    if left <= 0:
-                        raise ReplyTimeout("the read's deadline passed")
-                    value = route[i].read_response(timeout=min(left, op_timeout))
+                    value = route[i].read_response()
                 except ResponseError as exc:  # the server's error reply; the connection is still in step
                     value = exc
-                except ReplyTimeout:
-                    if left >= op_timeout:
-                        raise  # no reply in the tier's own timeout: the server is slow or gone
-                    landing.late = len(keys) - i
-                    return to_fetch
                 if isinstance(value, redirected):
                     to_fetch.append(i)
-                else:
-                    landing.land(i, value)
+                elif not landing.land(i, value):
+                    return to_fetch  # the caller gave up: the rest of the replies go with the connection
         drained = True
         return to_fetch
     finally:

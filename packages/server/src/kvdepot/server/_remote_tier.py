@@ -28,7 +28,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +57,7 @@ DEFAULT_PREFIX = "kvd:"
 READ_TIMEOUT = 1.0
 # Bytes of the buffer a writing thread keeps to assemble values in (one WriteBehind batch).
 MAX_SCRATCH_BYTES = 64 << 20
-# Threads that run probes (STRLEN pipelines), so that a caller can stop waiting at its deadline.
+# Threads that run reads and probes, so that a caller can stop waiting at its deadline.
 READ_WORKERS = 4
 
 
@@ -231,6 +230,20 @@ class RemoteTier:
         finally:
             pipe.reset()
 
+    def _read_on_thread(self, client: Any, generation: int, landing: Landing) -> None:
+        """Stream the GETs and land each reply; those redirected by a moving cluster are fetched
+        again through the cluster pipeline. On a read thread."""
+        try:
+            again = stream_gets(client, landing, cluster=self.address.cluster)
+        except self._errors as exc:
+            self._link.failed(generation, exc)
+            raise
+        if again and landing.open:
+            values = self._fetch(client, generation, [landing.keys[i] for i in again])
+            for i, value in zip(again, values, strict=True):
+                if not landing.land(i, value):
+                    return
+
     def read(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], *, timeout: float | None = None) -> list[bool]:
         """GET every chunk and copy the intact ones into ``into``, each as its reply comes in
         (`_remote_read`); those not in by the deadline are late misses, those before still hit."""
@@ -243,20 +256,19 @@ class RemoteTier:
             return [False] * len(refs)
         client, generation = current
         timeout = self.read_timeout if timeout is None else timeout
-        deadline = time.monotonic() + max(0.0, timeout)
         landing = Landing(refs, into, [self._key(ref.digest) for ref in refs])
+        future = self._reads.submit(self._read_on_thread, client, generation, landing)
+        late = False
         try:
-            again = stream_gets(
-                client, landing, cluster=self.address.cluster, deadline=deadline, op_timeout=self._link.op_timeout
-            )
-            if again and not landing.late:  # redirected while a cluster's slots move: the cluster client follows
-                values = self._fetch(client, generation, [landing.keys[i] for i in again])
-                for i, value in zip(again, values, strict=True):
-                    landing.land(i, value)
-        except self._errors as exc:  # the tier went down: the rest are misses
-            self._link.failed(generation, exc)
-        if landing.late:
-            self._counters.add(late=landing.late)
+            future.result(timeout=max(0.0, timeout))
+        except concurrent.futures.TimeoutError:
+            future.add_done_callback(_consume)
+            late = True
+        except self._errors:  # the tier went down (marked on the read thread): the rest are misses
+            pass
+        unanswered = landing.close()
+        if late and unanswered:
+            self._counters.add(late=unanswered)
             self._link.suspect(generation)  # a server this slow may be gone: the link checks it now
         results, failures, corrupt = landing.results, landing.failures, landing.corrupt
         if failures:
