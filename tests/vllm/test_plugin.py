@@ -135,7 +135,7 @@ def test_plain_engine_is_deterministic_across_engines(tiny_llama, vllm_engine):
     """Two separate engines without a connector give identical greedy output; the plugin is inert there."""
     prompts = random_prompts(tiny_llama, count=3, length=300, seed=1)
     first = vllm_engine(tiny_llama, prompts, max_tokens=12).check()
-    second = vllm_engine(tiny_llama, prompts, max_tokens=12).check()
+    second = vllm_engine(tiny_llama, prompts, max_tokens=12, fresh=True).check()
     assert all(len(tokens) == 12 for tokens in first.outputs)
     assert first.outputs == second.outputs
     assert first.num_cached_tokens == [0, 0, 0]
