@@ -14,6 +14,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from kvdepot.server import ChunkRef, ChunkWrite, RemoteTier, TierState, object_name
+from kvdepot.server._remote_tier import READ_WORKERS
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES
 
 pytestmark = pytest.mark.integration
@@ -351,6 +352,31 @@ def test_the_read_after_a_late_one_on_a_hung_server_costs_its_deadline_only(valk
         assert tier.stats().late == 2
     finally:
         valkey_server.resume()
+
+
+def test_a_read_given_up_on_before_a_read_thread_was_free_sends_nothing(valkey_server, open_tier):
+    """Reads queued while every read thread waits on a hung server (SIGSTOP), whose callers gave
+    up at their deadlines, send no GET once the server answers and a thread takes them."""
+    tier = open_tier(valkey_server.url, op_timeout=2.0)
+    tier.write(writes(1))
+    stats = valkey_server.client()
+
+    def gets() -> int:
+        return int(stats.info("commandstats").get("cmdstat_get", {}).get("calls", 0))
+
+    valkey_server.pause()
+    try:
+        for _ in range(READ_WORKERS + 2):
+            assert read(tier, 1, timeout=0.05) == [None]
+    finally:
+        valkey_server.resume()
+    deadline = time.monotonic() + 5
+    while gets() < READ_WORKERS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the queued reads run as soon as a thread is free
+    assert gets() == READ_WORKERS
+    assert tier.stats().late == READ_WORKERS + 2
+    assert read(tier, 1) == [payload(1)]
 
 
 def test_a_batch_in_several_windows_lands_each_chunk_checked(valkey_server, open_tier, monkeypatch):

@@ -232,7 +232,10 @@ class RemoteTier:
 
     def _read_on_thread(self, client: Any, generation: int, landing: Landing) -> None:
         """Stream the GETs and land each reply; those redirected by a moving cluster are fetched
-        again through the cluster pipeline. On a read thread."""
+        again through the cluster pipeline. On a read thread; a read whose caller gave up
+        before a thread was free (every one held by a hung server) sends nothing."""
+        if not landing.open:
+            return
         try:
             again = stream_gets(client, landing, cluster=self.address.cluster)
         except self._errors as exc:
