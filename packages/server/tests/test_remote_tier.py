@@ -356,8 +356,9 @@ def test_the_read_after_a_late_one_on_a_hung_server_costs_its_deadline_only(valk
 
 def test_a_read_given_up_on_before_a_read_thread_was_free_sends_nothing(valkey_server, open_tier):
     """Reads queued while every read thread waits on a hung server (SIGSTOP), whose callers gave
-    up at their deadlines, send no GET once the server answers and a thread takes them."""
-    tier = open_tier(valkey_server.url, op_timeout=2.0)
+    up at their deadlines, send no GET once the server answers and a thread takes them. (The
+    long command timeout keeps the reads that have a thread waiting until the server answers.)"""
+    tier = open_tier(valkey_server.url, op_timeout=5.0)
     tier.write(writes(1))
     stats = valkey_server.client()
 
