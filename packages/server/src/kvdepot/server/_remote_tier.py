@@ -232,10 +232,7 @@ class RemoteTier:
 
     def _read_on_thread(self, client: Any, generation: int, landing: Landing) -> None:
         """Stream the GETs and land each reply; those redirected by a moving cluster are fetched
-        again through the cluster pipeline. On a read thread; a read whose caller gave up
-        before a thread was free (every one held by a hung server) sends nothing."""
-        if not landing.open:
-            return
+        again through the cluster pipeline. On a read thread."""
         try:
             again = stream_gets(client, landing, cluster=self.address.cluster)
         except self._errors as exc:
@@ -265,7 +262,7 @@ class RemoteTier:
         try:
             future.result(timeout=max(0.0, timeout))
         except concurrent.futures.TimeoutError:
-            future.add_done_callback(_consume)
+            _give_up(future)
             late = True
         except self._errors:  # the tier went down (marked on the read thread): the rest are misses
             pass
@@ -316,7 +313,7 @@ class RemoteTier:
         try:
             return future.result(timeout=max(0.0, timeout))
         except concurrent.futures.TimeoutError:
-            future.add_done_callback(_consume)
+            _give_up(future)
             self._counters.add(late=len(refs))
             self._warn("remote_tier_probe_late", url=self.address.display, timeout_s=round(timeout, 3))
             return [None] * len(refs)
@@ -367,6 +364,14 @@ class RemoteTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _give_up(future: concurrent.futures.Future[Any]) -> None:
+    """The caller stopped waiting: a call no read thread has started yet never runs (while every
+    thread waits on a hung server, it would send its commands once the server answers); one
+    under way is left to end, its outcome consumed."""
+    future.cancel()
+    future.add_done_callback(_consume)
 
 
 def _consume(future: concurrent.futures.Future[Any]) -> None:
