@@ -22,6 +22,11 @@ The spec (JSON object):
   drain               true (default): after each sequential prompt and at the end, keep stepping an
                       in-process engine while its scheduler still holds finished requests (delayed
                       block frees, finished ids not yet sent to the worker)
+  use_generate        true: each sequential prompt runs through `LLM.generate`, as RL frameworks call
+                      it (no step after its output: no drain), instead of the engine's step loop
+  sleep_after         {prompt index (as a string): level}: after that prompt (sequential runs), call
+                      `LLM.sleep(level)`, then `wake_up()`, then scale every weight as `reset_after`
+                      does (the weights an RL trainer syncs while the engine sleeps)
 
 The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
 prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
@@ -102,6 +107,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     collect_metrics = bool(spec.get("collect_metrics", False))
     drain_enabled = bool(spec.get("drain", True))
     resets = {int(k): bool(v) for k, v in (spec.get("reset_after") or {}).items()}
+    sleeps = {int(k): int(v) for k, v in (spec.get("sleep_after") or {}).items()}
+    use_generate = bool(spec.get("use_generate", False))
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
@@ -197,11 +204,27 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             raise RuntimeError(f"engine still holds finished requests after draining {steps} steps")
 
     run_started = time.perf_counter()
+
+    def generate(index: int) -> None:
+        added_at = time.perf_counter()
+        (output,) = llm.generate([make_prompt(index)], params, use_tqdm=False)
+        result["ttft_s"][index] = time.perf_counter() - added_at  # the whole request: max_tokens=1 runs only
+        result["outputs"][index] = list(output.outputs[0].token_ids)
+        result["num_cached_tokens"][index] = output.num_cached_tokens
+        result["finish_reasons"][index] = output.outputs[0].finish_reason
+
     if sequential:
         for index in range(len(prompts)):
-            add(index)
-            drive(MAX_STEPS_PER_PROMPT)
-            drain()
+            if use_generate:
+                generate(index)
+            else:
+                add(index)
+                drive(MAX_STEPS_PER_PROMPT)
+                drain()
+            if index in sleeps:
+                llm.sleep(level=sleeps[index])
+                llm.wake_up()
+                llm.apply_model(_perturb)
             if index in resets:
                 if resets[index]:
                     llm.apply_model(_perturb)

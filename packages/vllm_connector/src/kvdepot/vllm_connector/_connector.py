@@ -13,17 +13,9 @@ import platform
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVConnectorTransferResults,
-    KVConnectorWorkerMetadata,
-    SupportsHMA,
-)
-
 from kvdepot.core import Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
+from kvdepot.vllm_connector._compat import check_release, connector_api, vllm_version
 from kvdepot.vllm_connector._config import ConnectorConfig
 from kvdepot.vllm_connector._groups import CacheGroup, ConnectorConfigError, cache_groups, layout_part
 from kvdepot.vllm_connector._health import ServerHealth
@@ -49,6 +41,16 @@ if TYPE_CHECKING:
     from kvdepot.transport import HelloReply, RegisterReply
 
 log = logging.getLogger("vllm.kvdepot")
+
+# A vLLM whose connector API lacks something the connector calls is refused here, with the
+# tested range in the message, before anything else of vLLM's is used.
+_base = connector_api()
+KVConnectorBase_V1 = _base.KVConnectorBase_V1
+KVConnectorMetadata = _base.KVConnectorMetadata
+KVConnectorRole = _base.KVConnectorRole
+KVConnectorTransferResults = _base.KVConnectorTransferResults
+KVConnectorWorkerMetadata = _base.KVConnectorWorkerMetadata
+SupportsHMA = _base.SupportsHMA
 
 
 def _route_structlog_to_stdlib() -> None:
@@ -137,6 +139,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         announce()  # the plugin's own log line, held back until vLLM's logging is set up
+        check_release(vllm_version())
         _route_structlog_to_stdlib()
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
@@ -205,6 +208,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 lookup_timeout=self.config.lookup_timeout,
                 health=self.health,
                 groups=self.groups,
+                hold_finished=_writes_blocks_before_the_connector(vllm_config),
             )
         else:
             self._worker = WorkerSide(
@@ -267,13 +271,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, (block_ids,))
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, block_ids)
 
     # -- worker side ---------------------------------------------------------------------
 
@@ -334,6 +338,23 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_worker_meta() if self._worker is not None else None
 
+    # -- sleep mode (vLLM 0.33+; 0.32 has no such hooks and never calls them) ------------
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """True: the workers end their copies before vLLM releases the KV cache, and resume after."""
+        return True
+
+    def unregister_kv_caches(self) -> None:
+        """Before sleep (or a discard of the KV cache): every copy in flight ends; none starts until restored."""
+        if self._worker is not None:
+            self._worker.suspend()
+
+    def restore_kv_caches(self) -> None:
+        """After wake-up: vLLM's sleep backends give the KV cache back at the same addresses."""
+        if self._worker is not None:
+            self._worker.resume()
+
     # -- both ----------------------------------------------------------------------------
 
     def reset_cache(self) -> bool:
@@ -368,6 +389,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         self.client.close()
+
+
+def _writes_blocks_before_the_connector(vllm_config: VllmConfig) -> bool:
+    """True where vLLM's model runner may write a block it hands to a request before the connector's
+    `handle_preemptions` (Model Runner V2 zeroes new blocks and copies partial prefix hits into
+    them first): finished requests then keep their blocks until their stores are done."""
+    return bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
 def _worker_strategy(tp_size: int, pp_size: int, use_mla: bool) -> ParallelStrategy:

@@ -9,8 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvdepot.vllm_connector._compat import connector_api
+
+# Checked first: a vLLM without what the connector needs is refused with the tested range.
+KVConnectorMetadata = connector_api().KVConnectorMetadata
+KVConnectorWorkerMetadata = connector_api().KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -51,8 +56,9 @@ class KVDepotMetadata(KVConnectorMetadata):
     ``held`` are finished requests whose blocks vLLM keeps until every worker reports their
     stores done (`get_finished`); ``preempted`` are requests whose blocks vLLM took back this
     step, so their stores must end before the step's forward pass may overwrite them;
-    ``flush`` are requests whose stores may read a sliding-window block that vLLM handed to
-    someone this step: they too must end first.
+    ``flush`` are requests whose stores may read a block that vLLM handed to someone this step
+    (a sliding window's, or a finished request's that vLLM got back at once): they too must
+    end first.
     """
 
     loads: list[LoadOp] = field(default_factory=list)

@@ -9,8 +9,14 @@ planner events and never waits on the server beyond one bounded moment per step:
 - Hits are loaded asynchronously: the request waits in vLLM's waiting-for-remote-KV state,
   the worker copies on its own thread, and vLLM adds the blocks to its prefix cache only
   once every worker has reported the copy. The leases are given back only then.
-- A finished request that planned stores keeps its blocks until every worker's copy of
-  them is done (`request_finished` returns True; the workers report it in `get_finished`).
+- A finished request's stores may still be copying. Where vLLM's model runner lets a
+  connector wait before it writes any block it hands out (the V1 runner: CPU, and CUDA with
+  ``VLLM_USE_V2_MODEL_RUNNER=0``), vLLM gets the blocks back at once, and the workers wait
+  for the store only if vLLM hands one of its blocks to anyone (``KVDepotMetadata.flush``):
+  so ``reset_prefix_cache()`` and ``sleep()`` work right after ``generate`` in an in-process
+  `LLM`. Elsewhere (Model Runner V2 zeroes and copies into new blocks before a connector can
+  wait) the request keeps its blocks until every worker's copy of them is done
+  (`request_finished` returns True; the workers report it in `get_finished`).
 - While the server is down or stuck, lookups are misses at once (`ServerHealth`).
 - With several KV-cache groups (a hybrid or sliding-window model) the planner accounts
   for the request's positions; a chunk is loaded into, and stored from, the blocks of every
@@ -114,14 +120,21 @@ class SchedulerSide:
         lookup_timeout: float,
         health: ServerHealth,
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
+        hold_finished: bool = True,
     ) -> None:
+        """``hold_finished``: a finished request keeps its blocks in vLLM until its stores are done;
+        else they go back at once, and the workers wait for the stores when vLLM hands a block on
+        (only where vLLM writes no block it hands out before the workers' `handle_preemptions`)."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.groups = groups
+        self.hold_finished = hold_finished
         # With several groups, or one whose blocks vLLM may drop while their request runs (a
         # window), the blocks of each store are read from vLLM's block table when it is planned.
         self._windowed = len(groups) > 1 or not groups[0].stable
-        # Blocks of windowed groups that a store may still be reading, with their request, and
-        # blocks vLLM allocated for loads in this scheduling pass.
+        # Blocks vLLM may hand on while a store still reads them (windowed groups', finished
+        # requests' when they are not held), with their request, and blocks vLLM allocated for
+        # loads in this scheduling pass.
+        self._watch_reuse = self._windowed or not hold_finished
         self._store_blocks: dict[int, str] = {}
         self._allocated: list[int] = []
         self.client = client
@@ -184,7 +197,7 @@ class SchedulerSide:
     ) -> None:
         """vLLM allocated the request's blocks, one list per KV-cache group."""
         req_id = request.request_id
-        if self._windowed:
+        if self._watch_reuse:
             self._allocated.extend(block for group in block_ids for block in group)
         if req_id not in self._records:
             return
@@ -217,7 +230,7 @@ class SchedulerSide:
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted)
         self._loads, self._held = [], set()
-        if self._windowed:
+        if self._watch_reuse:
             meta.flush = self._reused_store_blocks(scheduler_output)
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
@@ -265,7 +278,13 @@ class SchedulerSide:
                 self.planner.on_load_done(req_id)
         self._flush_releases()
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...] = ()
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM is done with the request; True while its blocks must stay until the stores are done.
+
+        ``block_ids``: its blocks, one list per KV-cache group, as vLLM frees them.
+        """
         req_id = request.request_id
         self._uncacheable.discard(req_id)
         record = self._records.pop(req_id, None)
@@ -285,6 +304,11 @@ class SchedulerSide:
         # A request still loading holds its blocks through vLLM until the load is reported;
         # otherwise, if it planned stores, its blocks wait for the workers to copy them.
         hold = record.stored and not self.planner.is_loading(req_id)
+        if hold and not self.hold_finished:
+            # vLLM frees the blocks now; a store still reading one is waited for before it is reused.
+            freed = (block for ids in block_ids for block in ids if block != NULL_BLOCK_ID)
+            self._store_blocks.update(dict.fromkeys(freed, req_id))
+            hold = False
         if hold:
             self._held.add(req_id)
         return hold, None

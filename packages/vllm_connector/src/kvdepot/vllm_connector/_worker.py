@@ -213,6 +213,9 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()
         self._step_meta = KVDepotWorkerMetadata()
+        # Between vLLM's `unregister_kv_caches` (sleep) and `restore_kv_caches` (wake-up) the KV
+        # cache's memory may be gone: nothing is copied then (engine thread only).
+        self._suspended = False
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -321,12 +324,19 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
         self._held |= meta.held
+        if self._suspended:  # reported as failed loads: vLLM recomputes them
+            for op in meta.loads:
+                self._loads[op.req_id] = (op, self._copier.submit(self._refuse_asleep))
+            return
         after = self._engine_event() if meta.loads else None
         for op in meta.loads:
             self._loads[op.req_id] = (op, self._copier.submit(self._load, op, after))
 
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
         if not meta.stores or not self.strategy.stores:
+            return
+        if self._suspended:
+            self._add("store_skipped", len(meta.stores))
             return
         future = self._copier.submit(self._store_all, meta.stores, self._engine_event())
         for op in meta.stores:
@@ -354,6 +364,27 @@ class WorkerSide:
         sending = {req_id for req_id in self._held if req_id not in self._stores}
         self._held -= sending
         return sending or None, recving or None
+
+    # -- sleep mode (vLLM 0.33+: `unregister_kv_caches`, `restore_kv_caches`) ------------------
+
+    def suspend(self) -> None:
+        """vLLM is about to release the KV cache's memory (sleep): every copy in flight ends first.
+
+        Loads and stores already queued run to their end (a load's outcome is still reported in
+        `get_finished`); until `resume`, loads fail (vLLM recomputes) and stores are skipped.
+        """
+        self._suspended = True
+        self._copier.submit(lambda: None).result()  # the copy thread runs its queue in order
+        log.info("kvdepot worker rank %d: copies drained, the KV cache may be released", self.strategy.rank)
+
+    def resume(self) -> None:
+        """vLLM restored the KV cache (wake-up) at the same addresses: copies may run again."""
+        self._suspended = False
+        log.info("kvdepot worker rank %d: KV cache restored, copies resume", self.strategy.rank)
+
+    @staticmethod
+    def _refuse_asleep() -> None:
+        raise RuntimeError("the engine's KV cache is released (sleep mode): nothing was loaded")
 
     def _engine_event(self) -> Any:
         """The end of the work the engine queued so far (on this, its thread's stream): the copy
