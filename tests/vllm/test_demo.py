@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration, pytest.mark.slow]
 
 
 def test_demo_shows_a_hit_with_identical_output(tmp_path):

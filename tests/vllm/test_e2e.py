@@ -49,7 +49,7 @@ def kvdepot_server() -> Iterator[ServerProcess]:
         yield server
 
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration]
 
 
 def assert_nothing_left(stats: kvdepot.transport.StatsReply) -> None:

@@ -129,6 +129,7 @@ def random_prompts(model, count: int, length: int, seed: int) -> list[list[int]]
     return [[rng.randrange(3, top) for _ in range(length)] for _ in range(count)]
 
 
+@pytest.mark.engine
 @pytest.mark.integration
 @pytest.mark.slow
 def test_plain_engine_is_deterministic_across_engines(tiny_llama, vllm_engine):
@@ -146,6 +147,7 @@ def test_plain_engine_is_deterministic_across_engines(tiny_llama, vllm_engine):
     print(f"engine start {first.engine_start_s:.2f} s / {second.engine_start_s:.2f} s, wall {first.wall_s:.1f} s")
 
 
+@pytest.mark.engine
 @pytest.mark.integration
 @pytest.mark.slow
 def test_engine_matches_transformers_reference(tiny_llama, vllm_engine):
@@ -163,6 +165,7 @@ def test_engine_matches_transformers_reference(tiny_llama, vllm_engine):
         assert got == generated[0, len(prompt) :].tolist()
 
 
+@pytest.mark.engine
 @pytest.mark.integration
 @pytest.mark.slow
 def test_harness_aborts_and_salts(tiny_llama, vllm_engine):

@@ -17,7 +17,7 @@ import pytest
 
 import kvdepot.server
 
-pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration]
 
 CHUNK = 256  # tokens per chunk (two CPU blocks of 128)
 LENGTH = 1100  # four full chunks and a tail

@@ -78,7 +78,8 @@ def connector_api() -> ModuleType:
             f"vLLM {vllm_version() or '(unknown version)'} lacks what the kvdepot connector needs of its connector "
             f"API: {', '.join(missing)}. Install a tested vLLM: {TESTED_RANGE}."
         )
-    return base
+    module: ModuleType = base
+    return module
 
 
 def check_release(version: str) -> None:

@@ -42,15 +42,25 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("vllm.kvdepot")
 
-# A vLLM whose connector API lacks something the connector calls is refused here, with the
-# tested range in the message, before anything else of vLLM's is used.
-_base = connector_api()
-KVConnectorBase_V1 = _base.KVConnectorBase_V1
-KVConnectorMetadata = _base.KVConnectorMetadata
-KVConnectorRole = _base.KVConnectorRole
-KVConnectorTransferResults = _base.KVConnectorTransferResults
-KVConnectorWorkerMetadata = _base.KVConnectorWorkerMetadata
-SupportsHMA = _base.SupportsHMA
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+        KVConnectorTransferResults,
+        KVConnectorWorkerMetadata,
+        SupportsHMA,
+    )
+else:
+    # A vLLM whose connector API lacks something the connector calls is refused here, with the
+    # tested range in the message, before anything else of vLLM's is used.
+    _base = connector_api()
+    KVConnectorBase_V1 = _base.KVConnectorBase_V1
+    KVConnectorMetadata = _base.KVConnectorMetadata
+    KVConnectorRole = _base.KVConnectorRole
+    KVConnectorTransferResults = _base.KVConnectorTransferResults
+    KVConnectorWorkerMetadata = _base.KVConnectorWorkerMetadata
+    SupportsHMA = _base.SupportsHMA
 
 
 def _route_structlog_to_stdlib() -> None:

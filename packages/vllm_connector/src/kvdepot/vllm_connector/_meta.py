@@ -7,15 +7,17 @@ through its own executor; nothing here goes over kvdepot's wire.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvdepot.vllm_connector._compat import connector_api
 
-# Checked first: a vLLM without what the connector needs is refused with the tested range.
-KVConnectorMetadata = connector_api().KVConnectorMetadata
-KVConnectorWorkerMetadata = connector_api().KVConnectorWorkerMetadata
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+else:  # checked first: a vLLM without what the connector needs is refused with the tested range
+    KVConnectorMetadata = connector_api().KVConnectorMetadata
+    KVConnectorWorkerMetadata = connector_api().KVConnectorWorkerMetadata
 
 
 @dataclass
