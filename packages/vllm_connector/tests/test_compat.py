@@ -72,5 +72,5 @@ def test_the_connector_follows_every_sleep_mode_hook_its_vllm_has():
         if hasattr(base.KVConnectorBase_V1, h)
     ]
     for hook in hooks:
-        assert getattr(KVDepotConnector, hook) is not getattr(base.KVConnectorBase_V1, hook), hook
+        assert hook in vars(KVDepotConnector), hook
     assert KVDepotConnector.supports_sleep_mode(None) is True

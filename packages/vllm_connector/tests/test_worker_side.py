@@ -142,8 +142,10 @@ def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
         worker.shutdown()
 
 
-def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
-    """Before a step may reuse a preempted request's blocks, its queued store has read them."""
+@pytest.mark.parametrize("why", ["preempted", "flush"])
+def test_a_step_that_reuses_blocks_waits_for_the_stores_reading_them(client: CacheClient, why: str) -> None:
+    """Before a step may reuse a preempted request's blocks, or blocks vLLM got back from a finished
+    request (or a window) and handed on (``flush``), the request's queued store has read them."""
     kv = torch.randn((8, 2, BLOCK, 64))
     worker = make_worker(client, kv)
     gate = threading.Event()
@@ -152,7 +154,7 @@ def test_preemption_waits_for_the_requests_stores(client: CacheClient) -> None:
         worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
         returned = threading.Event()
         waiter = threading.Thread(
-            target=lambda: (worker.handle_preemptions(KVDepotMetadata(preempted={"a"})), returned.set())
+            target=lambda: (worker.handle_preemptions(KVDepotMetadata(**{why: {"a"}})), returned.set())
         )
         waiter.start()
         assert not returned.wait(0.3)

@@ -2,8 +2,9 @@
 
 vLLM's connector API is marked experimental and changes between releases. The connector
 checks, when its module is imported, that the API has everything it calls (by capability,
-not by version string: a vLLM fork or a nightly with the same API works), and warns once
-when the release is newer than the newest one tested (`docs/vllm.md`, "Compatibility").
+not by version string: a vLLM fork or a nightly with the same API works), and each
+connector (the scheduler's, every worker's) warns at start when the release is outside the
+tested range (`docs/vllm.md`, "Compatibility").
 """
 
 from __future__ import annotations

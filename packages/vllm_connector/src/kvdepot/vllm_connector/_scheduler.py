@@ -10,8 +10,9 @@ planner events and never waits on the server beyond one bounded moment per step:
   the worker copies on its own thread, and vLLM adds the blocks to its prefix cache only
   once every worker has reported the copy. The leases are given back only then.
 - A finished request's stores may still be copying. Where vLLM's model runner lets a
-  connector wait before it writes any block it hands out (the V1 runner: CPU, and CUDA with
-  ``VLLM_USE_V2_MODEL_RUNNER=0``), vLLM gets the blocks back at once, and the workers wait
+  connector wait before it writes any block it hands out (the V1 runner: vLLM's choice on a
+  CPU without Triton's CPU backend, and on CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``), vLLM gets
+  the blocks back at once, and the workers wait
   for the store only if vLLM hands one of its blocks to anyone (``KVDepotMetadata.flush``):
   so ``reset_prefix_cache()`` and ``sleep()`` work right after ``generate`` in an in-process
   `LLM`. Elsewhere (Model Runner V2 zeroes and copies into new blocks before a connector can
@@ -35,6 +36,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -135,7 +137,7 @@ class SchedulerSide:
         # requests' when they are not held), with their request, and blocks vLLM allocated for
         # loads in this scheduling pass.
         self._watch_reuse = self._windowed or not hold_finished
-        self._store_blocks: dict[int, str] = {}
+        self._store_blocks: dict[int, set[str]] = {}
         self._allocated: list[int] = []
         self.client = client
         self.health = health
@@ -306,8 +308,7 @@ class SchedulerSide:
         hold = record.stored and not self.planner.is_loading(req_id)
         if hold and not self.hold_finished:
             # vLLM frees the blocks now; a store still reading one is waited for before it is reused.
-            freed = (block for ids in block_ids for block in ids if block != NULL_BLOCK_ID)
-            self._store_blocks.update(dict.fromkeys(freed, req_id))
+            self._watch_blocks((block for ids in block_ids for block in ids if block != NULL_BLOCK_ID), req_id)
             hold = False
         if hold:
             self._held.add(req_id)
@@ -419,7 +420,7 @@ class SchedulerSide:
                 out.extend(ids)
         for group, ids in zip(self.groups, blocks, strict=True):
             if not group.stable:
-                self._store_blocks.update(dict.fromkeys(ids, req_id))
+                self._watch_blocks(ids, req_id)
         return [[rank_keys[i] for i in kept] for rank_keys in keys], blocks
 
     def _reused_store_blocks(self, scheduler_output: SchedulerOutput) -> set[str]:
@@ -431,7 +432,13 @@ class SchedulerSide:
             allocated.extend(block for group in new.block_ids for block in group)
         for new_blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
             allocated.extend(block for group in new_blocks or () for block in group)
-        return {self._store_blocks.pop(block) for block in allocated if block in self._store_blocks}
+        return {req_id for block in allocated for req_id in self._store_blocks.pop(block, ())}
+
+    def _watch_blocks(self, blocks: Iterable[int], req_id: str) -> None:
+        """A store of ``req_id`` may read ``blocks`` until vLLM hands them on (a block shared through
+        vLLM's prefix cache may be read by the stores of several requests)."""
+        for block in blocks:
+            self._store_blocks.setdefault(block, set()).add(req_id)
 
     def _send_lookups(self) -> None:
         """Sends every queued lookup as one message."""
