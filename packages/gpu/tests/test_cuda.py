@@ -87,6 +87,49 @@ def test_a_gather_from_another_thread_waits_for_the_engines_own_stream(method: s
     assert torch.equal(pool.view(torch.float16), expected)
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_gather_given_an_earlier_event_reads_the_blocks_before_they_are_written(method: str) -> None:
+    """The control of the two tests above: the same gather, told to wait only for an event recorded
+    before the compute stream's writes, reads the old bytes. So those tests fail if the copier
+    ever stops waiting for the compute stream (their sleep is long enough to show it)."""
+    case = build_case("shared_layer_major", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv)
+    pool = _host_pool(layout.chunk_bytes(2))
+    with CudaCopier(layout, pool, method=method) as copier:
+        copier.gather([[3, 4]], [0]).wait()  # a first Triton launch compiles: not in the timed part
+        before = chunk_bytes(case, [3, 4]).cpu()
+        too_early = compute_event(layout.device)
+        torch.cuda._sleep(50_000_000)
+        for t in case.kv.values():
+            t[3:5].fill_(1.5)
+        copier.gather([[3, 4]], [0], after=too_early).wait()
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("ordered", [True, False], ids=["wait_stream", "control"])
+def test_the_compute_stream_reads_scattered_blocks_only_after_wait_stream(method: str, ordered: bool) -> None:
+    """A forward pass queued after `handle.wait_stream()` reads what the scatter wrote, even while
+    the side stream is still busy; without it (the control) it reads the blocks as they were."""
+    case = build_case("shared_layer_major", torch.float16, device="cuda")
+    layout = KVLayout.from_kv_caches(case.kv)
+    size = layout.chunk_bytes(2)
+    pool = _host_pool(size)
+    pool.view(torch.float16).fill_(2.5)
+    with CudaCopier(layout, pool, method=method) as copier:
+        copier.scatter([0], [[6, 7]]).wait()  # compile; the blocks now hold 2.5
+        for t in case.kv.values():
+            t[6:8].fill_(0.5)
+        with torch.cuda.stream(copier.stream):
+            torch.cuda._sleep(50_000_000)  # the side stream is busy: the scatter below lands late
+        handle = copier.scatter([0], [[6, 7]])
+        if ordered:
+            handle.wait_stream()
+        seen = torch.cat([t[6:8].flatten() for t in case.kv.values()])  # the "forward pass" on the compute stream
+        handle.wait()
+    assert torch.all(seen == (2.5 if ordered else 0.5))
+
+
 def test_completion_is_observable_without_blocking() -> None:
     """done() answers at once while the copy waits behind busy compute, and turns true after wait()."""
     case = build_case("cpu", torch.float16, device="cuda")
