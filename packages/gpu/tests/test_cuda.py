@@ -9,7 +9,7 @@ import torch
 
 from kvdepot.gpu import CudaCopier, KVLayout, compute_event, open_copier
 from kvdepot.gpu._triton import available as triton_available
-from kvdepot.gpu.testing import LAYOUT_NAMES, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
+from kvdepot.gpu.testing import LAYOUT_NAMES, Case, block_bytes, build_case, chunk_bytes, random_bytes, snapshot
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,6 +21,17 @@ METHODS = ["dma", "triton"] if triton_available() else ["dma"]
 
 def _host_pool(nbytes: int) -> torch.Tensor:
     return torch.full((nbytes,), 0xA5, dtype=torch.uint8)
+
+
+def _warm_up(copier: CudaCopier, case: Case) -> None:
+    """Run once, before a test's timed part, what it times: a first Triton launch compiles, and CUDA
+    loads a kernel lazily at its first use, which can synchronize the device and hide a missing wait."""
+    copier.gather([[3, 4]], [0]).wait()
+    copier.scatter([0], [[3, 4]]).wait()
+    for t in case.kv.values():
+        t[3:5].fill_(0.25)  # not a value any test expects: the blocks must be written again to pass
+    torch.cuda._sleep(1)
+    torch.cuda.synchronize()
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -59,6 +70,7 @@ def test_gather_is_ordered_after_the_compute_stream(method: str) -> None:
     layout = KVLayout.from_kv_caches(case.kv)
     pool = _host_pool(layout.chunk_bytes(2))
     with CudaCopier(layout, pool, method=method) as copier:
+        _warm_up(copier, case)
         torch.cuda._sleep(50_000_000)  # keep the compute stream busy so an unordered copy would read early
         for t in case.kv.values():
             t[3:5].fill_(1.5)
@@ -77,6 +89,7 @@ def test_a_gather_from_another_thread_waits_for_the_engines_own_stream(method: s
     pool = _host_pool(layout.chunk_bytes(2))
     engine = torch.cuda.Stream()
     with CudaCopier(layout, pool, method=method) as copier, concurrent.futures.ThreadPoolExecutor(1) as other:
+        _warm_up(copier, case)
         with torch.cuda.stream(engine):
             torch.cuda._sleep(50_000_000)  # keep the engine's stream busy so an unordered copy would read early
             for t in case.kv.values():
@@ -96,8 +109,9 @@ def test_a_gather_given_an_earlier_event_reads_the_blocks_before_they_are_writte
     layout = KVLayout.from_kv_caches(case.kv)
     pool = _host_pool(layout.chunk_bytes(2))
     with CudaCopier(layout, pool, method=method) as copier:
-        copier.gather([[3, 4]], [0]).wait()  # a first Triton launch compiles: not in the timed part
+        _warm_up(copier, case)
         before = chunk_bytes(case, [3, 4]).cpu()
+        pool.fill_(0xA5)  # so a gather that copied nothing cannot pass for one that read early
         too_early = compute_event(layout.device)
         torch.cuda._sleep(50_000_000)
         for t in case.kv.values():
@@ -115,9 +129,11 @@ def test_the_compute_stream_reads_scattered_blocks_only_after_wait_stream(method
     layout = KVLayout.from_kv_caches(case.kv)
     size = layout.chunk_bytes(2)
     pool = _host_pool(size)
-    pool.view(torch.float16).fill_(2.5)
     with CudaCopier(layout, pool, method=method) as copier:
-        copier.scatter([0], [[6, 7]]).wait()  # compile; the blocks now hold 2.5
+        _warm_up(copier, case)
+        pool.view(torch.float16).fill_(2.5)
+        copier.scatter([0], [[6, 7]]).wait()  # the blocks now hold 2.5
+        torch.cat([t[6:8].flatten() for t in case.kv.values()])  # load the kernels the timed part uses
         for t in case.kv.values():
             t[6:8].fill_(0.5)
         with torch.cuda.stream(copier.stream):
@@ -136,6 +152,7 @@ def test_completion_is_observable_without_blocking() -> None:
     layout = KVLayout.from_kv_caches(case.kv)
     pool = _host_pool(layout.chunk_bytes(1))
     with open_copier(layout, pool) as copier:
+        copier.gather([[0]], [0]).wait()  # compile this shape first: a compile inside the sleep would outlast it
         torch.cuda._sleep(200_000_000)
         handle = copier.gather([[0]], [0])
         assert handle.done() is False
