@@ -109,7 +109,7 @@ def make_bundle(bundle: Path, python: str = TARGET_PYTHON) -> dict[str, Any]:
     wheels.mkdir(parents=True)
     say(f"bundle: kvdepot wheels ({', '.join(CARRIED_PACKAGES)}) into {wheels}")
     pip("wheel", "--no-deps", "-w", str(wheels), *(str(ROOT / "packages" / p) for p in CARRIED_PACKAGES))
-    pins = [f"{name}=={metadata.version(name)}" for name in THIRD_PARTY]
+    pins = [_pin(name) for name in THIRD_PARTY]
     pip("download", "--no-deps", "--only-binary=:all:", "-d", str(wheels), f"{BUILD_BACKEND}=={_setuptools_version()}")
     say(f"bundle: {', '.join(pins)} for CPython {python}")
     platforms = [arg for p in TARGET_PLATFORMS for arg in ("--platform", p)]
@@ -121,6 +121,15 @@ def make_bundle(bundle: Path, python: str = TARGET_PYTHON) -> dict[str, Any]:
     (bundle / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
     say(f"bundle: {len(manifest['wheels'])} wheels, {sum(p.stat().st_size for p in wheels.iterdir()) / MIB:.1f} MiB")
     return manifest
+
+
+def _pin(name: str) -> str:
+    """`name==version` of the version installed here (the one kvdepot is tested with), else the newest."""
+    try:
+        return f"{name}=={metadata.version(name)}"
+    except metadata.PackageNotFoundError:
+        say(f"bundle: {name} is not installed in this interpreter: taking PyPI's newest")
+        return name
 
 
 def _setuptools_version() -> str:
