@@ -482,7 +482,7 @@ def _bandwidth_of(kind: str, device: Any, args: argparse.Namespace, rows: list[d
     streams = [torch.cuda.Stream(device) for _ in range(2)] if device.type == "cuda" else [None, None]
 
     def on(stream: Any) -> Any:
-        return torch.cuda.stream(stream) if stream is not None else _nothing()
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def raw_d2h(i: int, n: int) -> None:  # n chunks' bytes, one cudaMemcpyAsync each
         with on(streams[0]):
@@ -560,14 +560,6 @@ def _copy_cases(s: dict[str, Any], method: str, raw: dict[str, Any]) -> Any:
         yield "both at once, one side stream (today's connector)", raw_both, lambda i: both(i, copier), 1
         if second is not None:
             yield "both at once, a side stream each way", raw_both, lambda i: both(i, second), 1
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def step_overlap(report: Report, device: Any, args: argparse.Namespace) -> None:

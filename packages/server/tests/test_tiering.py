@@ -308,12 +308,10 @@ def test_a_fast_engine_does_not_wait_for_a_slow_tier(tmp_path):
     try:
         keys = on_disk_only(tiers, index, pool, 6)
         tiers.tiers[0].delay = 0.5
-        start = time.monotonic()
         assert tiers.lookup("a", [("", keys)], 0.0, per_chunk=0.01) is not None
         settle(tiers, lambda: answers)
-        assert time.monotonic() - start < 2.0  # not the 6 x 0.5 s the tier would take, nor 5 s
         (result,) = answers[0]
-        assert result.num_hits <= 1
+        assert result.num_hits <= 1  # waiting for the tier (its 5 s deadline covers 6 x 0.5 s) would hit all 6
         assert tiers.tiers[0].stats().late >= 1
         assert index.stats().pending_chunks == 0
         index.check()
@@ -372,13 +370,12 @@ def test_a_lookup_is_answered_without_the_tiers_when_a_tier_call_hangs(tmp_path,
         keys = on_disk_only(tiers, index, pool, 2)
         index.touch("b", 0.0)
         tiers.tiers[0].delay = 2.0  # one file read takes 2 s; the tier checks its deadline only between files
-        start = time.monotonic()
         assert tiers.lookup("a", [("", keys)], 0.0) is not None
         settle(tiers, lambda: index.stats().pending_chunks == 2)  # probed, slots reserved: the read starts
         time.sleep(0.05)
         assert tiers.lookup("b", [("", keys)], 0.0) is not None
         settle(tiers, lambda: len(answers) == 2)
-        assert time.monotonic() - start < 1.5  # not the 2 s the read takes
+        assert tiers._keys_waiting > 0  # both answered while the read still holds the reader, not when it returns
         assert [result.num_hits for (result,) in answers] == [0, 0]
         assert tiers.counters["reads_overdue"] == 2
         settle(tiers, lambda: tiers._keys_waiting == 0)  # the reader is done: everything settled
