@@ -331,3 +331,35 @@ def test_copy_chunks_checks_every_chunk_before_any_byte_moves(bad: str, error: t
         assert np.array_equal(slots, slots_before)
     rowcopy.copy_chunks([], g.blocks, True)  # nothing to copy
     assert np.array_equal(slots, slots_before)
+
+
+def _copy_on_a_thread_of_its_own(threads: int | None) -> tuple[int, bool]:
+    """(threads this process gained while a copier copied on a new thread, whether the copy was right)."""
+    g = Geometry(2, 64, 1, 4096, 32, interleaved=False)
+    _, slot = slot_buffer(g.slot_bytes, 29)
+    expected = slot.copy()
+    g.reference(expected, list(range(32)), 0, to_slot=True)
+    out: list[tuple[int, bool]] = []
+
+    def run() -> None:
+        before = len(os.listdir("/proc/self/task"))
+        copy(g, slot, list(range(32)), to_slot=True, threads=threads or _copier.native_threads())
+        out.append((len(os.listdir("/proc/self/task")) - before, bool(np.array_equal(slot, expected))))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    return out[0]
+
+
+@pytest.mark.skipif(os.cpu_count() == 1 or torch.get_num_threads() < 2, reason="needs 2 cores and torch threads")
+def test_a_one_thread_copy_on_a_thread_of_its_own_starts_no_second_openmp_team() -> None:
+    """libgomp gives every thread that starts a parallel region a team of its own: a threaded copy
+    on the worker's copy thread adds threads to the process (and, once they outnumber the cores,
+    libgomp stops spinning at torch's barriers). With one thread, as the worker copies, none."""
+    added, right = _copy_on_a_thread_of_its_own(1)
+    assert right
+    assert added == 0
+    added, right = _copy_on_a_thread_of_its_own(None)  # torch's thread count: a second team
+    assert right
+    assert added == torch.get_num_threads() - 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from kvdepot.gpu import KVLayout
-from kvdepot.vllm_connector._worker import _PoolMapping
+from kvdepot.vllm_connector._worker import PREFAULT_STEP, _PoolMapping
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -64,3 +66,34 @@ def test_pool_pages_are_mapped_in_the_background(pool_file: Path, prefault: bool
         assert int(mapping.tensor.count_nonzero()) == 0
     finally:
         mapping.close()
+
+
+def test_the_prefault_maps_nothing_while_the_engine_is_in_a_step(pool_file: Path) -> None:
+    """While the worker says the engine is in a step, the prefault maps no page: each of its
+    system calls holds the process's address-space lock, and a forward pass that maps or unmaps
+    memory (torch's allocator does, for large tensors) would wait behind it. Between steps it
+    goes on and maps the whole pool."""
+    between_steps = threading.Event()  # cleared: a step is running
+    mapping = _PoolMapping(str(pool_file), SIZE, "server", [_layout()], prefault=True, may_run=between_steps)
+    try:
+        address = mapping.tensor.data_ptr()
+        assert mapping.prefault is not None
+        time.sleep(1.0)  # time enough to map the whole pool many times over, were it allowed to
+        assert mapping.prefault.is_alive()
+        assert _mapped_kib(address) < PREFAULT_STEP >> 10
+        between_steps.set()
+        mapping.prefault.join(30)
+        assert not mapping.prefault.is_alive()
+        assert _mapped_kib(address) == SIZE >> 10
+    finally:
+        mapping.close()
+
+
+def test_a_paused_prefault_stops_when_the_mapping_closes(pool_file: Path) -> None:
+    """A prefault waiting for the engine's step to end still stops when the pool is unmapped."""
+    mapping = _PoolMapping(str(pool_file), SIZE, "server", [_layout()], prefault=True, may_run=threading.Event())
+    prefault = mapping.prefault
+    assert prefault is not None
+    mapping.close()
+    prefault.join(30)
+    assert not prefault.is_alive()

@@ -57,8 +57,7 @@ def make_worker(
         layout_name=layout_name,
         model="m",
         backend_hint=None,
-        prefault_pool=False,
-        **kw,  # type: ignore[arg-type]
+        **{"prefault_pool": False, **kw},  # type: ignore[arg-type]
     )
     worker.register_kv_caches(kv if isinstance(kv, dict) else {"layers.0": kv})
     return worker
@@ -533,3 +532,49 @@ def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(tmp_p
             assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
         finally:
             worker.shutdown()
+
+
+def test_the_pool_prefault_runs_only_between_the_engines_steps(client: CacheClient) -> None:
+    """The worker pauses its pool's prefault from a step's start (`step_started`, when vLLM binds
+    the step's metadata) to its end (`get_finished`), so the prefault never competes with a
+    forward pass for the address space."""
+    worker = make_worker(client, torch.zeros((8, 2, BLOCK, 64)), prefault_pool=True)
+    try:
+        worker.step_started(KVDepotMetadata())
+        worker.start_load_kv(KVDepotMetadata())
+        assert not worker._between_steps.is_set()
+        worker.get_finished(set())
+        assert worker._between_steps.is_set()
+        pool = worker._copier.submit(worker._current_pool).result()
+        assert pool is not None
+        assert pool.prefault is not None
+        assert [copier.threads for copier in pool.copiers] == [1]  # the copy thread starts no OpenMP team
+        pool.prefault.join(30)
+        assert not pool.prefault.is_alive()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("idle", [True, False])
+def test_a_load_in_a_step_that_computes_nothing_is_reported_from_that_step(client: CacheClient, idle: bool) -> None:
+    """A step that computes no tokens waits in `get_finished` for the loads it started, so the
+    hit is reported from that step and scheduled in the next; a step that computes (running
+    requests decode) never waits: its load, kept in flight here, is reported by a later step."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv, load_delay=0.0 if idle else 3.0)
+    try:
+        store(worker, "a", [KEY], [1, 2])
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        step = KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])], idle=idle)
+        worker.step_started(step)
+        worker.start_load_kv(step)
+        _, recving = worker.get_finished(set())
+        if idle:
+            assert recving == {"b"}
+            assert torch.equal(kv[5:7], kv[1:3])
+        else:
+            assert recving is None
+            finished(worker, "b", sending=False)
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()

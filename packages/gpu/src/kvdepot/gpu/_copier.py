@@ -73,7 +73,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def native_threads() -> int:
-    """Threads for one native copy: torch's intra-op threads when they can be shared, else 1."""
+    """Threads for one native copy made on the thread that runs torch's operators: torch's
+    intra-op threads when they can be shared, else 1.
+
+    libgomp keeps one thread team per thread that starts parallel regions, so the team is
+    shared only with copies made on the thread whose torch operators started it. A copy made
+    on any other thread with more than one thread starts a second team; its idle threads then
+    count against the cores, and libgomp stops spinning at every barrier of both teams (its
+    threads sleep and wake instead): an engine's forward pass on the first team slows down
+    for as long as the process lives. Copiers used from another thread pass ``threads=1``.
+    """
     if _forked_after_threads or not _shares_torch_openmp():
         return 1
     return int(torch.get_num_threads())
@@ -151,10 +160,11 @@ class CpuCopier(_SyncCopier):
 
     The copy reads the layout's copy table for the chunk's size (`_table.py`), checks every
     block id, and moves each (layer, block) with prefetched reads, streaming writes on
-    scatter, on torch's OpenMP threads.
+    scatter, on ``threads`` OpenMP threads (None: `native_threads()`, torch's team, for copies
+    made on the thread that runs torch's operators; 1 for copies made on a thread of their own).
     """
 
-    def __init__(self, layout: KVLayout, pool: torch.Tensor) -> None:
+    def __init__(self, layout: KVLayout, pool: torch.Tensor, *, threads: int | None = None) -> None:
         if layout.device.type != "cpu":
             raise CopyArgumentError(f"CpuCopier needs a CPU KV cache, got {layout.device}.", got=str(layout.device))
         if _rowcopy is None:
@@ -165,12 +175,18 @@ class CpuCopier(_SyncCopier):
                 "open_copier for the slow plain-torch copy.",
                 cause=_NATIVE_IMPORT_ERROR,
             )
+        if threads is not None and threads < 1:
+            raise CopyArgumentError(f"threads must be at least 1, got {threads}.", got=threads)
         super().__init__(layout, pool)
         self.tables = CopyTables(layout)
+        self.threads = threads
+
+    def _threads(self) -> int:
+        return native_threads() if self.threads is None else 1 if _forked_after_threads else self.threads
 
     def _copy(self, plan: CopyPlan, *, to_slot: bool) -> None:
         global _ran_threads  # noqa: PLW0603 - process-wide state read by the fork hook
-        threads = native_threads()
+        threads = self._threads()
         _ran_threads = _ran_threads or threads > 1
         address = self.pool.data_ptr()
         chunks = []
@@ -183,7 +199,7 @@ class CpuCopier(_SyncCopier):
 
     def describe(self) -> str:
         """How copies run, for logs."""
-        return f"cpu: native block copy by copy table, {native_threads()} threads"
+        return f"cpu: native block copy by copy table, {self._threads()} threads"
 
 
 class ReferenceCopier(_SyncCopier):
@@ -219,17 +235,24 @@ def _wait_for(after: Any) -> None:
 
 
 def open_copier(
-    layout: KVLayout, pool: torch.Tensor, *, method: Method = "auto", register: bool = True
+    layout: KVLayout,
+    pool: torch.Tensor,
+    *,
+    method: Method = "auto",
+    register: bool = True,
+    cpu_threads: int | None = None,
 ) -> CpuCopier | CudaCopier | ReferenceCopier:
     """The copier of this layout's device (same methods on each); see the module docstring.
 
     `method` picks the CUDA path ("triton" or "dma"; "auto": Triton where it can run) or,
-    on any device, "reference". `register` (CUDA): register the pool for DMA.
+    on any device, "reference". `register` (CUDA): register the pool for DMA. `cpu_threads`
+    (CPU): threads per copy; pass 1 when copies run on a thread other than the one that runs
+    torch's operators (see `native_threads`).
     """
     if method == "reference" or layout.device.type not in ("cpu", "cuda"):
         return ReferenceCopier(layout, pool)
     if layout.device.type == "cpu":
-        return CpuCopier(layout, pool)
+        return CpuCopier(layout, pool, threads=cpu_threads)
     return CudaCopier(layout, pool, method=method, register=register)
 
 

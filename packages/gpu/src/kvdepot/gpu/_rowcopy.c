@@ -19,9 +19,12 @@
  *   - Threads: one core keeps too few misses in flight to read at random places at full
  *     speed. With `threads` > 1 the pieces are shared out in batches over an OpenMP loop.
  *     The module links libgomp.so.1, and torch (imported first) has already loaded its
- *     own libgomp.so.1, so the loader reuses it: these loops run on torch's intra-op
- *     thread team, hot after a forward pass. `openmp_library()` names the runtime the
- *     loops resolved to, so the caller can check.
+ *     own libgomp.so.1, so the loader reuses it. libgomp keeps one thread team per thread
+ *     that starts parallel regions: called from the thread that runs torch's operators,
+ *     these loops run on torch's intra-op team; called from any other thread, they start
+ *     a second team, which makes libgomp stop spinning at the barriers of both (callers
+ *     on their own thread pass threads=1). `openmp_library()` names the runtime the loops
+ *     resolved to, so the caller can check.
  *
  * Every block id is checked, and every table row against the slot, before any byte moves.
  * The GIL is released while bytes move. Only the C library, SSE2 (x86-64's baseline) and

@@ -295,6 +295,13 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Every step, before its forward pass (vLLM starts asynchronous loads only after it)."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None:
+            assert isinstance(connector_metadata, KVDepotMetadata)
+            self._worker.step_started(connector_metadata)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None
         assert isinstance(kv_connector_metadata, KVDepotMetadata)

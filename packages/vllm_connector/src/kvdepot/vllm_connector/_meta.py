@@ -60,7 +60,8 @@ class KVDepotMetadata(KVConnectorMetadata):
     step, so their stores must end before the step's forward pass may overwrite them;
     ``flush`` are requests whose stores may read a block that vLLM handed to someone this step
     (a sliding window's, or a finished request's that vLLM got back at once): they too must
-    end first.
+    end first. ``idle``: the step computes no tokens (every request waits, e.g. for its load), so
+    a worker may wait for this step's loads and report them from this very step.
     """
 
     loads: list[LoadOp] = field(default_factory=list)
@@ -68,6 +69,7 @@ class KVDepotMetadata(KVConnectorMetadata):
     held: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
     flush: set[str] = field(default_factory=set)
+    idle: bool = False
 
 
 @dataclass

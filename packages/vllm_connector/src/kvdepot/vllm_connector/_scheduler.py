@@ -230,7 +230,8 @@ class SchedulerSide:
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
         self._send_lookups()
         preempted = set(scheduler_output.preempted_req_ids or ())
-        meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted)
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted, idle=idle)
         self._loads, self._held = [], set()
         if self._watch_reuse:
             meta.flush = self._reused_store_blocks(scheduler_output)

@@ -28,7 +28,7 @@ import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
@@ -49,8 +49,15 @@ log = logging.getLogger("vllm.kvdepot.worker")
 
 #: madvise(2) advice that maps a range's pages as if written, without writing (Linux 5.14+).
 _MADV_POPULATE_WRITE = 23
-#: The background prefault maps this much of the pool per system call.
-PREFAULT_STEP = 64 << 20
+#: The background prefault maps this much of the pool per system call. The call holds the
+#: process's address-space lock (read side) throughout: any thread that maps or unmaps memory
+#: meanwhile waits for it (torch's allocator, for the forward pass's larger tensors), and so do
+#: the page faults queued behind that thread. 64 MiB took up to 270 ms on a busy 2-core VM.
+PREFAULT_STEP = 2 << 20
+#: A step that computes nothing waits this long at most for its loads before reporting them.
+IDLE_STEP_LOAD_WAIT_S = 0.5
+#: How often a paused prefault checks whether it was stopped.
+PREFAULT_POLL_S = 0.2
 #: A hybrid layout's fingerprint longer than this is sent as its digest (the wire allows 1024).
 FINGERPRINT_MAX = 512
 # A store copies into its reserved slots only within this fraction of the server's reservation
@@ -86,10 +93,22 @@ class _PoolMapping:
     A fresh mapping costs one page fault per 4 KiB page on first use, which makes the
     first copy into each slot several times slower than memory speed. A daemon thread at
     the lowest CPU priority maps the pages in the background (`prefault`), so the first
-    pass through the pool does not pay for them on the engine's critical path.
+    pass through the pool does not pay for them on the engine's critical path. It maps a
+    small step at a time, and only while ``may_run`` is set: the worker clears it while the
+    engine is in a step, so the prefault never holds the address space under a forward pass
+    for longer than the one step it had started.
     """
 
-    def __init__(self, path: str, size: int, server_id: str, layouts: list[KVLayout], *, prefault: bool = True) -> None:
+    def __init__(
+        self,
+        path: str,
+        size: int,
+        server_id: str,
+        layouts: list[KVLayout],
+        *,
+        prefault: bool = True,
+        may_run: threading.Event | None = None,
+    ) -> None:
         import torch
 
         from kvdepot.gpu import open_copier
@@ -110,12 +129,20 @@ class _PoolMapping:
         #: Seconds the server keeps a reservation uncommitted (0: it did not say).
         self.reservation_ttl = 0.0
         # One copier per KV-cache group and mapping: on CUDA the first registers the pool for DMA.
-        self.copiers = [open_copier(layout, self.tensor, register=i == 0) for i, layout in enumerate(layouts)]
+        # On a CPU every copy runs on one thread, the copy thread: a threaded copy there would
+        # start a second OpenMP team beside the engine's, and libgomp would then stop spinning at
+        # the forward pass's barriers (each thread sleeping and waking at every one of them).
+        self.copiers = [
+            open_copier(layout, self.tensor, register=i == 0, cpu_threads=1) for i, layout in enumerate(layouts)
+        ]
         self._stop_prefault = threading.Event()
         self.prefault: threading.Thread | None = None
         if prefault:
+            if may_run is None:
+                may_run = threading.Event()
+                may_run.set()
             self.prefault = threading.Thread(
-                target=_prefault, args=(self.tensor.data_ptr(), size, self._stop_prefault), daemon=True,
+                target=_prefault, args=(self.tensor.data_ptr(), size, self._stop_prefault, may_run), daemon=True,
                 name="kvdepot-prefault",
             )  # fmt: skip
             self.prefault.start()
@@ -136,8 +163,9 @@ class _PoolMapping:
             self.mmap.close()
 
 
-def _prefault(address: int, size: int, stop: threading.Event) -> None:
-    """Maps the pool's pages into this process, a step at a time, until done or stopped."""
+def _prefault(address: int, size: int, stop: threading.Event, may_run: threading.Event) -> None:
+    """Maps the pool's pages into this process, a step at a time while ``may_run`` is set, until
+    done or stopped."""
     import ctypes
 
     with contextlib.suppress(OSError):  # the lowest priority for this thread only (Linux: per thread)
@@ -146,6 +174,9 @@ def _prefault(address: int, size: int, stop: threading.Event) -> None:
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     end = address + size  # an mmap starts on a page boundary, as madvise needs
     for at in range(address, end, PREFAULT_STEP):
+        while not may_run.wait(PREFAULT_POLL_S):
+            if stop.is_set():
+                return
         if stop.is_set():
             return
         if madvise(at, min(PREFAULT_STEP, end - at), _MADV_POPULATE_WRITE) != 0:
@@ -213,6 +244,11 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()
         self._step_meta = KVDepotWorkerMetadata()
+        # Set between the engine's steps (and before the first): the pool's prefault runs only then.
+        self._between_steps = threading.Event()
+        self._between_steps.set()
+        # This step computes no tokens: its `get_finished` waits for the loads in flight (engine thread).
+        self._idle_step = False
         # Between vLLM's `unregister_kv_caches` (sleep) and `restore_kv_caches` (wake-up) the KV
         # cache's memory may be gone: nothing is copied then (engine thread only).
         self._suspended = False
@@ -300,7 +336,10 @@ class WorkerSide:
         if self._pool is not None and self._pool.server_id == server_id and self._pool.path == reply.pool.path:
             return self._pool
         try:
-            pool = _PoolMapping(reply.pool.path, reply.pool.size, server_id, self.layouts, prefault=self.prefault_pool)
+            pool = _PoolMapping(
+                reply.pool.path, reply.pool.size, server_id, self.layouts,
+                prefault=self.prefault_pool, may_run=self._between_steps,
+            )  # fmt: skip
             pool.reservation_ttl = reply.reservation_ttl_s
         except (OSError, PoolError) as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
@@ -321,6 +360,12 @@ class WorkerSide:
         for req_id in meta.preempted | meta.flush:
             for future in self._stores.pop(req_id, ()):
                 future.exception()  # waits; a failure was logged by the copy itself
+
+    def step_started(self, meta: KVDepotMetadata) -> None:
+        """The engine binds a step's metadata, before its forward pass: the prefault pauses
+        until `get_finished`, at the step's end."""
+        self._between_steps.clear()
+        self._idle_step = meta.idle
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
         self._held |= meta.held
@@ -343,7 +388,13 @@ class WorkerSide:
             self._stores.setdefault(op.req_id, []).append(future)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(held requests whose stores are done, loads done or failed) since the last call."""
+        """(held requests whose stores are done, loads done or failed) since the last call; the step's end."""
+        self._between_steps.set()
+        if self._idle_step and self._loads:
+            # Nothing else runs in this step: its loads are reported from it rather than from a
+            # later one (waiting on the futures leaves the GIL to the copy thread meanwhile).
+            self._idle_step = False
+            wait([future for _, future in self._loads.values()], timeout=IDLE_STEP_LOAD_WAIT_S)
         recving: set[str] = set()
         for req_id, (op, future) in list(self._loads.items()):
             if not future.done():
