@@ -352,7 +352,7 @@ def test_a_request_resumed_with_a_hit_in_the_pass_that_names_it_preempted(
 
 @pytest.mark.parametrize("block_size", [CPU_BLOCK, CUDA_BLOCK])
 def test_a_request_resumed_without_a_hit_in_the_pass_that_names_it_preempted_still_stores(
-    tiny_llama, server, stub_connector_registry, block_size
+    tiny_llama, server, stub_connector_registry, block_size, patient_lookups
 ):
     """The same reset, nothing stored (a miss): the chunks the resumed request computes are stored
     (it was left preempted in the connector while vLLM ran it, and none was)."""
