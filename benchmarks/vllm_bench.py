@@ -115,6 +115,7 @@ OUTAGE_TARGET_S = 0.001  # connector time per request while the server is down
 LOSS_TARGET = 0.02  # at most this throughput loss at 0% hit
 MEMCPY_ALLOWANCE = 1.2  # a hit may cost this many plain memcpys of its bytes above floor + one step
 RESULT_HEADER = ("what", "measured", "baseline (same run)", "ratio", "target", "verdict")
+STORES_SETTLED_S = 0.05  # no chunk arrived for this long: an engine's stores have landed
 MISS_TARGET = 1.02  # miss TTFT at most this many times the same prompt's without a connector
 # When the no-connector batch time varies more than this between repeats, the machine's noise
 # exceeds the loss target and the throughput verdict is marked as noisy.
@@ -602,11 +603,19 @@ def miss_phase(bench: Bench, none: Worker, kvd: Worker) -> dict[str, Any]:
 
 
 def wait_for_chunks(bench: Bench, count: int, timeout: float = 30.0) -> None:
-    """Until the server holds ``count`` chunks (a store's copies run after its request's first token)."""
+    """Until the server holds at least ``count`` chunks and no more arrive for a moment: a
+    store's copies run after its request finished, and would slow the next engine's work."""
     deadline = time.monotonic() + timeout
-    while bench.server.stats().chunks < count:
-        if time.monotonic() > deadline:
-            raise Failed(f"the server holds fewer than {count} chunks {timeout:.0f} s after the stores were queued")
+    last, still_since = -1, time.monotonic()
+    while True:
+        now = time.monotonic()
+        held = bench.server.stats().chunks
+        if held != last:
+            last, still_since = held, now
+        elif held >= count and now - still_since >= STORES_SETTLED_S:
+            return
+        if now > deadline:
+            raise Failed(f"the server holds {held} chunks, not {count}, {timeout:.0f} s after the stores were queued")
         time.sleep(0.005)
 
 
@@ -752,7 +761,10 @@ def throughput_phase(bench: Bench, none: Worker, kvd: Worker) -> dict[str, Any]:
         this = {}
         for worker in order:
             cpu_before = cpu_seconds(worker.process.pid) + cpu_seconds(server_pid) * (worker is kvd)
+            held = bench.server.stats().chunks if worker is kvd else 0
             out = worker.run(prompts, a.tput_max_tokens, sequential=False)
+            if worker is kvd:  # its last stores land before the other engine's batch, which they would slow
+                wait_for_chunks(bench, held + a.tput_prompts * (a.tput_prompt_tokens // CHUNK_TOKENS))
             cpu[worker.name].append(
                 cpu_seconds(worker.process.pid) + cpu_seconds(server_pid) * (worker is kvd) - cpu_before
             )
