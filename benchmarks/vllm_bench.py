@@ -79,7 +79,7 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _util import progress, table
+from _util import best_of, progress, table
 
 HERE = Path(__file__).parent
 WORKER = HERE / "_vllm_bench_worker.py"
@@ -542,19 +542,14 @@ def run_all(bench: Bench) -> dict[str, Any]:
     return res
 
 
-def memcpy_seconds(nbytes: int, repeats: int = 7) -> float:
+def memcpy_seconds(nbytes: int) -> float:
     """The median time of a plain memcpy of ``nbytes`` between two buffers already in memory
     (numpy's copy, one thread): the hit target's allowance for moving a hit's bytes."""
     import numpy as np
 
     source = np.ones(max(1, nbytes), dtype=np.uint8)
     target = np.zeros_like(source)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return best_of(lambda: np.copyto(target, source), number=1)
 
 
 def run_miss_only(bench: Bench) -> dict[str, Any]:

@@ -182,7 +182,9 @@ class CpuCopier(_SyncCopier):
         self.threads = threads
 
     def _threads(self) -> int:
-        return native_threads() if self.threads is None else 1 if _forked_after_threads else self.threads
+        if self.threads is None:
+            return native_threads()
+        return 1 if _forked_after_threads else self.threads  # see native_threads: no team survives fork
 
     def _copy(self, plan: CopyPlan, *, to_slot: bool) -> None:
         global _ran_threads  # noqa: PLW0603 - process-wide state read by the fork hook
