@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -154,8 +155,25 @@ def test_many_salts_keep_stats_small(serve):
     assert proc.returncode == 0, proc.stderr
 
 
+@contextlib.contextmanager
+def _deaf_peer(address: str) -> Iterator[zmq.Socket]:
+    """A raw peer that said Hello and never reads a reply: its replies pile up on the server's side."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)
+    sock.setsockopt(zmq.RCVBUF, 4096)
+    sock.connect(address)
+    try:
+        sock.send(encode_request(Request(1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "deaf"))))
+        yield sock
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
 def test_a_peer_that_never_reads_its_replies_is_dropped_and_memory_stays_bounded(serve):
-    """A peer that sends requests without reading a reply costs the server at most SEND_HWM replies:
+    """A peer that sends requests without reading a reply costs the server a bounded amount of replies:
     it is dropped when its queue is full, another client is served meanwhile, and a stop is prompt."""
     import signal
     import time
@@ -171,14 +189,7 @@ def test_a_peer_that_never_reads_its_replies_is_dropped_and_memory_stays_bounded
             for future in reserves:
                 batch.commit(future.result(T).reservation_id)
     rss_before = server.rss()
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)  # and never reads: replies pile up on the server's side
-    sock.setsockopt(zmq.RCVBUF, 4096)
-    sock.connect(server.address)
-    try:
-        sock.send(encode_request(Request(1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "deaf"))))
+    with _deaf_peer(server.address) as sock:
         for i in range(20_000):  # 20,000 x ~40 KiB = 800 MB of replies if nothing bounded them
             sock.send(encode_request(Request(i + 2, Stats())))
         with CacheClient(server.address, timeout=T) as good:
@@ -197,9 +208,51 @@ def test_a_peer_that_never_reads_its_replies_is_dropped_and_memory_stays_bounded
         assert server.read_log().count("peer_dropped") < 20
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(10) == 0  # a hang guard: a clean exit, whatever the peer left queued
-    finally:
-        sock.close(0)
-        ctx.term()
+
+
+def test_unread_batched_replies_are_bounded_in_bytes_not_messages(serve, wait_until):
+    """A peer that sends Stats requests a thousand to a message and never reads (each message asked
+    for 37 MiB of replies: 128 KB of requests grew the server by 338 MiB) is dropped at
+    MAX_UNREAD_BYTES: the server's memory stays within a few MiB of that, its session is forgotten,
+    and a good client is served and finds what it stored before."""
+    from kvdepot.transport._messages import Stats
+
+    per_message, messages = 1000, 8
+    server = serve(*SMALL_POOL)
+    keys = [bytes([i % 256, i // 256]) * 16 for i in range(1000)]
+    with CacheClient(server.address, timeout=T) as good:  # many salts: each Stats reply is ~37 KiB
+        good.register("layout", 256, 960).result(T)
+        with good.batch() as batch:
+            reserves = [batch.reserve(f"tenant-{i}", [key], 960) for i, key in enumerate(keys)]
+        with good.batch() as batch:
+            for future in reserves:
+                batch.commit(future.result(T).reservation_id)
+        before = good.stats().result(T).extra
+        rss_before = server.rss()
+        with _deaf_peer(server.address) as sock:
+            for m in range(messages):
+                sock.send_multipart(
+                    [encode_request(Request(2 + m * per_message + i, Stats())) for i in range(per_message)]
+                )
+
+            def received() -> int:
+                """Stats frames of the peer the server took in: handled, refused, or in discarded messages."""
+                extra = good.stats().result(T).extra
+                delta = {name: extra[f"transport_{name}"] - before[f"transport_{name}"] for name in
+                         ("requests", "too_large", "unread_discarded")}  # fmt: skip
+                return delta["requests"] + delta["too_large"] + per_message * delta["unread_discarded"]
+
+            assert wait_until(lambda: received() >= messages * per_message, 60), "the flood was not taken in"
+            growth = server.rss() - rss_before
+            stats = good.stats().result(T)
+            (found,) = good.lookup([("tenant-7", [keys[7]])]).result(T).results
+    # MAX_UNREAD_BYTES (4 MiB) and the last reply messages queued before the drop, with room to spare
+    assert growth < 64 << 20, f"the server grew by {growth >> 20} MiB for replies nobody read"
+    assert stats.extra["transport_peers_dropped"] >= 1
+    assert "peer_dropped" in server.read_log()
+    assert stats.clients == 1  # the dropped peer's session is gone; the good client's lives
+    assert found.num_hits == 1
+    assert stats.chunks == 1000
 
 
 def test_over_tcp_a_peer_without_the_secret_gets_nothing_through(workdir):

@@ -142,6 +142,20 @@ def test_one_message_carries_a_bounded_amount_of_requests(disp: Dispatcher, monk
     assert [getattr(r.body, "code", "ok") for r in _ask(disp, b"p", ping, request_id=20)] == ["ok"]
 
 
+def test_one_message_builds_a_bounded_amount_of_replies(disp: Dispatcher, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the replies built for one message pass MAX_MESSAGE_BYTES, its remaining frames are answered
+    too_large and not run, however small the requests: a batch of small requests asking for large
+    replies cannot make the server build one huge reply message."""
+    _ask(disp, b"p", _hello())
+    (stats,) = disp.dispatch(b"p", [t.encode_request(t.Request(2, t.Stats()))])
+    request = len(t.encode_request(t.Request(10, t.Stats())))
+    assert len(stats) > 2 * request  # a reply larger than its request
+    monkeypatch.setattr("kvdepot.transport._dispatch.MAX_MESSAGE_BYTES", 2 * len(stats))
+    replies = _ask(disp, b"p", *[t.Stats()] * 4, request_id=10)
+    assert [r.id for r in replies] == [10, 11, 12, 13]
+    assert [getattr(r.body, "code", "ok") for r in replies] == ["ok", "ok", "too_large", "too_large"]
+
+
 def test_bad_frames_are_reported_to_the_subscriber(handler: DictHandler, clock: _Clock) -> None:
     """Each refused frame reaches `on_bad_frame` with the peer's label, the reason and the size."""
     seen: list[t.BadFrame] = []

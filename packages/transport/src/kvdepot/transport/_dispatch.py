@@ -50,9 +50,11 @@ log = structlog.get_logger(__name__)
 DEFAULT_PEER_TIMEOUT = 10.0
 # More request frames than this in one message is not a batch any client sends.
 MAX_FRAMES_PER_MESSAGE = 4096
-# Request bytes handled from one message (its first frame always is): the frames past it get
-# `too_large`, so one message cannot hold the loop, and every other client, for long. An
-# engine step's batch is far smaller (a lookup key is 32 bytes).
+# Request bytes handled from one message, and reply bytes built for it (its first frame always
+# is handled): the frames past either get `too_large`, so one message cannot hold the loop, and
+# every other client, for long, nor make the server build a reply of hundreds of MiB (4,096
+# Stats requests of 16 bytes each asked for 150 MiB). An engine step's batch is far smaller (a
+# lookup key is 32 bytes, a slot in its reply about 12).
 MAX_MESSAGE_BYTES = 4 << 20
 # Bad frames logged one by one before logging thins out (the counter keeps counting).
 LOGGED_BAD_FRAMES = 100
@@ -132,6 +134,7 @@ class Dispatcher:
                 "unauthorized",
                 "handler_failures",
                 "peers_gone",
+                "peers_dropped",
                 "unread_discarded",
             ),
             0,
@@ -152,15 +155,22 @@ class Dispatcher:
             return [
                 self._encode(0, ErrorReply(CODE_PROTOCOL, f"a message must hold 1 to {MAX_FRAMES_PER_MESSAGE} frames"))
             ]
-        out: list[bytes | None] = [self._one(identity, frames[0], now)]
+        first = self._one(identity, frames[0], now)
+        out: list[bytes | None] = [first]
         budget = MAX_MESSAGE_BYTES - len(frames[0])
+        reply_budget = MAX_MESSAGE_BYTES - (len(first) if first else 0)
         for frame in frames[1:]:
             budget -= len(frame)
-            if budget >= 0:
-                out.append(self._one(identity, frame, now))
+            if budget >= 0 and reply_budget > 0:
+                reply = self._one(identity, frame, now)
+                reply_budget -= len(reply) if reply else 0
+                out.append(reply)
                 continue
             self.counters["too_large"] += 1
-            message = f"this message holds more than {MAX_MESSAGE_BYTES} bytes of requests; send the rest in another"
+            message = (
+                f"this message holds more than {MAX_MESSAGE_BYTES} bytes of requests or replies;"
+                " send the rest in another"
+            )
             out.append(self._encode(peek_id(frame), ErrorReply(CODE_TOO_LARGE, message)))
         return [frame for frame in out if frame is not None]
 

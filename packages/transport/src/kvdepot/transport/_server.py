@@ -14,9 +14,11 @@ import select
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import structlog
 import zmq
 
@@ -52,16 +54,25 @@ HARD_LIMIT_FACTOR = 4
 # are checked again: a flood of requests delays neither a stop nor an expiry by more than this.
 MAX_MESSAGES_PER_POLL = 256
 POLL_BUDGET_S = 0.05
-# Replies queued for one peer that has not read them. A client has far fewer requests in flight
-# than this; a peer whose queue is full is dropped (its session ends), so a peer that sends
-# without ever reading can make the server hold at most this many replies (each bounded by the
-# frame limit, and in practice a few KiB).
+# Reply messages queued for one peer that has not read them. A client has far fewer requests in
+# flight than this; a peer whose queue is full is dropped (its session ends).
 SEND_HWM = 1024
+# Bytes of replies queued for one peer that has not read them, besides its latest reply messages.
+# ZMQ counts messages, not bytes, and one message may hold thousands of replies: a peer that sent
+# 128 KB of Stats requests in a few messages and never read made the server hold 338 MiB. A
+# client reads its replies as they come (its ZMQ I/O thread does, whatever its Python threads
+# do), so what waits for it is one step's replies at most; a peer past this is dropped.
+MAX_UNREAD_BYTES = 4 << 20
+# ZMQ does not say what a peer has read: one reply message in each this many bytes sent to a
+# peer is sent zero-copy with a tracker, which is done once ZMQ has written it out (and so every
+# message before it). Rare enough to cost nothing per reply, often enough to keep the count close.
+TRACK_BYTES = 256 << 10
 # A peer dropped because its replies went unread is not heard for this long (seconds): what it
 # sends meanwhile is discarded unread (counted as `unread_discarded`), so a peer that never reads
 # costs the loop a receive per message, not a decode, an answer and a log line.
 UNREAD_MUTE_S = 1.0
-# Muted peers remembered at most; past this, those whose time is up are forgotten.
+# Muted peers remembered at most; past this, those whose time is up are forgotten. The same
+# bound for the peers whose unread replies are counted: past it, those with none tracked.
 MAX_MUTED = 4096
 # The user name of ZMQ PLAIN authentication on tcp with a shared secret (the secret is the password).
 PLAIN_USER = "kvdepot"
@@ -75,6 +86,25 @@ EXPIRY_CHECK_INTERVAL = 0.1
 # Two polls further apart than this (seconds) mean the server itself did not run between them
 # (a poll waits at most MAX_POLL_INTERVAL): its peers are not taken for gone for that silence.
 STALL_S = 3.0
+
+
+@attrs.define
+class _Unread:
+    """The reply bytes sent to one peer that ZMQ may still hold (it has not written them out)."""
+
+    total: int = 0  # every byte below
+    tail: int = 0  # sent since the last tracked message
+    tracked: deque[tuple[zmq.MessageTracker, int]] = attrs.Factory(deque)  # (tracker, bytes up to it)
+
+    def settle(self) -> None:
+        """Forgets the bytes up to every tracked message ZMQ has written out."""
+        tracked = self.tracked
+        while tracked and tracked[0][0].done:
+            self.total -= tracked.popleft()[1]
+
+    def older(self) -> int:
+        """Unread bytes besides the latest tracked message, which ZMQ keeps until it sends another."""
+        return self.total - self.tracked[-1][1] if self.tracked else self.total
 
 
 class _EndpointBase:
@@ -265,6 +295,7 @@ class ServerEndpoint(_EndpointBase):
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
         self._sock = sock
         self._muted: dict[bytes, float] = {}  # identity -> until when its messages are discarded
+        self._unread: dict[bytes, _Unread] = {}  # identity -> the replies it may not have read
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -313,19 +344,49 @@ class ServerEndpoint(_EndpointBase):
     def _reply(self, identity: bytes, replies: list[bytes]) -> None:
         if not replies:
             return  # every request of the message was deferred
+        unread = self._unread.get(identity)
+        if unread is None:
+            unread = self._unread_of(identity)
+        else:
+            unread.settle()
+            if unread.older() > MAX_UNREAD_BYTES:
+                self._drop(identity, f"{unread.total} bytes of replies unread")
+                return
         sock = self._sock
         try:
             sock.send(identity, _SNDMORE_NOBLOCK)  # raises before anything is queued
         except zmq.Again:  # the peer does not read its replies: drop it and what it holds
-            log.warning("peer_dropped", peer=identity.hex(), reason=f"{SEND_HWM} replies unread", muted_s=UNREAD_MUTE_S)
-            self.dispatcher.drop(identity)
-            self._mute(identity)
+            self._drop(identity, f"{SEND_HWM} replies unread")
             return
         except zmq.ZMQError:  # EHOSTUNREACH: the peer disconnected; its reply has nobody to go to
             return
+        size = len(replies[-1])
         for frame in replies[:-1]:
             sock.send(frame, _SNDMORE_NOBLOCK)
-        sock.send(replies[-1], _NOBLOCK)
+            size += len(frame)
+        unread.total += size
+        unread.tail += size
+        if unread.tail < TRACK_BYTES:
+            sock.send(replies[-1], _NOBLOCK)
+            return
+        last = zmq.Frame(replies[-1], copy=False, track=True)
+        sock.send(last, _NOBLOCK, copy=False)
+        unread.tracked.append((last.tracker, unread.tail))
+        unread.tail = 0
+
+    def _unread_of(self, identity: bytes) -> _Unread:
+        """A fresh count for a peer not sent to before; forgets those with nothing tracked past MAX_MUTED."""
+        if len(self._unread) >= MAX_MUTED:
+            self._unread = {peer: unread for peer, unread in self._unread.items() if unread.tracked}
+        unread = self._unread[identity] = _Unread()
+        return unread
+
+    def _drop(self, identity: bytes, reason: str) -> None:
+        """Drops a peer that does not read its replies: its session ends and it is muted a while."""
+        log.warning("peer_dropped", peer=identity.hex(), reason=reason, muted_s=UNREAD_MUTE_S)
+        self.dispatcher.counters["peers_dropped"] += 1
+        self.dispatcher.drop(identity)
+        self._mute(identity)
 
     def _mute(self, identity: bytes) -> None:
         now = time.monotonic()
