@@ -97,10 +97,12 @@ class Profile:
                 setattr(instance, name, timed)
         # kvdepot's copies on their own (CPU copies finish inside the call). They run on the
         # connector's copy thread, off the engine thread, while the engine steps on.
-        copiers = getattr(getattr(getattr(instance, "_worker", None), "_pool", None), "copiers", None)
-        for copier in copiers or ():  # one per KV-cache group
-            for name in ("gather", "scatter"):
-                setattr(copier, name, self._timed(f"{side}.copier.{name}", getattr(copier, name)))
+        # A CPU engine's loads run on the engine thread, inside get_finished ("copier.engine").
+        pool = getattr(getattr(instance, "_worker", None), "_pool", None)
+        for kind, label in (("copiers", "copier"), ("engine_copiers", "copier.engine")):
+            for copier in getattr(pool, kind, None) or ():  # one per KV-cache group
+                for name in ("gather", "scatter"):
+                    setattr(copier, name, self._timed(f"{side}.{label}.{name}", getattr(copier, name)))
 
     def _lookup_watch(self, method: Any) -> Any:
         def watched(request: Any, *args: Any, **kwargs: Any) -> Any:

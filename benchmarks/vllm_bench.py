@@ -17,7 +17,7 @@
    prefix cache emptied first) arrive one at a time; the median engine step time (wall time of
    engine.step()) over the steps that ran only the decoders while a hit request waited for its
    lookup or load, against the median of the same steps with nothing waiting, same runs
-   (target: at most 1.05x).
+   (target: at most 1.05x); and the hits' TTFT there. `--phase hit` runs 1.'s hits and 2. only.
 3. Server outage: the kvdepot server is killed (SIGKILL) between two batches of distinct
    256-token prompts, then restarted at the same address (the client reconnects by itself). The
    connector's time per request (time inside its scheduler and worker methods on the engine
@@ -542,6 +542,56 @@ def run_all(bench: Bench) -> dict[str, Any]:
     return res
 
 
+def run_hit_only(bench: Bench) -> dict[str, Any]:
+    """`--phase hit`: the TTFT prompts' misses (stores), then recompute, floor and kvdepot hit per
+    prompt, and the decode-step phase; no throughput, outage or ExampleConnector phase."""
+    a = bench.args
+    prompts = bench.fresh_prompts(a.ttft_prompts, a.prompt_tokens + PROMPT_TAIL)
+    res: dict[str, Any] = {"prompts": len(prompts)}
+    none, kvd = bench.start(("none", None), ("kvdepot", bench.kvdepot_config()))
+    before = bench.server.stats()
+    res["kvd_miss"] = kvd.run(prompts, a.max_tokens, sequential=True)
+    res["stored_bytes"] = bench.server.stats().bytes_stored - before.bytes_stored
+    bench.stop(kvd)
+    (hit_engine,) = bench.start(("kvdepot-hit", bench.kvdepot_config()))
+    prefix_tokens = (a.prompt_tokens + PROMPT_TAIL) // CHUNK_TOKENS * CHUNK_TOKENS
+    recompute, floors, hits = [], [], []
+    before = bench.server.stats()
+    for index, prompt in enumerate(prompts):
+        recompute.append(none.run([prompt], a.max_tokens, sequential=True, salt=bench.fresh_salt()))
+        salt = bench.fresh_salt()
+        none.run([prompt[:prefix_tokens]], 1, sequential=True, salt=salt)
+        floors.append(none.run([prompt], a.max_tokens, sequential=True, salt=salt))
+        hits.append(hit_engine.run([prompt], a.max_tokens, sequential=True))
+        progress(
+            f"prompt {index + 1}/{len(prompts)}: recompute {recompute[-1]['ttft_s'][0]:.3f} s, "
+            f"floor {floors[-1]['ttft_s'][0]:.3f} s, kvdepot hit {hits[-1]['ttft_s'][0]:.3f} s "
+            f"({hits[-1]['num_cached_tokens'][0]} tokens)"
+        )
+    res["loaded_bytes"] = bench.server.stats().bytes_loaded - before.bytes_loaded
+    res["memcpy_s"] = memcpy_seconds(res["loaded_bytes"] // len(prompts))
+    res["steps"] = step_phase(bench, hit_engine, prompts)
+    bench.stop(hit_engine, none)
+    res["recompute"], res["floor"], res["kvd_hit"] = _merge(recompute), _merge(floors), _merge(hits)
+    n = len(prompts)
+    res["profiles"] = {
+        "kvdepot hit, per prompt": (_scaled_profile(hits, n), _mean_request_s(hits, n), True),
+        "kvdepot decode-step run, per run": (res["steps"]["profile"], res["steps"]["mean_s"], False),
+    }
+    reference = res["recompute"]["outputs"]
+    res["identical"] = {
+        "kvdepot miss": res["kvd_miss"]["outputs"] == reference,
+        "kvdepot hit": res["kvd_hit"]["outputs"] == reference,
+    }
+    return res
+
+
+def report_hit_only(res: dict[str, Any], args: argparse.Namespace) -> None:
+    table("results (medians)", hit_rows(res, args), RESULT_HEADER)
+    _profile_table(res)
+    say(_step_workload(res, args))
+
+
 def memcpy_seconds(nbytes: int) -> float:
     """The median time of a plain memcpy of ``nbytes`` between two buffers already in memory
     (numpy's copy, one thread): the hit target's allowance for moving a hit's bytes."""
@@ -846,31 +896,21 @@ def _lower(baseline: float, value: float) -> str:
     return f"{baseline / value:.1f}x lower" if value <= baseline else f"{value / baseline:.1f}x higher"
 
 
-def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+def hit_rows(res: dict[str, Any], args: argparse.Namespace) -> list[tuple[str, ...]]:
+    """The hit's rows: against the floor, its bound and recompute; outputs; decode steps while it loads."""
     recompute = _median(res["recompute"]["ttft_s"])
     floor = _median(res["floor"]["ttft_s"])
     floor_tokens = _median(res["floor"]["num_cached_tokens"])
-    kvd_miss = _median(res["kvd_miss"]["ttft_s"])
     kvd_hit = _median(res["kvd_hit"]["ttft_s"])
-    ex_miss = _median(res["example_miss"]["ttft_s"])
-    ex_hit = _median(res["example_hit"]["ttft_s"])
-    tput = res["tput"]
-    loss = tput["kvd_s"] / tput["none_s"] - 1
-    pair_loss = tput["pair_ratio"] - 1
-    q1, q3 = tput["pair_iqr"]
     step = res["steps"]
     step_ratio = step["load_s"] / step["base_s"]
     # The issue's bound on a hit: the floor, one engine step (a decode step of the step phase's
     # running requests, nothing loading), and 1.2x a plain memcpy of one prompt's loaded bytes.
     hit_bound = floor + step["base_s"] + MEMCPY_ALLOWANCE * res["memcpy_s"]
-    outage = res["outage"]
-    down_ms = _connector_ms(outage["during"])
     speedup = recompute / kvd_hit
     identical = all(res["identical"].values())
     hit_tokens = _median(res["kvd_hit"]["num_cached_tokens"])
-    ex_tokens = _median(res["example_hit"]["num_cached_tokens"])
-    rows = [
-        miss_row(res["miss"], args),
+    return [
         (
             f"TTFT, kvdepot hit vs floor ({args.prompt_tokens}+{PROMPT_TAIL} tokens)",
             f"{kvd_hit * 1e3:.0f} ms ({hit_tokens:.0f} hit)",
@@ -912,6 +952,71 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             f"<= {STEP_TARGET}x",
             "ok" if step_ratio <= STEP_TARGET else "MISSED",
         ),
+        (
+            "TTFT, kvdepot hit while 4 requests decode",
+            f"{step['hit_ttft_s'] * 1e3:.0f} ms",
+            f"kvdepot hit alone {kvd_hit * 1e3:.0f} ms",
+            f"{step['hit_ttft_s'] / kvd_hit:.2f}x",
+            "info",
+            "-",
+        ),
+    ]
+
+
+def _step_workload(res: dict[str, Any], args: argparse.Namespace) -> str:
+    step = res["steps"]
+    return (
+        f"decode-step workload: {args.step_repeats} runs of {DECODERS} requests x {DECODER_PROMPT_TOKENS} tokens"
+        f" decoding {DECODER_TOKENS} tokens, while the {res['prompts']} TTFT prompts arrive one at a time"
+        f" (from step {FIRST_LOAD_STEP}) as hits of {step['hit_tokens']:.0f} tokens (median; {step['hits']} hits),"
+        f" vLLM's prefix cache emptied before each run; {step['loading_steps']} steps had a load in flight"
+        f" (vLLM's WAITING_FOR_REMOTE_KVS); a hit's TTFT there {step['hit_ttft_s'] * 1e3:.0f} ms (median)."
+    )
+
+
+def _profile_table(res: dict[str, Any]) -> None:
+    profile_rows = []
+    for what, (profile, measured, show_waits) in res["profiles"].items():
+        methods = profile["methods"]
+        # Copier calls run on the connector's copy thread: listed, not counted as engine-thread time.
+        spent = _connector_s(profile)
+        top = sorted(methods.items(), key=lambda kv: -kv[1][0])[:3]
+        waits = profile["lookup_waits"]
+        steps = methods.get("scheduler.build_connector_meta", [0, 0])[1]
+        profile_rows.append(
+            (
+                what,
+                f"{spent * 1e3:.1f} ms",
+                f"{spent / measured:.1%} of {measured * 1e3:.0f} ms" if measured else "-",
+                f"{steps:.0f}",
+                f"{_median(waits) * 1e3:.1f} ms" if waits and show_waits else "-",
+                ", ".join(f"{k} {v[0] * 1e3:.1f} ms/{v[1]:.0f}" for k, v in top),
+            )
+        )
+    table(
+        "inside the engine: time in connector methods on the engine thread (means; share of the whole request,"
+        " batch or run, decode included), engine steps, and the wait for a lookup answer (median per request)",
+        profile_rows,
+        ("workload", "connector time", "share", "steps", "lookup wait", "largest methods (time/calls)"),
+    )
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> None:
+    recompute = _median(res["recompute"]["ttft_s"])
+    kvd_miss = _median(res["kvd_miss"]["ttft_s"])
+    kvd_hit = _median(res["kvd_hit"]["ttft_s"])
+    ex_miss = _median(res["example_miss"]["ttft_s"])
+    ex_hit = _median(res["example_hit"]["ttft_s"])
+    tput = res["tput"]
+    loss = tput["kvd_s"] / tput["none_s"] - 1
+    pair_loss = tput["pair_ratio"] - 1
+    q1, q3 = tput["pair_iqr"]
+    outage = res["outage"]
+    down_ms = _connector_ms(outage["during"])
+    ex_tokens = _median(res["example_hit"]["num_cached_tokens"])
+    rows = [
+        miss_row(res["miss"], args),
+        *hit_rows(res, args),
         (
             "connector time per request, server down",
             f"{down_ms:.2f} ms",
@@ -987,30 +1092,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         ),
     ]
     table("results (medians)", rows, RESULT_HEADER)
-    profile_rows = []
-    for what, (profile, measured, show_waits) in res["profiles"].items():
-        methods = profile["methods"]
-        # Copier calls run on the connector's copy thread: listed, not counted as engine-thread time.
-        spent = _connector_s(profile)
-        top = sorted(methods.items(), key=lambda kv: -kv[1][0])[:3]
-        waits = profile["lookup_waits"]
-        steps = methods.get("scheduler.build_connector_meta", [0, 0])[1]
-        profile_rows.append(
-            (
-                what,
-                f"{spent * 1e3:.1f} ms",
-                f"{spent / measured:.1%} of {measured * 1e3:.0f} ms" if measured else "-",
-                f"{steps:.0f}",
-                f"{_median(waits) * 1e3:.1f} ms" if waits and show_waits else "-",
-                ", ".join(f"{k} {v[0] * 1e3:.1f} ms/{v[1]:.0f}" for k, v in top),
-            )
-        )
-    table(
-        "inside the engine: time in connector methods on the engine thread (means; share of the whole request,"
-        " batch or run, decode included), engine steps, and the wait for a lookup answer (median per request)",
-        profile_rows,
-        ("workload", "connector time", "share", "steps", "lookup wait", "largest methods (time/calls)"),
-    )
+    _profile_table(res)
     mib = 1 << 20
     say(
         f"\nTTFT workload: {res['prompts']} prompts x {args.prompt_tokens}+{PROMPT_TAIL} tokens,"
@@ -1025,13 +1107,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         f" {tput['none_steps']:.0f} without a connector; the no-connector batch time varied {tput['none_spread']:.2f}x"
         " between repeats (machine noise)."
     )
-    say(
-        f"decode-step workload: {args.step_repeats} runs of {DECODERS} requests x {DECODER_PROMPT_TOKENS} tokens"
-        f" decoding {DECODER_TOKENS} tokens, while the {res['prompts']} TTFT prompts arrive one at a time"
-        f" (from step {FIRST_LOAD_STEP}) as hits of {step['hit_tokens']:.0f} tokens (median; {step['hits']} hits),"
-        f" vLLM's prefix cache emptied before each run; {step['loading_steps']} steps had a load in flight"
-        f" (vLLM's WAITING_FOR_REMOTE_KVS); a hit's TTFT there {step['hit_ttft_s'] * 1e3:.0f} ms (median)."
-    )
+    say(_step_workload(res, args))
     recovered = outage["recovered_s"]
     say(
         f"outage workload: batches of {args.outage_requests} distinct prompts x {OUTAGE_PROMPT_TOKENS} tokens +"
@@ -1071,7 +1147,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--miss-pairs", type=int, default=None, help="prompts through both engines in the miss phase (24; quick 12)"
     )
     parser.add_argument(
-        "--phase", choices=("all", "miss"), default="all", help="all phases, or only the miss phase (kvdepot vs none)"
+        "--phase",
+        choices=("all", "miss", "hit"),
+        default="all",
+        help="all phases; only the miss phase (kvdepot vs none); or only the hit TTFT and decode-step phases",
     )
     parser.add_argument(
         "--connector-config",
@@ -1155,12 +1234,16 @@ def main(argv: list[str] | None = None) -> int:
         def body(bench: Bench = bench) -> dict[str, Any]:
             progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
             bench.server.start()
-            return run_miss_only(bench) if args.phase == "miss" else run_all(bench)
+            return PHASES[args.phase][0](bench)
 
-        status = run_and_report(bench, body, report_miss_only if args.phase == "miss" else report, started) or status
+        status = run_and_report(bench, body, PHASES[args.phase][1], started) or status
         if status == 130:
             break
     return status
+
+
+# --phase: what runs, and its report.
+PHASES = {"all": (run_all, report), "miss": (run_miss_only, report_miss_only), "hit": (run_hit_only, report_hit_only)}
 
 
 def run_and_report(

@@ -1,6 +1,7 @@
-"""The worker half on its copy thread, against a real server process and its shared-memory pool.
+"""The worker half, against a real server process and its shared-memory pool.
 
-Loads and stores are queued by the step's hooks and run on the worker's copy thread; the step
+Stores are queued by the step's hooks and run on the worker's copy thread; loads too on a GPU,
+while a CPU engine's loads are copied by the engine's thread at the end of its steps. The step
 learns of them only through `get_finished` (and the failed blocks of a load in the same pass).
 """
 
@@ -249,17 +250,19 @@ def test_a_slot_reused_between_lookup_and_load_is_a_failed_load(client: CacheCli
         worker.shutdown()
 
 
-def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheClient) -> None:
+@pytest.mark.parametrize("engine_thread", [True, False], ids=["engine-thread", "copy-thread"])
+def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheClient, engine_thread: bool) -> None:
     """The header is read again after the copy: a slot the server hands to another store during
     the copy fails the load, though it named the right chunk when the copy began."""
     kv = torch.randn((8, 2, BLOCK, 64))
-    worker = make_worker(client, kv)
+    worker = make_worker(client, kv, engine_thread_loads=engine_thread)
     try:
         store(worker, "a", [KEY], [1, 2])
         hit = client.lookup([("", [KEY])]).result(5).results[0]
         pool = worker._copier.submit(worker._current_pool).result()
         assert pool is not None
-        scatter = pool.copiers[0].scatter
+        copiers = pool.engine_copiers if engine_thread else pool.copiers
+        scatter = copiers[0].scatter
 
         def scatter_while_the_slot_is_reused(*args: Any, **kwargs: Any) -> Any:
             copy = scatter(*args, **kwargs)
@@ -269,7 +272,7 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
             assert again.slots[0].offset == hit.slots[0].offset
             return copy
 
-        pool.copiers[0].scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
+        copiers[0].scatter = scatter_while_the_slot_is_reused  # type: ignore[method-assign]
         worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
         finished(worker, "b", sending=False)
         assert worker.take_failed_blocks() == {5, 6}
@@ -286,7 +289,8 @@ def test_every_copy_waits_for_the_engine_work_queued_when_the_step_asked_for_it(
     """The copies run on the copy thread, whose current stream is not the engine's: each store
     and load waits for an event recorded on the engine's thread when vLLM asked for the copy (on
     a GPU, `compute_event` of the engine's stream; a store would otherwise read blocks before
-    this step's layers wrote them). On a CPU the event is None: the step's work is done."""
+    this step's layers wrote them). On a CPU the event is None: the step's work is done. (Loads
+    on the copy thread, as on a GPU.)"""
     import kvdepot.gpu
 
     events: list[tuple[str, Any]] = []  # (thread that recorded the event, event)
@@ -299,7 +303,7 @@ def test_every_copy_waits_for_the_engine_work_queued_when_the_step_asked_for_it(
     assert kvdepot.gpu.compute_event(torch.device("cpu")) is None
     monkeypatch.setattr(kvdepot.gpu, "compute_event", compute_event)
     kv = torch.randn((8, 2, BLOCK, 64))
-    worker = make_worker(client, kv)
+    worker = make_worker(client, kv, engine_thread_loads=False)
     try:
         pool = worker._copier.submit(worker._current_pool).result()
         assert pool is not None
@@ -575,6 +579,100 @@ def test_a_load_in_a_step_that_computes_nothing_is_reported_from_that_step(clien
         else:
             assert recving is None
             finished(worker, "b", sending=False)
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+def three_chunk_hit(client: CacheClient, worker: WorkerSide) -> tuple[Any, list[bytes]]:
+    """Three chunks stored from blocks 1-6, and a lookup's lease on them."""
+    keys = [bytes([i]) * 32 for i in (1, 2, 3)]
+    store(worker, "a", keys, [1, 2, 3, 4, 5, 6])
+    hit = client.lookup([("", keys)]).result(5).results[0]
+    assert hit.num_hits == 3
+    return hit, keys
+
+
+def computing_step(worker: WorkerSide, meta: KVDepotMetadata) -> set[str] | None:
+    """One engine step that computes tokens, as vLLM calls the worker's hooks; the loads it reports."""
+    worker.step_started(meta)
+    worker.start_load_kv(meta)
+    return worker.get_finished(set())[1]
+
+
+def test_a_cpu_engines_load_is_copied_by_its_own_thread_a_chunk_per_step_while_steps_compute(
+    client: CacheClient,
+) -> None:
+    """On a CPU the engine's thread copies loads at its steps' ends, with torch's OpenMP team
+    (not the copy thread, whose threaded copy would start a second team). A step that computes
+    copies whole chunks for at most `load_step_share` of its time, one chunk at least: with a
+    vanishing share, one chunk per step, in order, and the load is reported with its last."""
+    kv = torch.randn((24, 2, BLOCK, 64))
+    worker = make_worker(client, kv, load_step_share=1e-9)
+    try:
+        hit, keys = three_chunk_hit(client, worker)
+        pool = worker._copier.submit(worker._current_pool).result()
+        assert pool is not None
+        assert [copier.threads for copier in pool.engine_copiers] == [None]  # torch's team, where it can share it
+        threads: list[str] = []
+        scatter = pool.engine_copiers[0].scatter
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return scatter(*args, **kwargs)
+
+        pool.engine_copiers[0].scatter = recorded  # type: ignore[method-assign]
+        before = kv.clone()
+        reported = [
+            computing_step(worker, KVDepotMetadata(loads=[leased_load(client, "b", hit, keys, list(range(11, 17)))]))
+        ]
+        for copied in (2, 3):
+            assert torch.equal(kv[11 : 11 + 2 * (copied - 1)], kv[1 : 1 + 2 * (copied - 1)])
+            assert torch.equal(kv[11 + 2 * (copied - 1) : 17], before[11 + 2 * (copied - 1) : 17])
+            reported.append(computing_step(worker, KVDepotMetadata()))
+        assert reported == [None, None, {"b"}]
+        assert torch.equal(kv[11:17], kv[1:7])
+        assert threads == [threading.current_thread().name] * 3
+        assert worker.take_failed_blocks() == set()
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize(("idle", "share"), [(True, 1e-9), (False, 1.0)], ids=["idle-step", "share-1"])
+def test_a_cpu_engines_load_is_copied_whole_by_a_step_that_computes_nothing(
+    client: CacheClient, idle: bool, share: float
+) -> None:
+    """A step that computes nothing (every request waits) copies its loads whole, whatever the
+    share, and reports them; so does any step with `load_step_share` 1."""
+    kv = torch.randn((24, 2, BLOCK, 64))
+    worker = make_worker(client, kv, load_step_share=share)
+    try:
+        hit, keys = three_chunk_hit(client, worker)
+        step = KVDepotMetadata(loads=[leased_load(client, "b", hit, keys, list(range(11, 17)))], idle=idle)
+        assert computing_step(worker, step) == {"b"}
+        assert torch.equal(kv[11:17], kv[1:7])
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+def test_a_load_not_yet_copied_when_the_engine_sleeps_is_a_failed_load(client: CacheClient) -> None:
+    """vLLM releases the KV cache after `suspend` (sleep mode): a load the engine's thread has not
+    finished copying is reported failed (vLLM recomputes it), and nothing more is written."""
+    kv = torch.randn((24, 2, BLOCK, 64))
+    worker = make_worker(client, kv, load_step_share=1e-9)
+    try:
+        hit, keys = three_chunk_hit(client, worker)
+        assert (
+            computing_step(worker, KVDepotMetadata(loads=[leased_load(client, "b", hit, keys, list(range(11, 17)))]))
+            is None
+        )
+        worker.suspend()
+        before = kv.clone()
+        assert computing_step(worker, KVDepotMetadata()) == {"b"}
+        assert worker.take_failed_blocks() == set(range(11, 17))
+        assert torch.equal(kv, before)
         client.release([hit.lease_id]).result(5)
     finally:
         worker.shutdown()

@@ -20,6 +20,8 @@ DEFAULT_TIMEOUT = 5.0
 DEFAULT_LOOKUP_TIMEOUT = 2.0
 #: Heartbeats keep the server from reclaiming a quiet client's leases (seconds).
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
+#: On a CPU engine, the most a step that computes spends copying hits in, as a share of its time.
+DEFAULT_LOAD_STEP_SHARE = 0.03
 
 KEYS = {
     "kvdepot.address": "server address: ipc:///path or tcp://127.0.0.1:PORT (default: the local ipc socket)",
@@ -33,6 +35,10 @@ KEYS = {
     "kvdepot.capacity": "size of a server started on demand, e.g. '16GiB' (default: --kv-offloading-size, else 4GiB)",
     "kvdepot.auth": "shared secret for tcp servers started with --auth-secret-file",
     "kvdepot.prefault_pool": "map the pool's pages in the background when a worker maps it (default true)",
+    "kvdepot.load_step_share": (
+        "CPU engines: the share of a computing step's time that may go to copying hits in, at least one chunk a step "
+        f"(default {DEFAULT_LOAD_STEP_SHARE}; 1 copies each hit whole in the step that starts it)"
+    ),
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
@@ -62,6 +68,16 @@ def _as_float(name: str, value: Any) -> float:
     return out
 
 
+def _as_share(name: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}", key=name) from None
+    if not 0 < out <= 1:
+        raise InvalidArgumentError(f"{name} must be more than 0 and at most 1, got {value!r}", key=name)
+    return out
+
+
 @attrs.frozen
 class ConnectorConfig:
     """Every setting of the connector, validated."""
@@ -75,6 +91,7 @@ class ConnectorConfig:
     capacity: str | None = None
     auth: str = ""
     prefault_pool: bool = True
+    load_step_share: float = DEFAULT_LOAD_STEP_SHARE
     fail_loads: bool = False
     load_delay: float = 0.0
 
@@ -120,6 +137,9 @@ class ConnectorConfig:
             capacity=str(capacity) if capacity else None,
             auth=str(extra.get("kvdepot.auth", "")),
             prefault_pool=_as_bool("kvdepot.prefault_pool", extra.get("kvdepot.prefault_pool", True)),
+            load_step_share=_as_share(
+                "kvdepot.load_step_share", extra.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE)
+            ),
             fail_loads=_as_bool("kvdepot.test.fail_loads", extra.get("kvdepot.test.fail_loads", False)),
             load_delay=_as_float("kvdepot.test.load_delay", extra["kvdepot.test.load_delay"])
             if "kvdepot.test.load_delay" in extra

@@ -233,6 +233,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 fail_loads=self.config.fail_loads,
                 load_delay=self.config.load_delay,
                 prefault_pool=self.config.prefault_pool,
+                load_step_share=self.config.load_step_share,
                 groups=self.groups,
                 num_blocks=kv_cache_config.num_blocks,
             )

@@ -1,17 +1,22 @@
 """The worker half of the connector: maps the pool, and moves blocks in and out of it.
 
-Every copy runs on one copy thread of the worker's own, in the order the steps asked for
-them, while the engine goes on with its next steps:
+Stores, and loads on a GPU, run on one copy thread of the worker's own, in the order the
+steps asked for them, while the engine goes on with its next steps. Loads on a CPU engine run
+on the engine's thread, at the end of a step, with torch's own OpenMP team (`_PacedLoad`):
 
 - A load (`start_load_kv`) writes blocks of a request that vLLM keeps waiting, and that no
-  other request can see, until `get_finished` reports the load done or failed.
+  other request can see, until `get_finished` reports the load done or failed. On a CPU, a
+  step that computes nothing copies its loads whole; a step that computes copies whole
+  chunks of them for at most `load_step_share` of its own time, so running requests' steps
+  stay as fast as without a load (a copy beside the forward pass would take a core from it).
 - A store (`wait_for_save`, after the forward pass wrote the blocks) reserves slots, copies
   and commits. Its blocks cannot change under it: a running request's full blocks are never
   rewritten, a finished request's blocks are held until its stores are reported done, and a
   preempted request's stores are waited for before the step may reuse its blocks
   (`handle_preemptions`).
-- The pool is mapped, and remapped after a server restart, on the copy thread only, so no
-  copy ever runs on a mapping that is being closed.
+- The pool is mapped, and remapped after a server restart, on the copy thread only; the
+  engine thread copies only while it holds the mapping's lock, so no copy ever runs on a
+  mapping that is being closed.
 
 With several KV-cache groups (a hybrid model) each group has its own `KVLayout` and copier
 over the same pool mapping: a slot holds the chunk's blocks of group 0, then group 1, ...
@@ -29,11 +34,12 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
 from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
+from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 
@@ -52,8 +58,9 @@ _MADV_POPULATE_WRITE = 23
 #: The background prefault maps this much of the pool per system call. The call holds the
 #: process's address-space lock (read side) throughout: any thread that maps or unmaps memory
 #: meanwhile waits for it (torch's allocator, for the forward pass's larger tensors), and so do
-#: the page faults queued behind that thread. 64 MiB took up to 270 ms on a busy 2-core VM.
-PREFAULT_STEP = 2 << 20
+#: the page faults queued behind that thread. 64 MiB took up to 270 ms on a busy 2-core VM;
+#: 256 KiB take a fraction of a millisecond, and 4 GiB so take 16,384 calls.
+PREFAULT_STEP = 256 << 10
 #: A step that computes nothing waits this long at most for its loads before reporting them.
 IDLE_STEP_LOAD_WAIT_S = 0.5
 #: How often a paused prefault checks whether it was stopped.
@@ -87,16 +94,37 @@ class SlotChangedError(RuntimeError):
         self.first_chunk = first_chunk
 
 
+class _Checked(NamedTuple):
+    """A load checked against the mapped pool: this rank's slots and keys, and each group's leading
+    blocks not to write (vLLM's computed ones, or its null block)."""
+
+    slots: list[int]
+    keys: list[bytes]
+    skips: list[int]
+
+
+class _PacedLoad:
+    """A load copied on the engine thread, whole chunks at a time, over one or more steps."""
+
+    def __init__(self, op: LoadOp) -> None:
+        self.op = op
+        self.future: Future[None] = Future()
+        self.done_chunks = 0
+        self.checked: _Checked | None = None
+
+
 class _PoolMapping:
     """The server's shared-memory pool, mapped read-write once per server instance.
 
     A fresh mapping costs one page fault per 4 KiB page on first use, which makes the
-    first copy into each slot several times slower than memory speed. A daemon thread at
-    the lowest CPU priority maps the pages in the background (`prefault`), so the first
-    pass through the pool does not pay for them on the engine's critical path. It maps a
-    small step at a time, and only while ``may_run`` is set: the worker clears it while the
-    engine is in a step, so the prefault never holds the address space under a forward pass
-    for longer than the one step it had started.
+    first copy into each slot several times slower than memory speed. A daemon thread maps
+    the pages in the background (`prefault`), so the first pass through the pool does not
+    pay for them on the engine's critical path. It maps a small step at a time, and only
+    while ``may_run`` is set: the worker clears it while the engine is in a step, so the
+    prefault never holds the address space under a forward pass for longer than the one
+    step it had started. It runs at normal priority: at the lowest, a busy machine left it
+    preempted for seconds in the middle of a step, holding the lock, while the engine's
+    allocations waited behind it (a priority inversion).
     """
 
     def __init__(
@@ -135,6 +163,9 @@ class _PoolMapping:
         self.copiers = [
             open_copier(layout, self.tensor, register=i == 0, cpu_threads=1) for i, layout in enumerate(layouts)
         ]
+        # A CPU engine's loads run on its own thread, between its forward passes: there the
+        # copy may use torch's team (`native_threads`), the cores being otherwise idle.
+        self.engine_copiers = [open_copier(layout, self.tensor) for layout in layouts]
         self._stop_prefault = threading.Event()
         self.prefault: threading.Thread | None = None
         if prefault:
@@ -155,7 +186,7 @@ class _PoolMapping:
         self._stop_prefault.set()
         if self.prefault is not None:
             self.prefault.join(5)  # one step at most: the range must not be unmapped under it
-        for copier in reversed(self.copiers):  # the first, which registered the pool, last
+        for copier in [*self.engine_copiers, *reversed(self.copiers)]:  # the first, which registered the pool, last
             copier.close()
         del self.tensor
         with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the OS unmaps at exit
@@ -168,8 +199,6 @@ def _prefault(address: int, size: int, stop: threading.Event, may_run: threading
     done or stopped."""
     import ctypes
 
-    with contextlib.suppress(OSError):  # the lowest priority for this thread only (Linux: per thread)
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     end = address + size  # an mmap starts on a page boundary, as madvise needs
@@ -203,9 +232,14 @@ class WorkerSide:
         prefault_pool: bool = True,
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
         num_blocks: int | None = None,
+        load_step_share: float = DEFAULT_LOAD_STEP_SHARE,
+        engine_thread_loads: bool | None = None,
     ) -> None:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
-        group's layout must have; None leaves that unchecked."""
+        group's layout must have; None leaves that unchecked. ``load_step_share``: see
+        `DEFAULT_LOAD_STEP_SHARE` (1 copies every load whole in the step that starts it).
+        ``engine_thread_loads``: loads are copied by the engine's thread (`_copy_paced`) rather
+        than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight."""
         self.client = client
         self.health = health
         self.strategy = strategy
@@ -219,6 +253,8 @@ class WorkerSide:
         self.fail_loads = fail_loads
         self.load_delay = load_delay
         self.prefault_pool = prefault_pool
+        self.load_step_share = load_step_share
+        self.engine_thread_loads = engine_thread_loads
         self.groups = groups
         # A failed load is reported by its blocks only with one full-attention group: block ids
         # are per group, and a window cut back to a failed block would hold vLLM's null block.
@@ -232,6 +268,8 @@ class WorkerSide:
         self._stats = KVDepotStats()
         self._stats_lock = threading.Lock()
         self._pool: _PoolMapping | None = None
+        # Held by the engine thread while it copies, and by the copy thread while it swaps mappings.
+        self._pool_lock = threading.Lock()
         # A re-registration reply from the transport's settler thread, mapped by the copy thread
         # before its next copy (never while a copy may use the old mapping).
         self._lock = threading.Lock()
@@ -241,6 +279,8 @@ class WorkerSide:
         self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
         self._stores: dict[str, list[Future[None]]] = {}
         self._held: set[str] = set()
+        self._paced: list[_PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
+        self._step_started_at = time.monotonic()
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()
         self._step_meta = KVDepotWorkerMetadata()
@@ -344,9 +384,10 @@ class WorkerSide:
         except (OSError, PoolError) as exc:
             log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
             return self._pool
-        old, self._pool = self._pool, pool
-        if old is not None:
-            old.close()
+        with self._pool_lock:  # never under the engine thread's copy
+            old, self._pool = self._pool, pool
+            if old is not None:
+                old.close()
         return pool
 
     def _add(self, name: str, value: float = 1) -> None:
@@ -366,6 +407,7 @@ class WorkerSide:
         until `get_finished`, at the step's end."""
         self._between_steps.clear()
         self._idle_step = meta.idle
+        self._step_started_at = time.monotonic()
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
         self._held |= meta.held
@@ -373,9 +415,22 @@ class WorkerSide:
             for op in meta.loads:
                 self._loads[op.req_id] = (op, self._copier.submit(self._refuse_asleep))
             return
+        if self._loads_on_engine_thread():
+            for op in meta.loads:
+                paced = _PacedLoad(op)
+                self._paced.append(paced)
+                self._loads[op.req_id] = (op, paced.future)
+            return
         after = self._engine_event() if meta.loads else None
         for op in meta.loads:
             self._loads[op.req_id] = (op, self._copier.submit(self._load, op, after))
+
+    def _loads_on_engine_thread(self) -> bool:
+        """A CPU engine's loads are copied by the engine thread (`_copy_paced`), except with the
+        test knob that keeps loads in flight on the copy thread."""
+        if self.engine_thread_loads is not None:
+            return self.engine_thread_loads
+        return self.layout is not None and self.layout.device.type == "cpu" and not self.load_delay
 
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
         if not meta.stores or not self.strategy.stores:
@@ -389,6 +444,8 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(held requests whose stores are done, loads done or failed) since the last call; the step's end."""
+        if self._paced:
+            self._copy_paced(whole=self._idle_step or self.load_step_share >= 1)
         self._between_steps.set()
         if self._idle_step and self._loads:
             # Nothing else runs in this step: its loads are reported from it rather than from a
@@ -425,6 +482,9 @@ class WorkerSide:
         `get_finished`); until `resume`, loads fail (vLLM recomputes) and stores are skipped.
         """
         self._suspended = True
+        for paced in self._paced:  # the engine thread's loads not yet copied fail: vLLM recomputes them
+            paced.future.set_exception(RuntimeError("the engine's KV cache was released (sleep mode) mid-load"))
+        self._paced.clear()
         self._copier.submit(lambda: None).result()  # the copy thread runs its queue in order
         log.info("kvdepot worker rank %d: copies drained, the KV cache may be released", self.strategy.rank)
 
@@ -451,6 +511,16 @@ class WorkerSide:
         if self.load_delay:
             time.sleep(self.load_delay)
         pool = self._current_pool()
+        checked = self._check_load(op, pool)
+        self._copy_load(op, pool, pool.copiers, checked, start=0, stop=len(checked.slots), after=after)
+        self._loaded(op, len(checked.slots))
+
+    def _loaded(self, op: LoadOp, num_chunks: int) -> None:
+        self._add("loaded_tokens", op.num_tokens)
+        self._add("loaded_bytes", num_chunks * self.chunk_bytes)
+
+    def _check_load(self, op: LoadOp, pool: _PoolMapping | None) -> _Checked:
+        """The load's slots, keys and blocks to skip per group, once it is checked against the mapped pool."""
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
         if self.layout is None or pool is None:
@@ -471,25 +541,95 @@ class WorkerSide:
             raise RuntimeError("vLLM's null block lies after a block to load")
         if any(offset < SLOT_HEADER_BYTES or offset + self.chunk_bytes > pool.size for offset in slots):
             raise RuntimeError("a slot lies outside the mapped pool")
-        # The seqlock (kvdepot.core._slots): copy only the chunks whose slots say they hold them,
-        # and keep only those whose header did not change while the copy read them.
-        before = [pool.header(offset) for offset in slots]
+        return _Checked(list(slots), list(keys), skips)
+
+    def _copy_load(
+        self, op: LoadOp, pool: _PoolMapping, copiers: list[Any], checked: _Checked, *, start: int, stop: int,
+        after: Any = None,
+    ) -> None:  # fmt: skip
+        """Copy the load's chunks ``start`` to ``stop`` from their slots into their blocks.
+
+        The seqlock (kvdepot.core._slots): only chunks whose slots say they hold them are
+        copied, and only those whose header did not change while the copy read them are kept.
+        Raises `SlotChangedError` at the first that is not: the chunks before it are loaded.
+        """
+        bpc = self.blocks_per_chunk
+        slots, keys, skips = checked
+        before = [pool.header(offset) for offset in slots[start:stop]]
         held = [
-            slot_header_holds(h, slot_digest(op.salt, k), self.chunk_bytes) for h, k in zip(before, keys, strict=True)
+            slot_header_holds(h, slot_digest(op.salt, k), self.chunk_bytes)
+            for h, k in zip(before, keys[start:stop], strict=True)
         ]
-        good = held.index(False) if False in held else len(held)
-        if good:
+        good = start + (held.index(False) if False in held else len(held))
+        if good > start:
             for copier, ids, skip, at, size in zip(
-                pool.copiers, op.block_ids, skips, self.group_offsets, self.group_bytes, strict=True
+                copiers, op.block_ids, skips, self.group_offsets, self.group_bytes, strict=True
             ):
-                blocks = [ids[i * bpc : (i + 1) * bpc] for i in range(good)]
-                offsets = [offset + at for offset in slots[:good]]
-                copier.scatter(offsets, blocks, skip_blocks=skip, slot_size=size, after=after).wait()
-            good = next((i for i in range(good) if pool.header(slots[i]) != before[i]), good)
-        if good < len(slots):
+                blocks = [ids[i * bpc : (i + 1) * bpc] for i in range(start, good)]
+                offsets = [offset + at for offset in slots[start:good]]
+                # The load's first `skip` blocks are vLLM's (computed, or its null block): not written.
+                skip_blocks = max(0, skip - start * bpc)
+                copier.scatter(offsets, blocks, skip_blocks=skip_blocks, slot_size=size, after=after).wait()
+            good = next((i for i in range(start, good) if pool.header(slots[i]) != before[i - start]), good)
+        if good < stop:
             raise SlotChangedError(good, len(slots))
-        self._add("loaded_tokens", op.num_tokens)
-        self._add("loaded_bytes", len(slots) * self.chunk_bytes)
+
+    # -- on the engine thread (CPU) --------------------------------------------------------
+
+    def _copy_paced(self, *, whole: bool) -> None:
+        """Copy the loads waiting for the engine thread, oldest first: all of them (``whole``),
+        or whole chunks until `load_step_share` of the step's time so far is spent, one at least."""
+        started = time.monotonic()
+        budget = (started - self._step_started_at) * self.load_step_share
+        copied = False  # one chunk at least per step, whatever its budget
+        with self._lock:
+            remap_pending = self._pending is not None
+        with self._pool_lock:
+            pool = self._pool
+            while self._paced:
+                paced = self._paced[0]
+                if remap_pending or pool is None or paced.op.server_id != pool.server_id:
+                    # A newer mapping waits on the copy thread (a server restart): it loads this one.
+                    self._paced.pop(0)
+                    self._handoff(paced)
+                    continue
+                try:
+                    if paced.checked is None:
+                        paced.checked = self._check_load(paced.op, pool)
+                    total = len(paced.checked.slots)
+                    while paced.done_chunks < total:
+                        if not whole and copied and time.monotonic() - started >= budget:
+                            return  # the budget is spent: the next step goes on
+                        start = paced.done_chunks
+                        self._copy_load(paced.op, pool, pool.engine_copiers, paced.checked, start=start, stop=start + 1)
+                        paced.done_chunks += 1
+                        copied = True
+                except Exception as exc:
+                    self._paced.pop(0)
+                    paced.future.set_exception(exc)
+                    continue
+                self._paced.pop(0)
+                self._loaded(paced.op, total)
+                paced.future.set_result(None)
+
+    def _handoff(self, paced: _PacedLoad) -> None:
+        """Finish a paced load on the copy thread (its first chunks already copied, if any)."""
+
+        def finish() -> None:
+            pool = self._current_pool()
+            checked = self._check_load(paced.op, pool)
+            total = len(checked.slots)
+            self._copy_load(paced.op, pool, pool.copiers, checked, start=paced.done_chunks, stop=total)
+            self._loaded(paced.op, total)
+
+        def settle(done: Future[None]) -> None:
+            exc = done.exception()
+            if exc is None:
+                paced.future.set_result(None)
+            else:
+                paced.future.set_exception(exc)
+
+        self._copier.submit(finish).add_done_callback(settle)
 
     def _store_all(self, ops: list[StoreOp], after: Any = None) -> None:
         """Reserve one step's chunks in one message, copy each request's, and commit them.
