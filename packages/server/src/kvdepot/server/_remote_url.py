@@ -80,6 +80,9 @@ def _read_password(
     return None
 
 
+# The URL is split by hand, not with urllib.parse.urlsplit: urlsplit ends the host part at "/" or
+# "#" (a password may hold either unquoted), drops tabs and newlines anywhere, and on current
+# Pythons refuses a cluster's node list with an IPv6 node after the first ("Invalid IPv6 URL").
 def parse_remote_url(
     url: str,
     *,
@@ -89,6 +92,29 @@ def parse_remote_url(
 ) -> RemoteAddress:
     """Parse ``url``; a password given here (directly, from a file, or from the environment, in that
     order) replaces one in the URL. Raises `TierConfigError` on anything it cannot use."""
+    tls, cluster, rest = _scheme(url)
+    rest, _, query = rest.partition("?")
+    if query:
+        raise TierConfigError("the remote tier URL takes no query options", url=_redact(url))
+    userinfo, _, hostpart = rest.rpartition("@")  # a password may hold "@", "/" or "#" unquoted
+    hostpart, _, path = hostpart.partition("/")
+    db = _database(path, cluster)
+    nodes = tuple(_node(item) for item in hostpart.split(","))
+    if len(nodes) > 1 and not cluster:
+        raise TierConfigError("several hosts need a cluster URL: redis+cluster://h1:p1,h2:p2", url=_redact(url))
+    user, colon, secret = userinfo.partition(":")
+    return RemoteAddress(
+        nodes=nodes,
+        cluster=cluster,
+        tls=tls,
+        db=db,
+        username=unquote(user) or None,
+        password=_read_password(password, password_file, password_env) or (unquote(secret) if colon else None),
+    )
+
+
+def _scheme(url: str) -> tuple[bool, bool, str]:
+    """(TLS, cluster, the rest of the URL after ``://``)."""
     scheme, sep, rest = url.partition("://")
     if not sep or scheme.lower() not in _SCHEMES:
         raise TierConfigError(
@@ -97,45 +123,30 @@ def parse_remote_url(
             url=_redact(url),
         )
     tls, cluster = _SCHEMES[scheme.lower()]
-    rest, _, query = rest.partition("?")
-    if query:
-        raise TierConfigError("the remote tier URL takes no query options", url=_redact(url))
-    userinfo, at, hostpart = rest.rpartition("@")
-    if not at:
-        userinfo, hostpart = "", rest
-    hostpart, slash, path = hostpart.partition("/")
-    db = 0
-    if slash and path:
-        if not (path.isascii() and path.isdigit()):  # "²".isdigit() is true, and int() refuses it
-            raise TierConfigError(f"the database in the remote tier URL must be a number, got {path!r}", db=path)
-        db = int(path)
-        if cluster and db:
-            raise TierConfigError("a cluster has only database 0; drop /N from the URL", db=db)
-    nodes: list[tuple[str, int]] = []
-    for item in hostpart.split(","):
-        match = _HOST_PORT.match(item.strip())
-        if match is None:
-            raise TierConfigError(f"cannot read {item!r} as host:port in the remote tier URL", node=item)
-        port = int(match.group("port") or DEFAULT_PORT)
-        if not 0 < port < 65536:
-            raise TierConfigError(f"port {port} is out of range", port=port)
-        nodes.append((match.group("v6") or match.group("host"), port))
-    if len(nodes) > 1 and not cluster:
-        raise TierConfigError("several hosts need a cluster URL: redis+cluster://h1:p1,h2:p2", url=_redact(url))
-    username: str | None = None
-    url_password: str | None = None
-    if userinfo:
-        user, colon, secret = userinfo.partition(":")
-        username = unquote(user) or None
-        url_password = unquote(secret) if colon else None
-    return RemoteAddress(
-        nodes=tuple(nodes),
-        cluster=cluster,
-        tls=tls,
-        db=db,
-        username=username,
-        password=_read_password(password, password_file, password_env) or url_password,
-    )
+    return tls, cluster, rest
+
+
+def _database(path: str, cluster: bool) -> int:
+    """The database number the URL's path names (0 for none)."""
+    if not path:
+        return 0
+    if not (path.isascii() and path.isdigit()):  # "²".isdigit() is true, and int() refuses it
+        raise TierConfigError(f"the database in the remote tier URL must be a number, got {path!r}", db=path)
+    db = int(path)
+    if cluster and db:
+        raise TierConfigError("a cluster has only database 0; drop /N from the URL", db=db)
+    return db
+
+
+def _node(item: str) -> tuple[str, int]:
+    """(host, port) of one ``host[:port]`` or ``[v6][:port]`` of the URL's host list."""
+    match = _HOST_PORT.match(item.strip())
+    if match is None:
+        raise TierConfigError(f"cannot read {item!r} as host:port in the remote tier URL", node=item)
+    port = int(match.group("port") or DEFAULT_PORT)
+    if not 0 < port < 65536:
+        raise TierConfigError(f"port {port} is out of range", port=port)
+    return match.group("v6") or match.group("host"), port
 
 
 def _redact(url: str) -> str:

@@ -19,6 +19,11 @@ T = TypeVar("T")
 # 16 MiB: a Lookup of 128 requests x 512 chunks (32 M tokens at 256 per chunk) is ~2.3 MB,
 # so this leaves room for large steps while keeping a hostile frame's cost bounded.
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
+# ZMQ's MAXMSGSIZE on both ends, as a multiple of the frame bound (a client also decodes replies
+# up to it): zmq drops (and disconnects) frames above MAXMSGSIZE before handing them to us. Set it
+# well above the codec bound so that ordinary oversized frames still get a typed `too_large`
+# reply, while a hostile peer still cannot make libzmq allocate without bound.
+HARD_LIMIT_FACTOR = 4
 
 
 class _Envelope(msgspec.Struct, array_like=True):

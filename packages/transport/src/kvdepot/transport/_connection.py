@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from kvdepot.transport._codec import decode_reply, encode
+from kvdepot.transport._codec import HARD_LIMIT_FACTOR, decode_reply, encode
 from kvdepot.transport._errors import (
     CODE_HELLO_REQUIRED,
     CODE_UNAUTHORIZED,
@@ -44,7 +44,6 @@ from kvdepot.transport._messages import (
     Request,
     RequestBody,
 )
-from kvdepot.transport._server import HARD_LIMIT_FACTOR
 
 # After a send finds no connection while the link reports one, say Hello again this soon (s).
 HANDSHAKE_RETRY_S = 0.05

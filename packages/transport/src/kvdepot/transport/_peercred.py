@@ -8,6 +8,8 @@ to a server of another user, even one that took over the socket path after the c
 checked its directory; and a server refuses a client of another user before any of its
 messages is read. Where libzmq reports no credentials (not Linux), the check lets the peer in
 and the socket directory's permissions are the only guard.
+
+On tcp with a shared secret, both ends authenticate with ZMQ PLAIN as the user `PLAIN_USER`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ log = structlog.get_logger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvdepot-ipc"
+# The user name of ZMQ PLAIN authentication on tcp with a shared secret (the secret is the password).
+PLAIN_USER = "kvdepot"
 
 
 def peer_uid(address: bytes) -> int | None:

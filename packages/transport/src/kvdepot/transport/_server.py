@@ -31,12 +31,12 @@ from kvdepot.transport._address import (
     prepare_ipc_dir,
     secure_ipc_socket,
 )
-from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
+from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, HARD_LIMIT_FACTOR
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
 from kvdepot.transport._errors import LocalProtocolError, TransportClosedError
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import ReplyBody
-from kvdepot.transport._peercred import ZAP_DOMAIN, PeerUserCheck
+from kvdepot.transport._peercred import PLAIN_USER, ZAP_DOMAIN, PeerUserCheck
 
 log = structlog.get_logger(__name__)
 
@@ -46,10 +46,6 @@ _POLLIN = int(zmq.POLLIN)
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 
-# zmq drops (and disconnects) frames above MAXMSGSIZE before handing them to us. Set it well
-# above the codec bound so that ordinary oversized frames still get a typed `too_large` reply,
-# while a hostile peer still cannot make libzmq allocate without bound.
-HARD_LIMIT_FACTOR = 4
 # Messages handled per poll, and seconds spent handling them, before timers and stop requests
 # are checked again: a flood of requests delays neither a stop nor an expiry by more than this.
 MAX_MESSAGES_PER_POLL = 256
@@ -74,8 +70,6 @@ UNREAD_MUTE_S = 1.0
 # Muted peers remembered at most; past this, those whose time is up are forgotten. The same
 # bound for the peers whose unread replies are counted: past it, those with none tracked.
 MAX_MUTED = 4096
-# The user name of ZMQ PLAIN authentication on tcp with a shared secret (the secret is the password).
-PLAIN_USER = "kvdepot"
 # The ZAP handler's own logger: quiet, the endpoint logs what matters.
 _zap_log = logging.getLogger("kvdepot.transport.zap")
 _zap_log.setLevel(logging.WARNING)

@@ -20,9 +20,9 @@ import structlog
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+from kvdepot.transport._codec import HARD_LIMIT_FACTOR
 from kvdepot.transport._io import IOLoop
-from kvdepot.transport._peercred import ZAP_DOMAIN
-from kvdepot.transport._server import HARD_LIMIT_FACTOR, PLAIN_USER
+from kvdepot.transport._peercred import PLAIN_USER, ZAP_DOMAIN
 
 if TYPE_CHECKING:
     from kvdepot.transport._client import Connection
