@@ -36,7 +36,7 @@ from kvdepot.vllm_connector._config import DEFAULT_TIMEOUT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
-STORES = 24
+STORES = 8
 HOGS = 6  # a nice-19 thread would get about 0.25% of the core
 BLOCK, CHUNK = 16, 32
 

@@ -510,7 +510,7 @@ class WorkerSide:
     def _load(self, op: LoadOp, after: Any = None) -> None:
         if self.load_delay:
             time.sleep(self.load_delay)
-        pool = self._current_pool()
+        pool = self._mapped_pool()
         checked = self._check_load(op, pool)
         self._copy_load(op, pool, pool.copiers, checked, start=0, stop=len(checked.slots), after=after)
         self._loaded(op, len(checked.slots))
@@ -519,12 +519,17 @@ class WorkerSide:
         self._add("loaded_tokens", op.num_tokens)
         self._add("loaded_bytes", num_chunks * self.chunk_bytes)
 
-    def _check_load(self, op: LoadOp, pool: _PoolMapping | None) -> _Checked:
+    def _mapped_pool(self) -> _PoolMapping:
+        """The mapped pool, the newest first (copy thread only); RuntimeError if none is."""
+        pool = self._current_pool()
+        if self.layout is None or pool is None:
+            raise RuntimeError("the pool is not mapped")
+        return pool
+
+    def _check_load(self, op: LoadOp, pool: _PoolMapping) -> _Checked:
         """The load's slots, keys and blocks to skip per group, once it is checked against the mapped pool."""
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
-        if self.layout is None or pool is None:
-            raise RuntimeError("the pool is not mapped")
         if not op.server_id or op.server_id != pool.server_id:
             raise RuntimeError(f"the lease is from server {op.server_id!r}, the mapped pool from {pool.server_id!r}")
         if op.slot_bytes != self.chunk_bytes:
@@ -616,7 +621,7 @@ class WorkerSide:
         """Finish a paced load on the copy thread (its first chunks already copied, if any)."""
 
         def finish() -> None:
-            pool = self._current_pool()
+            pool = self._mapped_pool()
             checked = self._check_load(paced.op, pool)
             total = len(checked.slots)
             self._copy_load(paced.op, pool, pool.copiers, checked, start=paced.done_chunks, stop=total)
