@@ -25,11 +25,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import kvdepot.server
 from _util import progress, table
-from kvdepot.core import ParallelStrategy, slot_digest, slot_header_holds
+from kvdepot.core import slot_digest, slot_header_holds
 from kvdepot.transport import CacheClient
-from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._meta import KVDepotMetadata, LoadOp, StoreOp
-from kvdepot.vllm_connector._worker import WorkerSide
+from kvdepot.vllm_connector.testing import standalone_worker
 
 BLOCK, CHUNK = 16, 256
 BPC = CHUNK // BLOCK
@@ -68,19 +67,11 @@ def run_case(address: str, name: str, layers: int, heads: int, head: int, *, rou
         f"layers.{i}": torch.randn((blocks, heads, BLOCK, 2 * head)).to(torch.bfloat16) for i in range(layers)
     }  # the CPU backend's [blocks, heads, tokens, K|V] per layer
     with CacheClient(address, timeout=10.0) as client:
-        worker = WorkerSide(
-            client=client,
-            health=ServerHealth(client),
-            strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
-            chunk_size=CHUNK,
-            block_size=BLOCK,
-            layout_name=f"bench-{name}",
-            model="bench",
-            backend_hint="CPU_ATTN",
-            prefault_pool=False,
-        )
+        worker = standalone_worker(
+            client, kv, chunk_size=CHUNK, block_size=BLOCK, layout_name=f"bench-{name}", model="bench",
+            backend_hint="CPU_ATTN", prefault_pool=False,
+        )  # fmt: skip
         try:
-            worker.register_kv_caches(kv)
             keys = [os.urandom(32) for _ in range(chunks)]
             src = list(range(1, 1 + chunks * BPC))
             worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("s", "", [keys], [src])]))

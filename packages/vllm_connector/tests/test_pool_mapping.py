@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvdepot.gpu import KVLayout
-from kvdepot.vllm_connector._worker import PREFAULT_STEP, _PoolMapping
+from kvdepot.vllm_connector._pool_mapping import PREFAULT_STEP, _PoolMapping
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -24,6 +24,7 @@ from kvdepot.transport import CacheClient
 from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._meta import KVDepotMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._worker import WorkerSide
+from kvdepot.vllm_connector.testing import standalone_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -49,19 +50,14 @@ def make_worker(
     client: CacheClient, kv: torch.Tensor | dict[str, torch.Tensor], *, layout_name: str = "test-layout", **kw: object
 ) -> WorkerSide:
     """A worker over one layer ``kv``, or over the layers of a dict."""
-    worker = WorkerSide(
-        client=client,
-        health=ServerHealth(client),
-        strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
+    return standalone_worker(
+        client,
+        kv if isinstance(kv, dict) else {"layers.0": kv},
         chunk_size=CHUNK,
         block_size=BLOCK,
         layout_name=layout_name,
-        model="m",
-        backend_hint=None,
-        **{"prefault_pool": False, **kw},  # type: ignore[arg-type]
+        **{"prefault_pool": False, **kw},
     )
-    worker.register_kv_caches(kv if isinstance(kv, dict) else {"layers.0": kv})
-    return worker
 
 
 def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], block_ids: list[int]) -> LoadOp:

@@ -106,11 +106,9 @@ def _child(address: str, cpu: int) -> dict[str, object]:
     os.sched_setaffinity(0, {cpu})
     import torch
 
-    from kvdepot.core import ParallelStrategy
     from kvdepot.transport import CacheClient
-    from kvdepot.vllm_connector._health import ServerHealth
     from kvdepot.vllm_connector._meta import KVDepotMetadata, StoreOp
-    from kvdepot.vllm_connector._worker import WorkerSide
+    from kvdepot.vllm_connector.testing import standalone_worker
 
     torch.set_num_threads(1)
     kv = torch.randn((8, 2, BLOCK, 64))
@@ -120,19 +118,10 @@ def _child(address: str, cpu: int) -> dict[str, object]:
         client.stats().result()
         print("ready", flush=True)  # the handshake with the test
         sys.stdin.readline()  # the busy processes are running now
-        worker = WorkerSide(
-            client=client,
-            health=ServerHealth(client),
-            strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
-            chunk_size=CHUNK,
-            block_size=BLOCK,
-            layout_name="load-test",
-            model="m",
-            backend_hint=None,
-            prefault_pool=True,
+        worker = standalone_worker(
+            client, {"layers.0": kv}, chunk_size=CHUNK, block_size=BLOCK, layout_name="load-test", prefault_pool=True
         )
         try:
-            worker.register_kv_caches({"layers.0": kv})
             pool = worker._copier.submit(worker._current_pool).result()
             prefault_started = pool is not None and pool.prefault is not None and pool.prefault.is_alive()
             steps: list[float] = []

@@ -8,6 +8,8 @@ session of an environment holding kvdepot-vllm:
   resolves the connector class while it builds its config (the hybrid KV-cache manager
   question), so config tests for `--kv-offloading-backend lmcache` pass without lmcache and
   start nothing.
+- `standalone_worker`: a connector worker of one rank outside vLLM, registered with a server,
+  for tests and benchmarks that drive its step hooks by hand.
 - `tiny_llama`: the path of a small random fp32 Llama model with its tokenizer, built once and
   cached under pytest's cache directory (or `$KVDEPOT_MODEL_CACHE`); `bench_llama` the same for
   the larger benchmark model; `tiny_gemma2` a small Gemma 2 (sliding-window and full-attention
@@ -50,6 +52,7 @@ __all__ = [
     "build_tiny_llama",
     "is_complete",
     "model_cache_dir",
+    "standalone_worker",
     "stub_connector_registry",
     "tiny_gemma2",
     "tiny_llama",
@@ -69,6 +72,39 @@ OFFLOADING_CONNECTOR_NAMES = (
 MODEL_CACHE_ENV = "KVDEPOT_MODEL_CACHE"
 
 Loader = Callable[[], Any]
+
+
+def standalone_worker(
+    client: Any,
+    kv_caches: dict[str, Any],
+    *,
+    chunk_size: int,
+    block_size: int,
+    layout_name: str = "test-layout",
+    model: str = "m",
+    backend_hint: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The connector's worker half of a one-rank engine outside vLLM (a `WorkerSide`), over
+    ``kv_caches`` (layer name -> KV tensor), registered with the server that ``client`` (a
+    `CacheClient`) talks to. ``kwargs`` go to `WorkerSide` (``prefault_pool``, ...)."""
+    from kvdepot.core import ParallelStrategy
+    from kvdepot.vllm_connector._health import ServerHealth
+    from kvdepot.vllm_connector._worker import WorkerSide
+
+    worker = WorkerSide(
+        client=client,
+        health=ServerHealth(client),
+        strategy=ParallelStrategy.from_config(1, 0, 1, 1, False),
+        chunk_size=chunk_size,
+        block_size=block_size,
+        layout_name=layout_name,
+        model=model,
+        backend_hint=backend_hint,
+        **kwargs,
+    )
+    worker.register_kv_caches(kv_caches)
+    return worker
 
 
 def __getattr__(name: str) -> Any:
