@@ -33,35 +33,51 @@ class SlowDisk(DiskTier):
         return super().lengths(refs, timeout=timeout)
 
 
+class LoopTiers(TierSet):
+    """The tiers as the server's loop runs them: `run` answers the lookups they are done with
+    from the index (into ``answers``), and hands the index's events to the write-behind."""
+
+    def __init__(self, *args, answers: list, **kw):
+        super().__init__(*args, **kw)
+        self.answers = answers
+
+    def run(self):
+        for answer in super().run():
+            self.answers.append(self.index.lookup(answer.client, answer.items, time.monotonic()))
+        self.take(self.index.take_events())
+        return []
+
+
 def make(tmp_path, answers: list, index_kw: dict | None = None, **kw):
     pool = memoryview(bytearray(2 * PAGE))
     index = ChunkIndex(
-        SlabAllocator(2 * PAGE, PAGE), headers=SlotHeaders(pool), max_client_pending_bytes=2 * PAGE, **(index_kw or {})
+        SlabAllocator(2 * PAGE, PAGE),
+        headers=SlotHeaders(pool),
+        max_client_pending_bytes=2 * PAGE,
+        events=True,
+        **(index_kw or {}),
     )
-    tiers = TierSet(
-        [SlowDisk(tmp_path / "disk", 1 << 24)],
-        index,
-        pool,
-        wake=lambda: None,
-        answer=lambda deferred, body: answers.append(body),
-        lookup=index.lookup,
-        **kw,
-    )
+    tiers = LoopTiers([SlowDisk(tmp_path / "disk", 1 << 24)], index, pool, wake=lambda: None, answers=answers, **kw)
     index.register("a", CHUNK, 0.0)
     return pool, index, tiers
 
 
-def store(index, pool, client: str, keys: list[bytes]) -> int:
+def store(tiers: TierSet, client: str, keys: list[bytes]) -> int:
+    """Store ``keys`` as a client's Reserve and Commit requests do, the commit's events handed to
+    the tiers after it (as the server's handler does after each request)."""
+    index, pool = tiers.index, tiers.pool
     out = index.reserve(client, "", keys, CHUNK, 0.0)
     for i, offset, length in out.slots:
         pool[offset : offset + length] = keys[i] * (length // len(keys[i]))
-    return index.commit(client, out.reservation_id, None, 0.0) if out.reservation_id else 0
+    committed = index.commit(client, out.reservation_id, None, 0.0) if out.reservation_id else 0
+    tiers.take(index.take_events())
+    return committed
 
 
 def on_disk_only(tiers: TierSet, index: ChunkIndex, pool, n: int) -> list[bytes]:
     """Store ``n`` chunks, wait until the disk tier holds them, and empty RAM."""
     keys = [bytes([i + 1]) * 32 for i in range(n)]
-    store(index, pool, "a", keys)
+    store(tiers, "a", keys)
     settle(tiers, lambda: tiers.tiers[0].stats().objects == n and index.stats().leased_chunks == 0)
     index.clear()
     return keys
@@ -81,10 +97,10 @@ def test_a_committed_chunk_stays_pinned_until_copied_for_the_tier(tmp_path):
     """Until the writer copied a chunk (and the loop ran), it cannot be evicted; afterwards it can,
     and it is on disk."""
     answers: list = []
-    pool, index, tiers = make(tmp_path, answers)
+    _pool, index, tiers = make(tmp_path, answers)
     try:
         keys = [bytes([i]) * 32 for i in range(SLOTS)]
-        assert store(index, pool, "a", keys) == SLOTS  # the pool is full, every chunk pinned
+        assert store(tiers, "a", keys) == SLOTS  # the pool is full, every chunk pinned
         assert index.stats().leased_chunks == SLOTS
         assert not index.reserve("a", "", [b"\xff" * 32], CHUNK, 0.0).slots  # nothing may go
         settle(tiers, lambda: index.stats().leased_chunks == 0)
@@ -102,7 +118,7 @@ def test_a_lookup_that_misses_ram_is_answered_from_the_disk_tier(tmp_path):
     pool, index, tiers = make(tmp_path, answers)
     try:
         keys = [bytes([i]) * 32 for i in range(3)]
-        store(index, pool, "a", keys)
+        store(tiers, "a", keys)
         settle(tiers, lambda: tiers.tiers[0].stats().objects == 3 and index.stats().leased_chunks == 0)
         assert index.clear() == (3, False)
         items = [("", [*keys, b"\x09" * 32])]
@@ -125,10 +141,10 @@ def test_a_commit_stands_and_is_written_behind_after_the_tier_session_was_ended(
     from kvdepot.server._tiering import TIER_CLIENT
 
     answers: list = []
-    pool, index, tiers = make(tmp_path, answers)
+    _pool, index, tiers = make(tmp_path, answers)
     try:
         index.close_session(TIER_CLIENT, 0.0)
-        assert store(index, pool, "a", [b"\x01" * 32]) == 1
+        assert store(tiers, "a", [b"\x01" * 32]) == 1
         settle(tiers, lambda: tiers.tiers[0].stats().objects == 1 and index.stats().leased_chunks == 0)
         index.check()
     finally:
@@ -171,8 +187,8 @@ def test_a_tier_read_never_evicts_the_ram_prefix_of_its_own_lookup(tmp_path):
     pool, index, tiers = make(tmp_path, answers)
     try:
         keys = on_disk_only(tiers, index, pool, 6)
-        store(index, pool, "a", keys[:2])  # the prefix is in RAM again, the oldest chunks there
-        store(index, pool, "a", [bytes([0x80, i]) * 16 for i in range(SLOTS - 2)])  # the pool is full
+        store(tiers, "a", keys[:2])  # the prefix is in RAM again, the oldest chunks there
+        store(tiers, "a", [bytes([0x80, i]) * 16 for i in range(SLOTS - 2)])  # the pool is full
         settle(tiers, lambda: index.stats().leased_chunks == 0)
         assert tiers.lookup("a", [("", keys)], 0.0) is not None
         settle(tiers, lambda: answers)
@@ -337,9 +353,9 @@ def test_the_first_key_no_tier_holds_ends_the_probe_of_its_item(tmp_path, monkey
     """The tiers are asked about a window of keys at a time, and only for the items whose run
     covered the whole window: a cold prompt of many keys costs one window, while a run the
     tiers hold is found across windows, whole."""
-    import kvdepot.server._tiering as tiering
+    import kvdepot.server._tier_read as tier_read
 
-    monkeypatch.setattr(tiering, "PROBE_WINDOW", 2)
+    monkeypatch.setattr(tier_read, "PROBE_WINDOW", 2)
     answers: list = []
     pool, index, tiers = make(tmp_path, answers)
     try:
