@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvdepot.transport import CacheClient, Deferred, PeerInfo, open_endpoint
+from kvdepot.transport import CacheClient, Deferred, PeerInfo, Waker, open_endpoint
 from kvdepot.transport._messages import ErrorReply, RequestBody, Stats, StatsReply
 from kvdepot.transport.testing import DictHandler
 
@@ -56,5 +56,35 @@ def test_a_deferred_reply_comes_later_and_others_are_answered_meanwhile(scheme, 
             endpoint.send_deferred(handler.deferred[1], ErrorReply("internal", "late"))
             poll_until(endpoint, wrong.done)
             assert wrong.exception(0) is not None
+    finally:
+        endpoint.close()
+
+
+def test_a_waker_made_before_its_endpoint_keeps_a_wake_until_it_is_connected():
+    """The server's collaborators get the waker before the endpoint exists: a wake then is kept
+    and delivered on connection, once; later wakes go straight through."""
+    woken: list[str] = []
+    waker = Waker()
+    waker.wake()
+    waker.wake()
+    assert woken == []
+    waker.connect(lambda: woken.append("wake"))
+    assert woken == ["wake"]
+    waker.wake()
+    assert woken == ["wake", "wake"]
+    with pytest.raises(RuntimeError):
+        waker.connect(lambda: None)
+
+
+@pytest.mark.parametrize("scheme", ["memory", "ipc"])
+def test_open_endpoint_connects_the_waker_and_takes_the_server_id(scheme, tmp_path):
+    address = f"memory://waker-{time.monotonic_ns()}" if scheme == "memory" else f"ipc://{tmp_path}/s.sock"
+    waker = Waker()
+    endpoint = open_endpoint(address, DictHandler(), waker=waker, server_id="feedbeef")
+    try:
+        assert endpoint.server_id == "feedbeef"
+        with pytest.raises(RuntimeError):  # the endpoint holds it now
+            waker.connect(lambda: None)
+        waker.wake()  # from another thread in a server; here it only must not fail
     finally:
         endpoint.close()

@@ -90,7 +90,7 @@ class DiskTier:
             raise TierConfigError(f"the disk tier's capacity must be positive, got {capacity}", capacity=capacity)
         self.directory = Path(directory)
         #: The bytes a salt may hold in this tier (its RAM quota; None: no limit of its own).
-        #: Called on the writing thread; the server sets it to the index's quotas.
+        #: Called on the writing thread; the server passes the index's quotas.
         self.quota_of = quota_of
         self._warn = WarnLimiter(log)
         self._files = TierDirectory(self.directory, self._warn)
@@ -457,6 +457,11 @@ class DiskTier:
     def _leave(self) -> None:
         with self._lock:
             self._busy -= 1
+
+    @property
+    def state(self) -> TierState:
+        """UP until closed: a failing file fails its own read or write, never the whole tier."""
+        return TierState.DOWN if self._closed else TierState.UP
 
     def close(self) -> None:
         """Stop; the directory's descriptor (and lock) goes once no read or write uses it. One

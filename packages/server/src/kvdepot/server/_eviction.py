@@ -10,6 +10,8 @@ manager asks its LRU or ARC policy). The rules, in order:
   chunk is older still, so that the page can take slots of another size. Pages holding a
   pending or leased chunk are pinned and never emptied.
 
+The policy owns the use order and the pins per page; the index tells it how chunks move
+(`moved`, `hold`, `unhold`, `own`) and asks it for victims, never editing its state.
 Pure state, like the index that owns it.
 """
 
@@ -17,10 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Iterable, Iterator
 
-from kvdepot.server._chunk_state import PINNED, VISIBLE
+from kvdepot.server._chunk_state import PINNED, VISIBLE, ChunkState
 from kvdepot.server._order import UseOrder
 from kvdepot.server._records import Entry
 from kvdepot.server._slabs import SlabAllocator
+
+_COMMITTED = ChunkState.COMMITTED
 
 
 class EvictionPolicy:
@@ -38,9 +42,40 @@ class EvictionPolicy:
         self._live = live  # clients with a session
         self._owner_bytes: dict[str, int] = {}  # slot bytes per client that stored them
         self._sharers = 0  # clients with a session that own bytes: the pool's fair share is split among them
+        self._page_size = allocator.page_size
         # Per page: how many of its slots hold a pending or leased chunk (which pins the page).
-        # The index counts into it directly as chunks move (`ChunkIndex._step`, a hot path).
-        self.page_pinned: list[int] = [0] * allocator.num_pages
+        self._page_pinned: list[int] = [0] * allocator.num_pages
+
+    def moved(self, entry: Entry, old: ChunkState, new: ChunkState, pinned: int) -> None:
+        """Note that `entry` moved from `old` to `new`, which pins its page by `pinned` (+1, 0 or
+        -1, from the chunk state table): a committed chunk joins the order, one that leaves
+        that state leaves it. The index's hot path: one call per move."""
+        if old is _COMMITTED:
+            self.order.drop(entry)
+        if pinned:
+            self._page_pinned[entry.offset // self._page_size] += pinned
+        if new is _COMMITTED:
+            self.order.add(entry)
+
+    def hold(self, entry: Entry) -> None:
+        """Keep a committed chunk out of eviction for the rest of a call (a reserve that found it)."""
+        self.order.drop(entry)
+        self._page_pinned[entry.offset // self._page_size] += 1
+
+    def unhold(self, entry: Entry) -> None:
+        """The end of `hold`: the chunk is evictable again, as just used."""
+        self._page_pinned[entry.offset // self._page_size] -= 1
+        self.order.add(entry)
+
+    def evictable(self, salt: str | None, limit: int) -> list[Entry]:
+        """Up to `limit` chunks that may go now (of `salt`, or of any), oldest first per list."""
+        return self.order.evictable(salt, limit)
+
+    def can_free(self, slot_size: int) -> bool:
+        """Whether `victims` would find something to evict for a slot of `slot_size`, without
+        its side effects."""
+        order = self.order
+        return order.oldest_of_size(slot_size) is not None or order.pages.oldest(self._page_pinned) is not None
 
     def own(self, owner: str, delta: int) -> None:
         """Count `delta` slot bytes to the client that stored them."""
@@ -67,7 +102,7 @@ class EvictionPolicy:
         if self._over_share(owner, slot_size) and (own := self.order.oldest_of_owner(owner, slot_size)):
             return [own]  # a client past its fair share makes room from its own chunks
         oldest = self.order.oldest_of_size(slot_size)
-        found = self.order.pages.oldest(self.page_pinned)
+        found = self.order.pages.oldest(self._page_pinned)
         if oldest is not None and (found is None or oldest.used <= found[0]):
             return [oldest]
         if found is None:
@@ -104,7 +139,7 @@ class EvictionPolicy:
             assert (entry in self.order) == (entry.state not in PINNED), "the order holds exactly the evictable"
             evictable += entry.state not in PINNED
             stamps.append((entry.offset // page_size, entry.used))
-        assert pinned == self.page_pinned
+        assert pinned == self._page_pinned
         self.order.pages.check(stamps)
         self.order.check(evictable)
         assert owners == self._owner_bytes

@@ -2,7 +2,9 @@
 
 It translates messages to `ChunkIndex` calls and back, and nothing else. The endpoint has
 already decoded and bounded the frame and checked Hello; exceptions raised here become
-`ErrorReply`s through their `code`.
+`ErrorReply`s through their `code`. After each request it hands the index's events to the
+tiers (`flush_events`), so that a chunk a request committed is pinned for the write-behind
+before the next request can evict it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 
 if TYPE_CHECKING:
-    from kvdepot.server._tiering import TierSet
+    from kvdepot.server._tiering import Answer, TierSet
 from kvdepot.transport import (
     PROTOCOL_VERSION,
     Abort,
@@ -57,6 +59,7 @@ from kvdepot.transport import (
     Slot,
     Stats,
     StatsReply,
+    error_reply_from,
 )
 
 log = structlog.get_logger(__name__)
@@ -85,7 +88,16 @@ class CacheHandler:
         chunk_size: int,
         server_id: str = "",
         clock: Callable[[], float] = time.monotonic,
+        tiers: TierSet | None = None,
+        extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict,
+        client_connected: Callable[[str], bool] = lambda client: False,
+        admin_allowed: bool = True,
     ) -> None:
+        """``tiers``: the tiers below RAM, if any (lookups that miss RAM ask them, commits are
+        written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
+        transport counters); ``client_connected``: whether another live connection still speaks
+        for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
+        socket, or tcp with a shared secret), so that Clear and SetQuota may be served."""
         self.index = index
         # layout name -> (fingerprint, chunk bytes) of the first client that registered it
         self.layouts: dict[str, tuple[str, int]] = {}
@@ -95,14 +107,10 @@ class CacheHandler:
         self.reclaimed_leases = 0
         self.reclaimed_reservations = 0
         self.clock = clock
-        # Extra figures the server adds to Stats (pool path, transport counters, ...).
-        self.extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict
-        # Whether another live connection still speaks for a client id (set by the server).
-        self.client_connected: Callable[[str], bool] = lambda client: False
-        # Whether every peer is the owner: an owner-only ipc socket, or tcp with a shared secret.
-        self.admin_allowed = True
-        # The tiers below RAM, when the server has any: lookups that miss RAM ask them.
-        self.tiers: TierSet | None = None
+        self.extra_stats = extra_stats
+        self.client_connected = client_connected
+        self.admin_allowed = admin_allowed
+        self.tiers = tiers
         self._ranking = SaltRanking(index, SALT_RANKING_S)
         self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
@@ -123,7 +131,24 @@ class CacheHandler:
     # -- transport.Handler ----------------------------------------------------------------
 
     def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody | Deferred:
-        return self._table[type(body)](peer.client_id, body, self.clock())
+        try:
+            return self._table[type(body)](peer.client_id, body, self.clock())
+        finally:
+            self.flush_events()
+
+    def flush_events(self) -> None:
+        """Hand what happened in the index to its consumers (loop thread: after every request,
+        and after every pass of the server's own work)."""
+        events = self.index.take_events()
+        if events and self.tiers is not None:
+            self.tiers.take(events)
+
+    def answer(self, answer: Answer) -> ReplyBody:
+        """The reply to a lookup the tiers are done with: from RAM, as it stands now."""
+        try:
+            return self.lookup_reply(answer.client, answer.items, self.clock())
+        except Exception as exc:  # the client left meanwhile, or its leases are at their limit
+            return error_reply_from(exc)
 
     def peer_gone(self, peer: PeerInfo) -> None:
         if self.client_connected(peer.client_id):

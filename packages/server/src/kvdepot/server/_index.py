@@ -8,9 +8,13 @@ The index is the manager; two collaborators hold the rest, as vLLM splits its of
 manager from its policies:
 
 - `Sessions` (`_sessions.py`): client sessions, reservations, leases and their deadlines;
-- `EvictionPolicy` (`_eviction.py`): which chunks give way to a new one.
+- `EvictionPolicy` (`_eviction.py`): which chunks give way to a new one, and the use order
+  and page pins it picks them from (behind its methods).
 
 A chunk's state moves only through `_step`, by the table in `_chunk_state.py`.
+
+The index never calls out. What others must know (a chunk committed, evicted or cleared) it
+queues as events (`_events.py`), which the server's loop takes with `take_events()`.
 
 Rules that hold after every method returns (`check()` asserts them):
 
@@ -25,11 +29,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._chunk_state import LIVE, MOVES, VISIBLE, ChunkEvent, ChunkState, move
 from kvdepot.server._errors import ServerArgumentError, ServerError, UnknownReservationError
+from kvdepot.server._events import Cleared, Committed, Evicted, IndexEvent
 from kvdepot.server._eviction import EvictionPolicy
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._records import Entry, Lease, Reservation
@@ -81,7 +86,10 @@ class ChunkIndex:
         max_client_pending_bytes: int | None = None,
         headers: SlotHeaders | None = None,
         default_quota: int | None = None,
+        events: bool = False,
     ) -> None:
+        """``events``: queue what happens for `take_events()` (the server does; a caller that
+        never takes them leaves it off, so they cannot pile up)."""
         self.allocator = allocator
         self.headers = headers or SlotHeaders()  # each slot's header says what it holds
         self.default_quota = default_quota  # bytes of a salt without a quota of its own (None: no limit)
@@ -97,12 +105,10 @@ class ChunkIndex:
             max_pending_with_floors=int(allocator.capacity * MAX_PENDING_WITH_FLOORS_FRACTION),
         )
         self.policy = EvictionPolicy(allocator, self._residents, self.sessions)
-        self._page_pinned, self._page_size = self.policy.page_pinned, allocator.page_size
         self._entries: dict[EntryKey, Entry] = {}
         self._by_offset: dict[int, Entry] = {}
         self._in_state = dict.fromkeys(LIVE, 0)  # chunks per state
-        # Called with (client, entries) after each commit that made chunks visible (the tiers' write-behind).
-        self.on_commit: Callable[[str, list[Entry]], None] | None = None
+        self._events: list[IndexEvent] | None = [] if events else None
         self._salt_bytes: dict[str, int] = {}  # slot bytes per salt, pending chunks included
         self._salt_chunks: dict[str, int] = {}  # visible chunks per salt
         self._quotas: dict[str, int] = {}
@@ -179,8 +185,7 @@ class ChunkIndex:
                     present.append(index)
                     if entry.state is S.COMMITTED and id(entry) not in found:
                         found[id(entry)] = entry
-                        self.policy.order.drop(entry)
-                        self._page_pinned[entry.offset // self._page_size] += 1
+                        self.policy.hold(entry)
                     continue
                 if full:
                     continue
@@ -194,8 +199,7 @@ class ChunkIndex:
                 slots.append((index, offset + SLOT_HEADER_BYTES, chunk_bytes))
         finally:
             for entry in found.values():  # a reserve that finds a chunk counts as a use of it
-                self._page_pinned[entry.offset // self._page_size] -= 1
-                self.policy.order.add(entry)
+                self.policy.unhold(entry)
         self.full_reserves += full
         if not reservation.pending:
             return ReserveOutcome(0, slots, present, full)
@@ -216,7 +220,8 @@ class ChunkIndex:
                 reservation_id=reservation_id,
             )
         chosen = list(reservation.pending) if indices is None else list(indices)
-        committed: list[Entry] = []
+        committed = 0
+        events = self._events
         for index in chosen:
             entry = reservation.pending.pop(index, None)
             if entry is None:
@@ -225,12 +230,12 @@ class ChunkIndex:
             self.headers.published(entry.offset)
             self.sessions.pend(session, -entry.slot_size)
             self.bytes_stored += entry.length
-            committed.append(entry)
+            committed += 1
+            if events is not None:
+                events.append(Committed(entry.salt, entry.key, entry.length, client))
         if not reservation.pending:
             self.sessions.end_reservation(reservation)
-        if self.on_commit is not None and committed:
-            self.on_commit(client, committed)
-        return len(committed)
+        return committed
 
     def abort(self, client: str, reservation_id: int) -> int:
         """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""
@@ -301,9 +306,11 @@ class ChunkIndex:
         Returns (removed, more): `more` when some are left. A large clear takes several
         requests, so that other clients are served in between.
         """
-        victims = self.policy.order.evictable(salt, limit + 1)
+        victims = self.policy.evictable(salt, limit + 1)
         for entry in victims[:limit]:
             self._remove(entry)
+            if self._events is not None:
+                self._events.append(Cleared(entry.salt, entry.key, entry.length))
         return min(len(victims), limit), len(victims) > limit
 
     def set_quota(self, salt: str, max_bytes: int | None) -> dict[str, int]:
@@ -322,6 +329,14 @@ class ChunkIndex:
 
     def quotas(self) -> dict[str, int]:
         return dict(self._quotas)
+
+    def take_events(self) -> list[IndexEvent]:
+        """What happened since the last call, oldest first (the loop thread takes them)."""
+        events = self._events
+        if not events:
+            return []
+        self._events = []
+        return events
 
     def quota_of(self, salt: str) -> int | None:
         """The bytes `salt` may hold (None: no limit); one dict read, safe from the tiers' threads."""
@@ -409,14 +424,9 @@ class ChunkIndex:
             in_state[old] -= 1
         if new is not _FREE:
             in_state[new] += 1
-        if old is _COMMITTED:
-            self.policy.order.drop(entry)
-        if pinned:
-            self._page_pinned[entry.offset // self._page_size] += pinned
+        self.policy.moved(entry, old, new, pinned)
         if visible:
             _add(self._salt_chunks, entry.salt, visible)
-        if new is _COMMITTED:
-            self.policy.order.add(entry)
 
     def _residents(self, page: int) -> Iterator[Entry]:
         """The chunks in `page`'s slots."""
@@ -448,12 +458,7 @@ class ChunkIndex:
     def _slot_possible(self, salt: str, slot_size: int) -> bool:
         """Whether a slot of `slot_size` is free, can be freed by the policy, or is what evicting
         the salt's own oldest chunk frees (the quota's first victim)."""
-        order = self.policy.order  # what `victims` would choose from, without its side effects
-        if (
-            self.allocator.can_allocate(slot_size)
-            or order.oldest_of_size(slot_size) is not None
-            or order.pages.oldest(self._page_pinned) is not None
-        ):
+        if self.allocator.can_allocate(slot_size) or self.policy.can_free(slot_size):
             return True
         oldest = self.policy.quota_victim(salt)
         return oldest is not None and oldest.slot_size == slot_size
@@ -471,6 +476,8 @@ class ChunkIndex:
     def _evict(self, entry: Entry) -> None:
         self._remove(entry)
         self.evictions += 1
+        if self._events is not None:
+            self._events.append(Evicted(entry.salt, entry.key, entry.length))
 
     def _remove(self, entry: Entry) -> None:
         self._step(entry, _REMOVE)

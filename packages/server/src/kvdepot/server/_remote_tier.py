@@ -76,6 +76,7 @@ class RemoteTier:
         password_env: str | None = None,
         ssl_ca_certs: str | None = None,
         ttl: float | None = None,
+        quota_of: Callable[[str], int | None] | None = None,
         connect_timeout: float = CONNECT_TIMEOUT,
         op_timeout: float = OP_TIMEOUT,
         read_timeout: float = READ_TIMEOUT,
@@ -94,8 +95,8 @@ class RemoteTier:
             ) from exc
         self.prefix = prefix
         #: The bytes a salt may hold in this tier, counted across every server sharing it (None:
-        #: no limit of its own). Called on the writing thread; the server sets it to its quotas.
-        self.quota_of: Callable[[str], int | None] | None = None
+        #: no limit of its own). Called on the writing thread; the server passes its quotas.
+        self.quota_of = quota_of
         self.ttl_ms = None if ttl is None else max(1, int(ttl * 1000))
         self.read_timeout = read_timeout
         self._counters = Counters()

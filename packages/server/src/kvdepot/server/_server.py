@@ -11,6 +11,7 @@ import contextlib
 import os
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import open_endpoint
+from kvdepot.transport import Waker, open_endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -113,38 +114,60 @@ class CacheServer:
                 free=free,
             )
         self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
-        self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
-        self.index = ChunkIndex(
-            self.allocator,
-            lease_ttl=config.lease_ttl,
-            reservation_ttl=config.reservation_ttl,
-            default_quota=config.default_quota,
-            session_ttl=float("inf"),  # liveness comes from the endpoint's peer_gone
-            headers=SlotHeaders(self.pool.buffer),
-        )
         self.metrics = Metrics()
-        self._metric_salts = SaltRanking(self.index, METRIC_SALT_RANKING_S)
         self.bad_frames = BadFrameCounter()
         self.started_at = time.monotonic()
         self._stop = threading.Event()
+        self._closed = False
+        #: Why the server stopped by itself (None while serving, or after `stop()`).
+        self.failure: str | None = None
         #: Full garbage collections on the loop's schedule; `kvdepot serve` takes them over.
         self.collector = Collector(time.monotonic)
-        try:
+        # Each part is built from the ones before it, and closed in the reverse order, whether
+        # the server closes or a later part fails to build.
+        with contextlib.ExitStack() as parts:
+            self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
+            parts.callback(self.pool.close)
+            headers = SlotHeaders(self.pool.buffer)
+            parts.callback(headers.close)
+            self.index = ChunkIndex(
+                self.allocator,
+                lease_ttl=config.lease_ttl,
+                reservation_ttl=config.reservation_ttl,
+                default_quota=config.default_quota,
+                session_ttl=float("inf"),  # liveness comes from the endpoint's peer_gone
+                headers=headers,
+                events=True,
+            )
+            self._metric_salts = SaltRanking(self.index, METRIC_SALT_RANKING_S)
+            parts.callback(self.metrics.close)
+            waker = Waker()
+            self.tiers = self._open_tiers(config, waker, parts)
+            server_id = uuid.uuid4().hex
             self.handler = CacheHandler(
-                self.index, pool_path=str(self.pool.path), pool_size=self.pool.size, chunk_size=config.chunk_size
+                self.index,
+                pool_path=str(self.pool.path),
+                pool_size=self.pool.size,
+                chunk_size=config.chunk_size,
+                server_id=server_id,
+                tiers=self.tiers,
+                extra_stats=self._extra_stats,
+                client_connected=self._client_connected,
+                admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
             )
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
             if config.peer_timeout is not None:
                 kwargs["peer_timeout"] = config.peer_timeout
             self.endpoint = open_endpoint(
-                config.address, self.handler, on_bad_frame=lambda bad: self.bad_frames.add(bad.peer), **kwargs
+                config.address,
+                self.handler,
+                waker=waker,
+                server_id=server_id,
+                on_bad_frame=lambda bad: self.bad_frames.add(bad.peer),
+                **kwargs,
             )
-            self.handler.server_id = self.endpoint.server_id
-            self.handler.extra_stats = self._extra_stats
-            self.handler.client_connected = self._client_connected
-            self.handler.admin_allowed = not (self.address.startswith("tcp://") and not config.auth_secret)
-            self.tiers = self._open_tiers(config)
-            self.handler.tiers = self.tiers
+            parts.callback(self.endpoint.close)
+            parts.callback(self.collector.give_back)
             if config.metrics_port is not None:
                 try:
                     self.metrics.serve(config.metrics_port, config.metrics_host)
@@ -152,18 +175,8 @@ class CacheServer:
                     if config.metrics_required:
                         raise
                     log.warning("metrics_unavailable", reason=exc.message)
-        except BaseException:
-            if getattr(self, "tiers", None) is not None:
-                self.tiers.close()  # type: ignore[union-attr]
-            self.index.headers.close()
-            self.pool.close()
-            if hasattr(self, "endpoint"):
-                self.endpoint.close()
-            raise
-        self._publish()
-        self._closed = False
-        #: Why the server stopped by itself (None while serving, or after `stop()`).
-        self.failure: str | None = None
+            self._publish()
+            self._parts = parts.pop_all()
 
     @property
     def address(self) -> str:
@@ -197,7 +210,9 @@ class CacheServer:
             while not self._stop.is_set():
                 self.endpoint.poll_once(POLL_INTERVAL)
                 if self.tiers is not None:
-                    self.tiers.run()
+                    for answer in self.tiers.run():
+                        self.endpoint.send_deferred(answer.deferred, self.handler.answer(answer))
+                self.handler.flush_events()
                 if not self.pool.intact():
                     self.failure = f"the pool file {self.pool.path} was truncated under the server"
                     log.error("pool_truncated", path=str(self.pool.path), reason="stopping: its slots are gone")
@@ -224,13 +239,7 @@ class CacheServer:
             return
         self._closed = True
         self._stop.set()
-        if self.tiers is not None:
-            self.tiers.close()
-        self.collector.give_back()
-        self.endpoint.close()
-        self.metrics.close()
-        self.index.headers.close()
-        self.pool.close()
+        self._parts.close()
         log.info("server_stopped", address=self.address, pool=str(self.pool.path))
 
     def __enter__(self) -> CacheServer:
@@ -253,41 +262,40 @@ class CacheServer:
             extra.update(self.tiers.stats())
         return extra
 
-    def _open_tiers(self, config: ServerConfig) -> TierSet | None:
-        """The tiers below RAM that `config` asks for (disk first, then remote), or None."""
+    def _open_tiers(self, config: ServerConfig, waker: Waker, parts: contextlib.ExitStack) -> TierSet | None:
+        """The tiers below RAM that `config` asks for (disk first, then remote), or None; each is
+        closed with `parts` (the tier set closes them all once it is built)."""
         tiers: list[Tier] = []
-        try:
+        with contextlib.ExitStack() as opened:
             if config.disk_dir is not None:
                 if config.disk_capacity is None:  # half its free space (the tier counts its own files as free)
                     config.disk_dir.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                tiers.append(DiskTier(config.disk_dir, config.disk_capacity))
+                disk = DiskTier(config.disk_dir, config.disk_capacity, quota_of=self.index.quota_of)
+                tiers.append(opened.enter_context(disk))
             if config.remote_url is not None:
-                tiers.append(
-                    RemoteTier(
-                        config.remote_url,
-                        password_file=config.remote_password_file,
-                        password_env=config.remote_password_env,
-                        prefix=config.remote_prefix,
-                        ttl=config.remote_ttl,
-                        ssl_ca_certs=str(config.remote_ca_file) if config.remote_ca_file is not None else None,
-                    )
+                remote = RemoteTier(
+                    config.remote_url,
+                    password_file=config.remote_password_file,
+                    password_env=config.remote_password_env,
+                    prefix=config.remote_prefix,
+                    ttl=config.remote_ttl,
+                    ssl_ca_certs=str(config.remote_ca_file) if config.remote_ca_file is not None else None,
+                    quota_of=self.index.quota_of,
                 )
-        except BaseException:
-            for tier in tiers:
-                tier.close()
-            raise
-        if not tiers:
-            return None
-        return TierSet(
-            tiers,
-            self.index,
-            self.pool.buffer,
-            wake=self.endpoint.wake,
-            answer=self.endpoint.send_deferred,
-            lookup=self.handler.lookup_reply,
-            read_deadline=config.tier_deadline,
-            read_deadline_per_chunk=config.tier_deadline_per_chunk,
-        )
+                tiers.append(opened.enter_context(remote))
+            if not tiers:
+                return None
+            tier_set = TierSet(
+                tiers,
+                self.index,
+                self.pool.buffer,
+                wake=waker.wake,
+                read_deadline=config.tier_deadline,
+                read_deadline_per_chunk=config.tier_deadline_per_chunk,
+            )
+            opened.pop_all()  # the tier set closes them now
+        parts.callback(tier_set.close)
+        return tier_set
 
     def _client_connected(self, client: str) -> bool:
         return any(peer.client_id == client for peer in self.endpoint.peers)

@@ -121,6 +121,12 @@ class Tier(Protocol):
 
     kind: str
 
+    @property
+    def state(self) -> TierState:
+        """UP while the tier is worth asking; DOWN while its calls would only fail (the remote
+        tier between a lost connection and the next probe that finds it back)."""
+        ...
+
     def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
         """Write the chunks (one batch); True where a chunk is now in the tier."""
         ...

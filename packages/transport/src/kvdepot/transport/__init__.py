@@ -42,7 +42,7 @@ from kvdepot.transport._errors import (
     UntrustedAddressError,
     VersionMismatchError,
 )
-from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
+from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo, Waker
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -158,6 +158,7 @@ __all__ = [
     "UnknownReservationError",
     "UntrustedAddressError",
     "VersionMismatchError",
+    "Waker",
     "__version__",
     "check_ipc_trusted",
     "decode_reply",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,6 +39,36 @@ class Deferred:
     identity: bytes = b""
     request_id: int = 0
     request: type | None = None
+
+
+class Waker:
+    """Ends a server loop's wait early, from any thread: work for the loop is waiting.
+
+    Made before the endpoint, so that the handler's collaborators (which the endpoint needs
+    first) can be given it in their constructors; `open_endpoint(..., waker=waker)` connects
+    it. A wake before that is kept, and delivered when it is connected."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._target: Callable[[], None] | None = None
+        self._held = False  # woken before it was connected
+
+    def wake(self) -> None:
+        with self._lock:
+            target = self._target
+            if target is None:
+                self._held = True
+                return
+        target()
+
+    def connect(self, target: Callable[[], None]) -> None:
+        """Deliver every wake to ``target`` (the endpoint's own), once; `open_endpoint` calls it."""
+        with self._lock:
+            if self._target is not None:
+                raise RuntimeError("this waker is connected to an endpoint already")
+            self._target, held = target, self._held
+        if held:
+            target()
 
 
 @dataclass(frozen=True, slots=True)

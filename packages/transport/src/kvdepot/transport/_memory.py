@@ -77,6 +77,7 @@ class MemoryServerEndpoint(ServerEndpoint):
         curve_secret_key: bytes | None = None,  # nothing travels on a wire: ignored
         context: Any = None,
         on_bad_frame: Callable[[BadFrame], None] | None = None,
+        server_id: str | None = None,
     ) -> None:
         if not address or not address.startswith(MEMORY_SCHEME):
             raise LocalProtocolError(f"a memory endpoint needs a memory://NAME address, not {address!r}")
@@ -86,6 +87,7 @@ class MemoryServerEndpoint(ServerEndpoint):
             peer_timeout=peer_timeout,
             auth_secret=auth_secret,
             on_bad_frame=on_bad_frame,
+            server_id=server_id,
         )
         self.address = address
         self.name = address[len(MEMORY_SCHEME) :]

@@ -114,6 +114,7 @@ class _EndpointBase:
         peer_timeout: float,
         auth_secret: str | None,
         on_bad_frame: Callable[[BadFrame], None] | None,
+        server_id: str | None = None,
     ) -> None:
         self.dispatcher = Dispatcher(
             handler,
@@ -123,7 +124,7 @@ class _EndpointBase:
             auth_secret=auth_secret,
             on_bad_frame=on_bad_frame,
         )
-        self.server_id = uuid.uuid4().hex
+        self.server_id = server_id or uuid.uuid4().hex
         self._stopping = threading.Event()
         self._closed = False
         self._serving = threading.Lock()
@@ -231,6 +232,7 @@ class ServerEndpoint(_EndpointBase):
         curve_secret_key: bytes | None = None,
         context: zmq.Context[Any] | None = None,
         on_bad_frame: Callable[[BadFrame], None] | None = None,
+        server_id: str | None = None,
     ) -> None:
         address = address or default_address()
         if address.startswith(MEMORY_SCHEME):
@@ -244,6 +246,7 @@ class ServerEndpoint(_EndpointBase):
             peer_timeout=peer_timeout,
             auth_secret=auth_secret,
             on_bad_frame=on_bad_frame,
+            server_id=server_id,
         )
         self._own_context = context is None
         self._context = context or zmq.Context()
