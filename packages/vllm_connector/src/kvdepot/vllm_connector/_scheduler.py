@@ -7,7 +7,8 @@ planner events and never waits on the server beyond one bounded moment per step:
   chunks vLLM's own prefix cache already holds are not asked for. The queued lookups of a
   scheduling pass leave together, as one message, the first time vLLM asks for a match.
 - Hits are loaded asynchronously: the request waits in vLLM's waiting-for-remote-KV state,
-  the worker copies on its own thread, and vLLM adds the blocks to its prefix cache only
+  the worker copies them (on a GPU on its copy thread; on a CPU on the engine's thread at a
+  step's end, paced), and vLLM adds the blocks to its prefix cache only
   once every worker has reported the copy. The leases are given back only then.
 - A finished request's stores may still be copying. Where vLLM's model runner lets a
   connector wait before it writes any block it hands out (the V1 runner: vLLM's choice on a
