@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import zmq
+from structlog.testing import capture_logs
 
 import kvdepot.transport as t
 from kvdepot.transport._io import IOLoop, ReplyFuture
@@ -497,6 +498,64 @@ def test_reply_future_is_a_full_concurrent_future() -> None:
     assert seen == [5, 6]
     with pytest.raises(concurrent.futures.InvalidStateError):
         pending.set_result(6)
+
+
+# How long a done-callback below waits for a later one before it gives up. The later one
+# never runs meanwhile (one settler, one callback at a time), so this is only ever waited out.
+WAIT_FOR_LATER_CALLBACK_S = 1.0
+
+
+def test_done_callbacks_run_one_at_a_time_in_settling_order() -> None:
+    """Done-callbacks run on one settler thread, in the order their futures were settled: one that
+    waits on a later callback waits out its own timeout (no second settler runs the later one
+    meanwhile), and then the rest follow in order."""
+    later_ran = threading.Event()
+    ran: list[int] = []
+    threads: set[int] = set()
+    waited_alone: list[bool] = []
+
+    def first(_f: Any) -> None:
+        threads.add(threading.get_ident())
+        waited_alone.append(not later_ran.wait(WAIT_FOR_LATER_CALLBACK_S))
+        ran.append(0)
+
+    def later(i: int) -> Any:
+        def callback(_f: Any) -> None:
+            threads.add(threading.get_ident())
+            later_ran.set()
+            ran.append(i)
+
+        return callback
+
+    futures = [ReplyFuture(IOLoop.shared()) for _ in range(50)]
+    futures[0].add_done_callback(first)
+    for i, fut in enumerate(futures[1:], 1):
+        fut.add_done_callback(later(i))
+    for i, fut in enumerate(futures):
+        fut.set_result(i)
+    assert all(f.result(0) == i for i, f in enumerate(futures))  # settled at once, callbacks or not
+    assert wait_until(lambda: len(ran) == 50, timeout=WAIT_FOR_LATER_CALLBACK_S + 10), ran
+    assert waited_alone == [True]
+    assert ran == list(range(50))
+    assert len(threads) == 1
+
+
+def test_a_batch_of_callbacks_runs_in_order_and_survives_a_failing_one() -> None:
+    """A batch handed to the settler (a client's reconnect callbacks) runs in order after earlier
+    batches; a callback that raises is logged and the ones after it still run."""
+    loop = IOLoop.shared()
+    ran: list[str] = []
+
+    def fail() -> None:
+        ran.append("fail")
+        raise RuntimeError("boom")
+
+    with capture_logs() as logs:
+        loop.call_soon(loop.run_callbacks, [lambda: ran.append("a1"), fail, lambda: ran.append("a3")])
+        loop.call_soon(loop.run_callbacks, [lambda: ran.append("b1"), lambda: ran.append("b2")])
+        assert wait_until(lambda: len(ran) == 5, timeout=10), ran
+    assert ran == ["a1", "fail", "a3", "b1", "b2"]
+    assert [e["event"] for e in logs if e["event"] == "client_callback_failed"] == ["client_callback_failed"]
 
 
 class _RecordingConn:

@@ -84,3 +84,56 @@ def test_every_key_is_documented():
 
     doc = (Path(__file__).resolve().parents[3] / "docs" / "vllm.md").read_text()
     assert all(f"`{key}`" in doc for key in KEYS)
+
+
+def test_values_as_a_command_line_writes_them():
+    """Numbers and booleans may come as strings, booleans also as yes/no or on/off in any case;
+    an explicit null start_server means its default."""
+    config = ConnectorConfig.from_extra_config(
+        {
+            "kvdepot.lookup_timeout": "0.5",
+            "kvdepot.load_step_share": "1",
+            "kvdepot.prefault_pool": "Off",
+            "kvdepot.test.fail_loads": "YES",
+            "kvdepot.test.load_delay": 2,
+            "kvdepot.start_server": None,
+            "lmcache.mp.host": "tcp://10.0.0.1",
+            "lmcache.mp.port": "6000",
+        },
+        lmcache_backend=True,
+    )
+    assert (config.lookup_timeout, config.load_step_share, config.load_delay) == (0.5, 1.0, 2.0)
+    assert (config.prefault_pool, config.fail_loads) == (False, True)
+    assert config.address == "tcp://10.0.0.1:6000"
+    assert config.start_server is False  # an address is set
+    assert ConnectorConfig.from_extra_config({"kvdepot.start_server": "on"}).start_server is True
+
+
+@pytest.mark.parametrize(
+    ("extra", "allowed"),
+    [
+        ({"kvdepot.timeout": True}, "a positive number of seconds"),
+        ({"kvdepot.lookup_timeout": "nan"}, "a positive number of seconds"),
+        ({"kvdepot.load_step_share": 1.5}, "more than 0 and at most 1"),
+        ({"kvdepot.load_step_share": "0"}, "more than 0 and at most 1"),
+        ({"kvdepot.prefault_pool": 2}, "a boolean"),
+        ({"kvdepot.test.fail_loads": None}, "a boolean"),
+        ({"kvdepot.chunk_size": 256.0}, "a positive int"),
+        ({"lmcache.mp.port": "abc"}, "a port number"),
+        ({"lmcache.mp.port": 70000}, "a port number"),
+        ({"lmcache.mp.mq_timeout": "soon"}, "a positive number of seconds"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_it_allows(extra, allowed):
+    """A value of the wrong type or out of range is refused with InvalidArgumentError that names
+    the key as given (an LMCache key too) and says what the key allows."""
+    (key,) = extra
+    with pytest.raises(InvalidArgumentError, match=f"^{key} must be .*{allowed}") as info:
+        ConnectorConfig.from_extra_config(extra)
+    assert info.value.key == key
+
+
+def test_a_null_secret_is_no_secret():
+    """`kvdepot.auth: null` in a JSON config means no secret, not the secret "None"."""
+    assert ConnectorConfig.from_extra_config({"kvdepot.auth": None}).auth == ""
+    assert ConnectorConfig.from_extra_config({"kvdepot.auth": "s3cret"}).auth == "s3cret"

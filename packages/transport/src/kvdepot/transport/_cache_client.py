@@ -1,8 +1,9 @@
 """`CacheClient`: one method per protocol operation, each returning a future of its reply.
 
 Futures are `concurrent.futures.Future`s. Callbacks added to a pending one run on the
-transport's settler thread (never on the I/O loop), so keep them short and thread-safe (one
-that blocks gets its successor a new settler thread). A future fails with
+transport's settler thread (never on the I/O loop), one at a time and in order, so keep
+them short and thread-safe (one that blocks holds up the rest; one may wait on a reply, never
+on another callback). A future fails with
 `DeadlineExceededError`, a `RemoteError` subclass for an error reply, `TransportBrokenError`
 when the connection drops under it, or `TransportClosedError` once the client is closed.
 """

@@ -6,10 +6,13 @@ sockets' FDs with it (`add_reader`). Other threads hand it work with `call_soon`
 Futures (`ReplyFuture`, a plain `concurrent.futures.Future`) are settled on the loop, so a
 thread waiting in `result()` wakes straight away; their done-callbacks run on another
 thread, the `Settler`'s, so that they never run on the loop: a callback may block, or wait
-on another reply, without stopping the loop that would deliver that reply. A settler stuck
-in a callback for longer than `SETTLER_STALL_S` while more wait behind it is replaced by a
-fresh one (the stuck one ends when its callback returns), so callbacks that wait on each
-other cannot deadlock.
+on another reply (the loop settles it, not the settler), without stopping the loop that
+would deliver that reply.
+
+There is one settler thread per process, and it runs callbacks one at a time, in the order
+the loop handed them over. So a callback must never wait on something that a later
+callback does (it would wait until its own timeout, or forever), and a slow callback holds
+up every later one of every client in the process.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import asyncio
 import os
 import queue
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
@@ -30,9 +32,6 @@ from kvdepot.transport._peercred import PeerUserCheck
 
 log = structlog.get_logger(__name__)
 
-# A settler busy this long in one batch of callbacks, with more callbacks waiting, is
-# presumed to wait on one of them and gets a replacement thread.
-SETTLER_STALL_S = 0.05
 SETTLER_THREAD_NAME = "kvdepot-transport-io"
 LOOP_THREAD_NAME = "kvdepot-transport-loop"
 
@@ -67,57 +66,24 @@ def settle(future: Future[Any], result: Any = None, error: BaseException | None 
 
 
 class Settler:
-    """Runs callbacks, in order, on a thread of its own (see the module docstring)."""
+    """Runs callbacks, one at a time and in order, on a thread of its own (see the module docstring)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[list[Callback]] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._busy_since: float | None = None  # of the current thread's batch
-        self.thread = self._start()
-
-    def _start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name=SETTLER_THREAD_NAME, daemon=True)
-        self.thread = thread
-        thread.start()
-        return thread
+        self.thread = threading.Thread(target=self._run, name=SETTLER_THREAD_NAME, daemon=True)
+        self.thread.start()
 
     def put(self, callbacks: list[Callback]) -> None:
-        """Queues callbacks (any thread)."""
+        """Queues callbacks, to run after everything queued before them (any thread)."""
         self._queue.put(callbacks)
 
-    def busy(self) -> bool:
-        """True while callbacks wait: queued, or in a batch being run."""
-        return self._busy_since is not None or not self._queue.empty()
-
-    def stalled(self, now: float) -> bool:
-        """True when the settler sits in one batch past SETTLER_STALL_S with more waiting."""
-        since = self._busy_since
-        return since is not None and now - since > SETTLER_STALL_S and not self._queue.empty()
-
-    def replace_if_stalled(self, now: float) -> None:
-        """Starts a fresh settler thread if the current one is stalled."""
-        with self._lock:
-            if self.stalled(now):
-                log.debug("settler_replaced", stalled_s=now - (self._busy_since or now))
-                self._busy_since = None
-                self._start()
-
     def _run(self) -> None:
-        me = threading.current_thread()
-        while self.thread is me:
-            batch = self._queue.get()
-            with self._lock:
-                mine = self.thread is me
-                if mine:
-                    self._busy_since = time.monotonic()
-            for callback in batch:
+        while True:
+            for callback in self._queue.get():
                 try:
                     callback()
                 except Exception:
                     log.exception("client_callback_failed")
-            with self._lock:
-                if self.thread is me:
-                    self._busy_since = None
 
 
 class IOLoop:
@@ -141,7 +107,6 @@ class IOLoop:
         self.loop = asyncio.new_event_loop()
         self.settler = Settler()
         self._peer_check: PeerUserCheck | None = None
-        self._checking = False  # a check of the settler is scheduled
         self._started = threading.Event()
         self.thread = threading.Thread(target=self._run, name=LOOP_THREAD_NAME, daemon=True)
         self.thread.start()
@@ -176,18 +141,5 @@ class IOLoop:
             self.call_soon(self.run_callbacks, callbacks)
 
     def run_callbacks(self, callbacks: list[Callback]) -> None:
-        """Hands callbacks to the settler; watches that it does not stall on them (loop thread)."""
-        settler = self.settler
-        busy = settler.busy()
-        settler.put(callbacks)
-        if busy and not self._checking:  # it may be waiting for one of these
-            self._checking = True
-            self.loop.call_later(SETTLER_STALL_S, self._check_settler)
-
-    def _check_settler(self) -> None:
-        """Replaces a stalled settler; looks again later while callbacks wait behind a busy one."""
-        settler = self.settler
-        settler.replace_if_stalled(time.monotonic())
-        self._checking = settler.busy()
-        if self._checking:
-            self.loop.call_later(SETTLER_STALL_S, self._check_settler)
+        """Hands callbacks to the settler, to run in order after those handed over before."""
+        self.settler.put(callbacks)

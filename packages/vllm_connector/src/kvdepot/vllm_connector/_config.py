@@ -7,9 +7,10 @@ kvdepot's own keys start with ``kvdepot.``; LMCache's multi-process keys
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any
 
 import attrs
+import msgspec
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE, InvalidArgumentError
 
@@ -48,34 +49,38 @@ KEYS = {
 }
 
 
-def _as_bool(name: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    if isinstance(value, int):
-        return bool(value)
-    raise InvalidArgumentError(f"{name} must be a boolean, got {value!r}", key=name, got=repr(value))
+# What msgspec.convert makes of each setting that is not a string, and what an error says it may
+# be. Not strict: a number or a bool may come as a string ("2.5", "true"), as a command line
+# writes it; only kvdepot.chunk_size is an int and nothing else, as it always was.
+_SECONDS = (Annotated[float, msgspec.Meta(gt=0)], "a positive number of seconds")
+_BOOL = "a boolean (true/false, 1/0, yes/no or on/off)"
+_KINDS: dict[str, tuple[Any, str]] = {
+    "kvdepot.timeout": _SECONDS,
+    "kvdepot.lookup_timeout": _SECONDS,
+    "kvdepot.heartbeat_interval": _SECONDS,
+    "kvdepot.chunk_size": (Annotated[int, msgspec.Meta(ge=1)], "a positive int"),
+    "kvdepot.start_server": (bool | None, _BOOL),  # None: the default
+    "kvdepot.prefault_pool": (bool, _BOOL),
+    "kvdepot.load_step_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
+    "kvdepot.test.fail_loads": (bool, _BOOL),
+    "kvdepot.test.load_delay": _SECONDS,
+    "lmcache.mp.port": (Annotated[int, msgspec.Meta(ge=1, le=65535)], "a port number (1 to 65535)"),
+    "lmcache.mp.mq_timeout": _SECONDS,
+    "lmcache.mp.heartbeat_interval": _SECONDS,
+}
+# Words for a bool that msgspec does not take (it takes true/false and 1/0, in any case).
+_BOOL_WORDS = {"yes": True, "on": True, "no": False, "off": False}
 
 
-def _as_float(name: str, value: Any) -> float:
+def _convert(key: str, value: Any) -> Any:
+    """The value of setting `key` as its kind, or InvalidArgumentError saying what `key` may be."""
+    type_, allowed = _KINDS[key]
+    # A word that means a bool becomes one; only the bool kinds take a bool.
+    word = _BOOL_WORDS.get(value.lower(), value) if isinstance(value, str) else value
     try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}", key=name) from None
-    if not out > 0:
-        raise InvalidArgumentError(f"{name} must be positive, got {value!r}", key=name)
-    return out
-
-
-def _as_share(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be a number, got {value!r}", key=name) from None
-    if not 0 < out <= 1:
-        raise InvalidArgumentError(f"{name} must be more than 0 and at most 1, got {value!r}", key=name)
-    return out
+        return msgspec.convert(word, type_, strict=key == "kvdepot.chunk_size")
+    except msgspec.ValidationError:
+        raise InvalidArgumentError(f"{key} must be {allowed}, got {value!r}", key=key, got=repr(value)) from None
 
 
 @attrs.frozen
@@ -106,42 +111,29 @@ class ConnectorConfig:
             raise InvalidArgumentError(
                 f"unknown kvdepot setting(s) {unknown}; known keys: {sorted(KEYS)}", keys=",".join(unknown)
             )
+        got = {key: _convert(key, value) for key, value in extra.items() if key in _KINDS}
         address = extra.get("kvdepot.address")
         if address is None and ("lmcache.mp.host" in extra or "lmcache.mp.port" in extra):
             host = str(extra.get("lmcache.mp.host", "tcp://localhost"))
             if "://" not in host:
                 host = f"tcp://{host}"
-            address = f"{host}:{int(extra.get('lmcache.mp.port', 5555))}"
-        timeout = extra.get("kvdepot.timeout", extra.get("lmcache.mp.mq_timeout", DEFAULT_TIMEOUT))
-        heartbeat = extra.get(
-            "kvdepot.heartbeat_interval", extra.get("lmcache.mp.heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)
-        )
-        chunk_size = extra.get("kvdepot.chunk_size", DEFAULT_CHUNK_SIZE)
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise InvalidArgumentError(f"kvdepot.chunk_size must be a positive int, got {chunk_size!r}")
-        start = extra.get("kvdepot.start_server")
+            address = f"{host}:{got.get('lmcache.mp.port', 5555)}"
+        start = got.get("kvdepot.start_server")
         capacity = extra.get("kvdepot.capacity")
         if capacity is None and offloading_gib:
             capacity = f"{offloading_gib:g}GiB"
+        heartbeat = got.get("lmcache.mp.heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)
         return cls(
             address=str(address) if address else None,
-            timeout=_as_float("kvdepot.timeout", timeout),
-            lookup_timeout=_as_float(
-                "kvdepot.lookup_timeout", extra.get("kvdepot.lookup_timeout", DEFAULT_LOOKUP_TIMEOUT)
-            ),
-            heartbeat_interval=_as_float("kvdepot.heartbeat_interval", heartbeat),
-            chunk_size=chunk_size,
-            start_server=_as_bool("kvdepot.start_server", start)
-            if start is not None
-            else lmcache_backend and not address,
+            timeout=got.get("kvdepot.timeout", got.get("lmcache.mp.mq_timeout", DEFAULT_TIMEOUT)),
+            lookup_timeout=got.get("kvdepot.lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
+            heartbeat_interval=got.get("kvdepot.heartbeat_interval", heartbeat),
+            chunk_size=got.get("kvdepot.chunk_size", DEFAULT_CHUNK_SIZE),
+            start_server=start if start is not None else lmcache_backend and not address,
             capacity=str(capacity) if capacity else None,
-            auth=str(extra.get("kvdepot.auth", "")),
-            prefault_pool=_as_bool("kvdepot.prefault_pool", extra.get("kvdepot.prefault_pool", True)),
-            load_step_share=_as_share(
-                "kvdepot.load_step_share", extra.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE)
-            ),
-            fail_loads=_as_bool("kvdepot.test.fail_loads", extra.get("kvdepot.test.fail_loads", False)),
-            load_delay=_as_float("kvdepot.test.load_delay", extra["kvdepot.test.load_delay"])
-            if "kvdepot.test.load_delay" in extra
-            else 0.0,
+            auth=str(extra.get("kvdepot.auth") or ""),  # null: no secret, never the secret "None"
+            prefault_pool=got.get("kvdepot.prefault_pool", True),
+            load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
+            fail_loads=got.get("kvdepot.test.fail_loads", False),
+            load_delay=got.get("kvdepot.test.load_delay", 0.0),
         )
