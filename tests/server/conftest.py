@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,12 +93,10 @@ class ServerProcess:
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
-    """A short private directory (ipc paths must stay under 108 bytes)."""
-    path = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
-    os.chmod(path, 0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def workdir(short_tmp: Path) -> Path:
+    """A short private directory (ipc paths must stay under 108 bytes), removed after the servers
+    and workers of the test have stopped (`serve` and `workers` use it, so they end first)."""
+    return short_tmp
 
 
 @pytest.fixture
@@ -151,7 +146,8 @@ class Workers:
 
 
 @pytest.fixture
-def workers() -> Iterator[Workers]:
+def workers(workdir: Path) -> Iterator[Workers]:
+    """Worker processes, killed before `workdir` (whose pool file they map) is removed."""
     pool = Workers()
     yield pool
     pool.close()

@@ -3,6 +3,7 @@
 `vllm_engine(model, prompts, ...)` runs one engine in a subprocess (tests/vllm/_engine_runner.py)
 and returns an `EngineResult`. Each engine gets a fresh process, so engines never share vLLM's
 process-global state, and a hung engine is killed (with its whole process group) at the timeout.
+`runtime_dir` is a private XDG_RUNTIME_DIR for tests of the server vLLM starts on demand.
 The `tiny_llama` and `stub_connector_registry` fixtures come from kvdepot.vllm_connector.testing.
 """
 
@@ -16,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,3 +202,33 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
         return _run_engine(tmp_path / "engines", model, prompts, **kwargs)
 
     return run
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie nobody reaped has stopped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+@pytest.fixture
+def runtime_dir(short_tmp: Path) -> Iterator[Path]:
+    """A private XDG_RUNTIME_DIR; the kvdepot server started on demand there (a process of its own
+    session, no child of the test) is stopped, and has exited, before the directory is removed."""
+    from kvdepot.vllm_connector._server import pid_path
+
+    yield short_tmp
+    try:
+        pid = int(pid_path(f"ipc://{short_tmp}/kvdepot/kvdepot.sock").read_text())
+    except (OSError, ValueError):
+        return  # no server was started
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+        deadline = time.monotonic() + wait_s
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not _running(pid):
+            return

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,20 +105,6 @@ class ApiServer:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(30)
         self.log.close()
-
-
-@pytest.fixture
-def runtime_dir() -> Iterator[Path]:
-    """A private XDG_RUNTIME_DIR; the kvdepot server started on demand there is stopped at the end."""
-    from kvdepot.vllm_connector._server import pid_path
-
-    runtime = Path(f"/tmp/kvd-api-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    runtime.mkdir(mode=0o700)
-    yield runtime
-    pid_file = pid_path(f"ipc://{runtime}/kvdepot/kvdepot.sock")
-    if pid_file.exists():
-        with contextlib.suppress(ProcessLookupError, ValueError):
-            os.kill(int(pid_file.read_text()), signal.SIGTERM)
 
 
 def server_log(runtime: Path) -> str:

@@ -12,7 +12,6 @@ test reaches at will: a cache reset while requests run, with and without preempt
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +35,8 @@ NUM_BLOCKS = 64
 
 
 @pytest.fixture
-def server() -> Iterator[kvdepot.server.ServerProcess]:
-    workdir = Path(f"/tmp/kvd-as-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
-    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="64MiB") as proc:
+def server(short_tmp: Path) -> Iterator[kvdepot.server.ServerProcess]:
+    with kvdepot.server.ServerProcess(f"ipc://{short_tmp}/kvdepot.sock", capacity="64MiB") as proc:
         yield proc
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -40,12 +39,9 @@ class ServerProcess(kvdepot.server.ServerProcess):
 
 
 @pytest.fixture
-def kvdepot_server() -> Iterator[ServerProcess]:
+def kvdepot_server(short_tmp: Path) -> Iterator[ServerProcess]:
     """A real kvdepot server process, stopped (and its shared memory removed) after the test."""
-    # ipc paths are limited to 107 bytes; pytest's tmp paths can be long.
-    workdir = Path(f"/tmp/kvd-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
-    with ServerProcess(workdir) as server:
+    with ServerProcess(short_tmp) as server:
         yield server
 
 
@@ -233,16 +229,13 @@ def test_separate_engine_core_and_worker_processes(tiny_llama, vllm_engine, kvde
     assert second.outputs == baseline.outputs
 
 
-def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engine, tmp_path):
+def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engine, runtime_dir):
     """`--kv-offloading-backend lmcache --kv-offloading-size N` gives kvdepot on a server started on demand."""
     from kvdepot.transport import default_address
-    from kvdepot.vllm_connector._server import pid_path
 
-    runtime = Path(f"/tmp/kvd-rt-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    runtime.mkdir(mode=0o700)
-    env = {"XDG_RUNTIME_DIR": str(runtime)}
+    env = {"XDG_RUNTIME_DIR": str(runtime_dir)}
     old = os.environ.get("XDG_RUNTIME_DIR")
-    os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    os.environ["XDG_RUNTIME_DIR"] = str(runtime_dir)
     try:
         address = default_address()
     finally:
@@ -252,21 +245,15 @@ def test_offloading_backend_lmcache_starts_a_local_server(tiny_llama, vllm_engin
             os.environ["XDG_RUNTIME_DIR"] = old
     flags = {"kv_offloading_backend": "lmcache", "kv_offloading_size": 0.25}
     p = prompt(600, seed=5)
-    try:
-        first = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
-        assert "started a local kvdepot server" in first.log_tail
-        stats = kvdepot.server.ServerProcess(address).stats()
-        assert stats.chunks == 2
-        assert stats.capacity_bytes == 256 * 2**20
-        second = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
-        assert "started a local kvdepot server" not in second.log_tail  # the first one is shared
-        assert second.num_cached_tokens == [512]
-        assert second.outputs == first.outputs
-    finally:
-        pid_file = pid_path(address)
-        if pid_file.exists():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    first = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
+    assert "started a local kvdepot server" in first.log_tail
+    stats = kvdepot.server.ServerProcess(address).stats()
+    assert stats.chunks == 2
+    assert stats.capacity_bytes == 256 * 2**20
+    second = vllm_engine(tiny_llama, [p], engine_kwargs=flags, env=env).check()
+    assert "started a local kvdepot server" not in second.log_tail  # the first one is shared
+    assert second.num_cached_tokens == [512]
+    assert second.outputs == first.outputs
 
 
 def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engine, tmp_path):
@@ -422,13 +409,11 @@ def fill_pool_after_lease_expiry(server: ServerProcess, done: threading.Event) -
     done.set()
 
 
-def test_a_hit_whose_lease_expired_and_slots_were_reused_is_recomputed(tiny_llama, vllm_engine):
+def test_a_hit_whose_lease_expired_and_slots_were_reused_is_recomputed(tiny_llama, vllm_engine, short_tmp):
     """A hit not loaded before its lease expired (--lease-ttl 1 standing in for a long stall) finds
     its slots reused by other chunks: the slot check fails the load and vLLM recomputes, so the
     output equals recompute's instead of decoding someone else's bytes."""
-    workdir = Path(f"/tmp/kvd-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
-    server = ServerProcess(workdir)
+    server = ServerProcess(short_tmp)
     server.args += ["--lease-ttl", "1"]
     x = P + prompt(200, seed=50)
     with server:

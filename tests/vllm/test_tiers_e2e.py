@@ -7,10 +7,7 @@ same prompt recomputed by an engine without kvdepot.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,11 +57,9 @@ class TierServer(kvdepot.server.ServerProcess):
 
 
 @pytest.fixture
-def workdir() -> Iterator[Path]:
-    path = Path(f"/tmp/kvd-{os.getpid()}-{time.monotonic_ns() % 10**9}")  # ipc paths are short
-    path.mkdir(mode=0o700)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
+def workdir(short_tmp: Path) -> Path:
+    """A short private directory for the servers' sockets, pools and disk tiers, removed at the end."""
+    return short_tmp
 
 
 _BASELINES: dict[int, list[list[int]]] = {}

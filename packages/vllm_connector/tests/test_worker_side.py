@@ -7,7 +7,6 @@ learns of them only through `get_finished` (and the failed blocks of a load in t
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -33,10 +32,8 @@ KEY = bytes(range(32))
 
 
 @pytest.fixture
-def server() -> Iterator[kvdepot.server.ServerProcess]:
-    workdir = Path(f"/tmp/kvd-ws-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
-    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="16MiB") as proc:
+def server(short_tmp: Path) -> Iterator[kvdepot.server.ServerProcess]:
+    with kvdepot.server.ServerProcess(f"ipc://{short_tmp}/kvdepot.sock", capacity="16MiB") as proc:
         yield proc
 
 
@@ -390,15 +387,14 @@ def test_a_failed_load_of_a_sliding_window_model_is_reported_per_request(client:
 
 
 @pytest.mark.parametrize("old_pool", ["left behind", "removed"])
-def test_a_server_restart_during_registration_never_maps_the_old_pool_under_the_new_id(old_pool):
+def test_a_server_restart_during_registration_never_maps_the_old_pool_under_the_new_id(old_pool, short_tmp):
     """The server restarts right after answering the worker's Register: the reply names the old
     instance's pool, and the client has already greeted the new one. The worker must not map that
     pool under the new instance's id (its stores would go into a file nobody serves, and their
     commits to the new instance would make its never-written slots hits); the registration the
     reconnection brings is the one that counts. The old pool file is either left behind (another
     --pool-dir) or removed by the new instance."""
-    base = Path(f"/tmp/kvd-wr-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    base.mkdir(mode=0o700)
+    base = short_tmp
     dirs = [base / "pool-a", base / ("pool-b" if old_pool == "left behind" else "pool-a")]
     for d in dirs:
         d.mkdir(mode=0o700, exist_ok=True)
@@ -491,15 +487,13 @@ def test_kv_tensors_with_another_number_of_blocks_than_the_engine_are_refused(cl
         make_worker(client, torch.randn((8, 2, BLOCK, 64)), num_blocks=9)
 
 
-def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(tmp_path) -> None:
+def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(short_tmp: Path) -> None:
     """A copy thread stalled between the reserve and the copy (a paused process): the server's
     reservation TTL, told at Register, bounds it. No byte lands in the slots, the reservation
     is aborted, and the store counts as late; a store in time goes through."""
-    workdir = Path(f"/tmp/kvd-ws-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
     args = ("--no-metrics", "--reservation-ttl", "1")
     with (
-        kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="16MiB", args=args) as proc,
+        kvdepot.server.ServerProcess(f"ipc://{short_tmp}/kvdepot.sock", capacity="16MiB", args=args) as proc,
         CacheClient(proc.address, timeout=5.0) as client,
     ):
         kv = torch.randn((8, 2, BLOCK, 64))

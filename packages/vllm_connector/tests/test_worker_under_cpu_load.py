@@ -42,10 +42,8 @@ BLOCK, CHUNK = 16, 32
 
 
 @pytest.fixture
-def server() -> Iterator[kvdepot.server.ServerProcess]:
-    workdir = Path(f"/tmp/kvd-load-{os.getpid()}-{time.monotonic_ns() % 10**9}")
-    workdir.mkdir(mode=0o700)
-    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="1GiB") as proc:
+def server(short_tmp: Path) -> Iterator[kvdepot.server.ServerProcess]:
+    with kvdepot.server.ServerProcess(f"ipc://{short_tmp}/kvdepot.sock", capacity="1GiB") as proc:
         yield proc
 
 

