@@ -368,3 +368,69 @@ def test_kvdepot_stats_shows_each_tier(serve, workdir, valkey_server):
     assert "2 chunks" in disk
     assert "up, " in remote
     assert "queue 0" in remote
+
+
+def test_a_query_reports_ram_disk_and_remote_per_salt_and_leases_nothing(serve, workdir, valkey_server):
+    """A router's Query to a real server with both tiers: what RAM holds, then the run below it,
+    and each tier's part, per salt; a second server that shares only the remote tier sees only
+    that. Nothing is leased or counted, and a lookup right after hits what the query said."""
+    args = (*POOL, "--disk-dir", str(workdir / "disk"), "--remote", valkey_server.url)
+    first = serve(*args)
+    a, b = keys("query-a", 6), keys("query-b", 3)
+    store(first.address, "tenant-a", a)
+    store(first.address, "tenant-b", b)
+    wait_for(lambda: extra(first, "tier:disk:objects") == 9 and extra(first, "tier:remote:writes") == 9)
+    with CacheClient(first.address, timeout=T) as client:
+        assert client.clear_all("tenant-a") == 6  # RAM only: the tiers keep them
+        store(first.address, "tenant-a", a[:2])
+        before = client.stats().result(T)
+        items = [("tenant-a", a), ("tenant-b", [*b, *a]), ("tenant-c", a)]
+        results = client.query(items).result(T).results
+        assert [(r.ram, r.below, r.tiers) for r in results] == [
+            (2, 4, {"disk": 4, "remote": 4}),
+            (3, 0, {"disk": 0, "remote": 0}),  # tenant-a's chunks are not tenant-b's
+            (0, 0, {"disk": 0, "remote": 0}),
+        ]
+        ram_only = client.query(items, tiers=False).result(T).results
+        assert [(r.ram, r.below) for r in ram_only] == [(2, 0), (3, 0), (0, 0)]
+        after = client.stats().result(T)
+        assert (after.leases, after.hits, after.misses) == (before.leases, before.hits, before.misses)
+    assert lookup(first.address, "tenant-a", a) == (6, True)
+    second = serve(*POOL, "--remote", valkey_server.url, where=workdir / "s2")
+    with CacheClient(second.address, timeout=T) as client:
+        (result,) = client.query([("tenant-a", a)]).result(T).results
+        assert (result.ram, result.below, result.tiers) == (0, 6, {"remote": 6})
+
+
+def test_kvdepot_query_keys_a_prompt_as_an_engine_does_and_prints_each_salt(serve, workdir):
+    """`kvdepot query` computes the prompt's chunk keys with kvdepot.core under the engine's
+    namespace and each salt, and prints what the server holds of it, RAM and disk."""
+    import json
+    import subprocess
+    import sys
+
+    from kvdepot.core import Namespace, chunk_keys
+
+    server = serve(*POOL, "--disk-dir", str(workdir / "disk"))
+    tokens = list(range(1000, 2280))  # five chunks of 256, and a partial one that has no key
+    prompt = chunk_keys(Namespace(model="m", layout="l", cache_salt="tenant-a"), tokens, chunk_size=256)
+    store(server.address, "tenant-a", prompt)
+    wait_for(lambda: extra(server, "tier:disk:objects") == 5)
+    with CacheClient(server.address, timeout=T) as client:
+        client.clear_all("tenant-a")
+    store(server.address, "tenant-a", prompt[:3])
+    command = [sys.executable, "-m", "kvdepot.server", "query", "--address", server.address]
+    command += ["--model", "m", "--layout", "l", "--salt", "tenant-a", "--salt", "tenant-b"]
+    command += ["--tokens", ",".join(map(str, tokens))]
+    rows = json.loads(
+        subprocess.run([*command, "--json"], capture_output=True, text=True, timeout=60, check=True).stdout
+    )
+    assert [(r["salt"], r["chunks"], r["ram"], r["below"], r["tiers"], r["hit_tokens"]) for r in rows] == [
+        ("tenant-a", 5, 3, 2, {"disk": 2}, 1280),
+        ("tenant-b", 5, 0, 0, {"disk": 0}, 0),
+    ]
+    table = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert table.splitlines()[0].split() == ["salt", "chunks", "ram", "below", "disk", "hit", "tokens"]
+    bad = subprocess.run([*command[:-2], "--tokens", "1,x"], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("kvdepot query:")

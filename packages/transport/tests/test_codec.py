@@ -32,6 +32,8 @@ REQUESTS = [
     t.SetQuota("salt", 1 << 30),
     t.SetQuota("salt", None),
     t.GetQuotas(),
+    t.Query([t.LookupItem("salt", [key(1), key(2)])]),
+    t.Query([t.LookupItem("", [key(1)])], tiers=False),
 ]
 REPLIES = [
     t.HelloReply(1, "0.1.0", "srv"),
@@ -46,6 +48,7 @@ REPLIES = [
     t.ClearReply(4),
     t.Pong(),
     t.QuotaReply({"a": 1}),
+    t.QueryReply([t.QueryResult(2, 3, {"disk": 3, "remote": 1}), t.QueryResult(0)]),
     t.ErrorReply("unknown_lease", "gone", {"lease_id": 4, "flag": True, "none": None}),
 ]
 

@@ -28,6 +28,7 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
+from kvdepot.server import _query_cli
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
@@ -363,6 +364,9 @@ def _run_stats(args: argparse.Namespace) -> int:
 BUILTIN_COMMANDS: list[Command] = [
     SimpleCommand("serve", "run a kvdepot cache server", _configure_serve, _run_serve),
     SimpleCommand("stats", "print the figures of a running server", _configure_stats, _run_stats),
+    SimpleCommand(
+        "query", "how long a prefix of a prompt a server holds, in RAM and below", _query_cli.configure, _query_cli.run
+    ),
 ]
 
 

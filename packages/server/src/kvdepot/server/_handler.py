@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, StalePoolError
-from kvdepot.server._index import ChunkIndex
+from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
+from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._results import IndexStats, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
@@ -45,6 +45,9 @@ from kvdepot.transport import (
     Ping,
     Pong,
     PoolInfo,
+    Query,
+    QueryReply,
+    QueryResult,
     QuotaReply,
     Register,
     RegisterReply,
@@ -126,6 +129,7 @@ class CacheHandler:
             Ping: self._ping,
             SetQuota: self._set_quota,
             GetQuotas: self._get_quotas,
+            Query: self._query,
         }
 
     # -- transport.Handler ----------------------------------------------------------------
@@ -144,7 +148,10 @@ class CacheHandler:
             self.tiers.take(events)
 
     def answer(self, answer: Answer) -> ReplyBody:
-        """The reply to a lookup the tiers are done with: from RAM, as it stands now."""
+        """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:
+        what RAM held when it came, and what the tiers hold past that)."""
+        if answer.held is not None:
+            return QueryReply([QueryResult(ram, below, tiers) for ram, below, tiers in answer.held])
         try:
             return self.lookup_reply(answer.client, answer.items, self.clock())
         except Exception as exc:  # the client left meanwhile, or its leases are at their limit
@@ -300,6 +307,15 @@ class CacheHandler:
         quotas = self.index.set_quota(body.salt, body.max_bytes)
         log.info("quota_set", peer=client, salt=body.salt, max_bytes=body.max_bytes)
         return QuotaReply(quotas=quotas)
+
+    def _query(self, client: str, body: Query, now: float) -> ReplyBody | Deferred:
+        """What this server holds of each item, without a lease (routers; see `Query`)."""
+        items: list[tuple[str, Sequence[bytes]]] = [(item.salt, item.keys) for item in body.items]
+        if (total := sum(len(keys) for _, keys in items)) > MAX_KEYS_PER_REQUEST:
+            raise ServerArgumentError(f"{total} keys in one query; send at most {MAX_KEYS_PER_REQUEST}", count=total)
+        if body.tiers and self.tiers is not None and (deferred := self.tiers.query(client, items)) is not None:
+            return deferred  # answered with the tiers' runs once the reader has probed them
+        return QueryReply([QueryResult(ram) for ram in self.index.prefix_lengths(items)])
 
     def _get_quotas(self, client: str, body: GetQuotas, now: float) -> ReplyBody:
         return QuotaReply(quotas=self.index.quotas())

@@ -102,6 +102,9 @@ class TierRead:
     per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
     prefix_leases: list[int] = attrs.field(factory=list)  # the tiers' leases on the RAM prefixes
     keys: int = 0  # the keys it asked for, counted against its client's bound
+    #: A Query's read: probed only, never placed or filled; answered with what the tiers hold
+    #: past these RAM prefixes (per item).
+    query_prefixes: list[int] | None = None
     state: ReadState = ReadState.PROBING
     # per item: for each key of the run found below RAM, the tiers that hold it, in asking order
     holders: list[list[list[int]]] = attrs.field(factory=list)
@@ -120,6 +123,18 @@ class TierRead:
                 event=event.value,
             ) from None
         return answers
+
+    def held_below(self, tiers: Sequence[Tier]) -> list[tuple[int, dict[str, int]]]:
+        """Per item, the run past its RAM prefix that the tiers hold (what a lookup would read
+        back), and how far into it each tier holds every key (nothing before the probe)."""
+        out = []
+        for item in range(len(self.missing)):
+            run = self.holders[item] if item < len(self.holders) else []
+            each = {}
+            for t, tier in enumerate(tiers):
+                each[tier.kind] = next((i for i, holders in enumerate(run) if t not in holders), len(run))
+            out.append((len(run), each))
+        return out
 
     def ref(self, item: int, i: int) -> ChunkRef:
         salt, keys = self.missing[item]

@@ -82,11 +82,14 @@ OVERDUE_GRACE_S = 1.0
 
 @attrs.frozen
 class Answer:
-    """A deferred lookup the tiers are done waiting for: the server answers it from RAM now."""
+    """A deferred lookup the tiers are done waiting for: the server answers it from RAM now.
+    For a Query, `held` says per item what RAM held when it came (its prefix), and what the
+    tiers hold past that: the run a lookup would read back, and each tier's part of it."""
 
     deferred: Deferred
     client: str
     items: list[tuple[str, Sequence[bytes]]]
+    held: list[tuple[int, int, dict[str, int]]] | None = None
 
 
 @attrs.define(eq=False)
@@ -159,6 +162,7 @@ class TierSet:
             "reads_refused": 0,
             "reads_expired": 0,
             "reads_overdue": 0,
+            "queries_deferred": 0,
             "pins_dropped": 0,
         }
         self._keys_of: dict[str, int] = {}  # per client: keys of its lookups waiting for the tiers
@@ -237,19 +241,9 @@ class TierSet:
         """Start reading the keys past each item's RAM prefix from the tiers; None when there
         is nothing to read (the caller answers from RAM at once). ``per_chunk``: the engine's
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
-        if self._closed or not any(up(t) for t in self.tiers):
+        if (start := self._may_read(client, items)) is None:
             return None
-        count = sum(len(keys) for _, keys in items)
-        if count > MAX_KEYS_PER_REQUEST:
-            return None  # the lookup from RAM refuses it with its typed error
-        own = self._keys_of.get(client, 0)
-        if own + count > MAX_READ_KEYS_PER_CLIENT or self._keys_waiting + count > MAX_READ_KEYS:
-            self.counters["reads_refused"] += 1
-            return None
-        prefixes = self.index.prefix_lengths(items)
-        missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
-        if not any(keys for _, keys in missing):
-            return None  # all in RAM: the common case costs no lease
+        count, _, missing = start
         leases: list[int] = []
         try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
             if self._prefix_leases + len(items) > MAX_PREFIX_LEASES:
@@ -260,13 +254,50 @@ class TierSet:
             pass
         started = time.monotonic()
         read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait(), per_chunk)
-        read.prefix_leases, read.keys = leases, count
-        self._open.append(read)
-        self._keys_of[client] = own + count
-        self._keys_waiting += count
+        read.prefix_leases = leases
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
-        self._reader.submit(client, lambda: self._post_probed(read, probe(self.tiers, read, self.read_deadline)))
+        return self._start(read, count)
+
+    def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | None:
+        """Start asking the tiers which keys past each item's RAM prefix they hold (a Query: no
+        slot, no lease, no transfer); None when there is nothing to ask (the caller answers
+        from RAM at once). Bounded as lookups are, with them."""
+        if (start := self._may_read(client, items)) is None:
+            return None
+        count, prefixes, missing = start
+        started = time.monotonic()
+        read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait())
+        read.query_prefixes = prefixes
+        self.counters["queries_deferred"] += 1
+        return self._start(read, count)
+
+    def _may_read(
+        self, client: str, items: list[tuple[str, Sequence[bytes]]]
+    ) -> tuple[int, list[int], list[tuple[str, list[bytes]]]] | None:
+        """(keys, RAM prefixes, keys past them) when the tiers are worth asking about `items`."""
+        if self._closed or not any(up(t) for t in self.tiers):
+            return None
+        count = sum(len(keys) for _, keys in items)
+        if count > MAX_KEYS_PER_REQUEST:
+            return None  # the answer from RAM refuses it with its typed error
+        own = self._keys_of.get(client, 0)
+        if own + count > MAX_READ_KEYS_PER_CLIENT or self._keys_waiting + count > MAX_READ_KEYS:
+            self.counters["reads_refused"] += 1
+            return None
+        prefixes = self.index.prefix_lengths(items)
+        missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
+        if not any(keys for _, keys in missing):
+            return None  # all in RAM: the common case costs no lease
+        return count, prefixes, missing
+
+    def _start(self, read: TierRead, count: int) -> Deferred:
+        """Count a read against its client's bound and hand it to the reader (loop thread)."""
+        read.keys = count
+        self._open.append(read)
+        self._keys_of[read.client] = self._keys_of.get(read.client, 0) + count
+        self._keys_waiting += count
+        self._reader.submit(read.client, lambda: self._post_probed(read, probe(self.tiers, read, self.read_deadline)))
         return read.deferred
 
     def longest_wait(self) -> float:
@@ -285,6 +316,9 @@ class TierSet:
         RAM prefix, then have the reader fill them (loop thread)."""
         self.counters["reads_expired"] += found.expired
         read.holders, read.sizes = found.holders, found.sizes
+        if read.query_prefixes is not None:  # a Query: answered with what the probe found
+            self._filled(read, [], ReadEvent.NOTHING)
+            return
         if not found.expired:
             read.deadline += self.deadline_for(found.longest, read.per_chunk)
         now = time.monotonic()
@@ -340,7 +374,11 @@ class TierSet:
             del self._keys_of[read.client]
 
     def _answer(self, read: TierRead) -> None:
-        self._answers.append(Answer(read.deferred, read.client, read.items))
+        held = None
+        if read.query_prefixes is not None:
+            below = read.held_below(self.tiers)
+            held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
+        self._answers.append(Answer(read.deferred, read.client, read.items, held))
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
         """Each tier's figures and its write queue, flat, for the Stats reply's `extra`."""

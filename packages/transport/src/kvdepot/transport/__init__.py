@@ -7,7 +7,7 @@ endpoint, transport pairs, the conformance suite) live in `kvdepot.transport.tes
 """
 
 from kvdepot.transport._address import check_ipc_trusted, default_address, ipc_path
-from kvdepot.transport._cache_client import Batch, CacheClient
+from kvdepot.transport._cache_client import Batch, CacheClient, query_prefixes
 from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -66,6 +66,9 @@ from kvdepot.transport._messages import (
     Ping,
     Pong,
     PoolInfo,
+    Query,
+    QueryReply,
+    QueryResult,
     QuotaReply,
     Register,
     RegisterReply,
@@ -128,6 +131,9 @@ __all__ = [
     "Pong",
     "PoolFullError",
     "PoolInfo",
+    "Query",
+    "QueryReply",
+    "QueryResult",
     "QuotaReply",
     "Register",
     "RegisterReply",
@@ -169,4 +175,5 @@ __all__ = [
     "error_reply_from",
     "ipc_path",
     "open_endpoint",
+    "query_prefixes",
 ]

@@ -43,6 +43,9 @@ from kvdepot.transport._messages import (
     LookupReply,
     Ping,
     Pong,
+    Query,
+    QueryReply,
+    QueryResult,
     QuotaReply,
     Register,
     RegisterReply,
@@ -108,6 +111,11 @@ class _Operations:
         `prefill_s_per_chunk`: how long the engine takes to compute a chunk; a server reading
         chunks through from a lower tier waits at most that per chunk the read would save."""
         return self._call(Lookup(_items(items), prefill_s_per_chunk))
+
+    def query(self, items: Iterable[LookupInput], *, tiers: bool = True) -> Future[QueryReply]:
+        """How long a prefix of each item the server holds, in RAM and (``tiers``) in the tiers
+        below; takes no lease and needs no Register. For routers: `QueryResult`."""
+        return self._call(Query(_items(items), tiers))
 
     def reserve(
         self, salt: str, keys: Sequence[bytes], chunk_bytes: int, *, server_id: str = ""
@@ -294,3 +302,25 @@ class Batch(_Operations):
             for call in self._calls:
                 call.token.cancel()
             self._calls = []
+
+
+def query_prefixes(
+    address: str | None,
+    items: Iterable[LookupInput],
+    *,
+    tiers: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    auth_secret: str | None = None,
+) -> list[QueryResult]:
+    """What the server at `address` holds of each item (salt, chunk keys), in RAM and in the
+    tiers below (``tiers``), through a short-lived client: Hello, Query and EndSession in one
+    message. For a router that asks now and then; one that asks per request keeps a
+    `CacheClient` and calls `query`. Takes no lease; needs no Register."""
+    client = CacheClient(address, timeout=timeout, client_name="kvdepot-query", auth_secret=auth_secret)
+    try:
+        with client.batch() as batch:
+            reply = batch.query(items, tiers=tiers)
+            batch.end_session()  # in the same message: the server forgets this client at once
+        return reply.result(timeout).results
+    finally:
+        client.close(end_session=False)

@@ -30,6 +30,9 @@ from kvdepot.transport._messages import (
     LookupReply,
     LookupResult,
     PoolInfo,
+    Query,
+    QueryReply,
+    QueryResult,
     QuotaReply,
     Register,
     RegisterReply,
@@ -198,6 +201,15 @@ class DictHandler:
 
     def _getquotas(self, peer: PeerInfo, body: GetQuotas) -> QuotaReply:
         return QuotaReply(dict(self.quotas))
+
+    def _query(self, peer: PeerInfo, body: Query) -> QueryReply:
+        results = []
+        for item in body.items:
+            held = 0
+            while held < len(item.keys) and (item.salt, item.keys[held]) in self.chunks:
+                held += 1
+            results.append(QueryResult(held))
+        return QueryReply(results)
 
     def __repr__(self) -> str:
         return f"DictHandler(chunks={len(self.chunks)}, leases={len(self.leases)})"

@@ -20,8 +20,8 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 4  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
-# 4: RegisterReply.reservation_ttl_s
+PROTOCOL_VERSION = 5  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
+# 4: RegisterReply.reservation_ttl_s; 5: Query
 
 #: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
 #: under one is refused, so no peer can take over or end such a session.
@@ -173,6 +173,18 @@ class GetQuotas(_Body, frozen=True, tag="get_quotas"):
     """Asks for every quota in force."""
 
 
+class Query(_Body, frozen=True, tag="query"):
+    """How long a prefix of each item's keys the server holds, in RAM and in the tiers below.
+
+    Read-only: it takes no lease, counts no hit or miss, and reads no chunk. For routers and
+    schedulers that pick a server before they send a request. A lookup right after it hits
+    at most that much (a chunk may be evicted, or a tier's read fail, in between)."""
+
+    items: Annotated[list[LookupItem], msgspec.Meta(max_length=MAX_ITEMS_PER_LOOKUP)]
+    #: Ask the tiers below RAM too (a disk index read, a round trip to Valkey); False: RAM only.
+    tiers: bool = True
+
+
 RequestBody = (
     Hello
     | Register
@@ -187,6 +199,7 @@ RequestBody = (
     | Ping
     | SetQuota
     | GetQuotas
+    | Query
 )
 REQUEST_TYPES: tuple[type, ...] = RequestBody.__args__
 
@@ -324,6 +337,22 @@ class QuotaReply(_Body, frozen=True, tag="quota_reply"):
     quotas: dict[str, int]
 
 
+class QueryResult(_Inner, frozen=True):
+    """What the server holds of one query item: `ram` keys from the first are in RAM, then
+    `below` more in the tiers below (each in at least one tier, with the size of the first:
+    what a lookup would read back), of which each tier holds the first `tiers[kind]`."""
+
+    ram: Count
+    below: Count = 0
+    tiers: dict[Name, Count] = {}
+
+
+class QueryReply(_Body, frozen=True, tag="query_reply"):
+    """One result per query item, in the same order."""
+
+    results: list[QueryResult]
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error", gc=False):
     """The request failed. `code` is one of `ERROR_CODES`; `fields` carry the details."""
 
@@ -345,6 +374,7 @@ ReplyBody = (
     | ClearReply
     | Pong
     | QuotaReply
+    | QueryReply
     | ErrorReply
 )
 REPLY_TYPES: tuple[type, ...] = ReplyBody.__args__
@@ -364,6 +394,7 @@ REPLY_FOR: dict[type, type] = {
     Ping: Pong,
     SetQuota: QuotaReply,
     GetQuotas: QuotaReply,
+    Query: QueryReply,
 }
 
 

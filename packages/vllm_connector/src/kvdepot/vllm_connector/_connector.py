@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shlex
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -210,6 +211,20 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 )
                 ktc.kv_load_failure_policy = "recompute"
             namespace = Namespace(model=model_identity(vllm_config), layout=name, kv_world_size=strategy.kv_world_size)
+            # What a router needs to key prompts as this engine does (`kvdepot query`, docs/core.md).
+            log.info(
+                "kvdepot: chunk keys use namespace model=%r layout=%r kv_world_size=%d chunk_size=%d; "
+                "ask a server what it holds of a prompt with: kvdepot query --model %s --layout %s "
+                "--kv-world-size %d --chunk-size %d --tokens ...",
+                namespace.model,
+                namespace.layout,
+                namespace.kv_world_size,
+                self.config.chunk_size,
+                shlex.quote(namespace.model),
+                shlex.quote(namespace.layout),
+                namespace.kv_world_size,
+                self.config.chunk_size,
+            )
             self._scheduler = SchedulerSide(
                 namespace,
                 block_size=block_size,
