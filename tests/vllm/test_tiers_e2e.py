@@ -90,10 +90,14 @@ def test_a_restarted_server_hits_its_disk_tier(tiny_llama, vllm_engine, workdir,
         server.kill()
     with TierServer(workdir / "a", *tier) as server:
         assert server.stats().chunks == 0
-        second = vllm_engine(tiny_llama, [prompt(1)], kv_transfer_config=server.config()).check()
+        second = vllm_engine(tiny_llama, [prompt(1)], kv_transfer_config=server.config(), collect_metrics=True).check()
         assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]
         assert server.figure("tier_read_hits") == LENGTH // CHUNK
     assert first.outputs == second.outputs == baseline(1)
+    # vLLM's hits by source name the disk tier for every token the restarted server read back.
+    by_source = {k: v for k, v in second.metrics.items() if k.startswith("vllm:prompt_tokens_cached_by_source")}
+    assert by_source.get("vllm:prompt_tokens_cached_by_source{source=disk}") == (LENGTH // CHUNK) * CHUNK, by_source
+    assert not by_source.get("vllm:prompt_tokens_cached_by_source{source=host}"), by_source
 
 
 def test_an_engine_on_another_server_hits_through_a_valkey_cluster(

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from kvdepot.server import CacheHandler, ChunkIndex, DiskTier, ServerArgumentError, SlabAllocator
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._tiering import TierSet
-from kvdepot.transport import Deferred, LookupItem, PeerInfo, Query, QueryReply, QueryResult
+from kvdepot.transport import Deferred, Lookup, LookupItem, LookupReply, PeerInfo, Query, QueryReply, QueryResult
 
 PAGE = 64 * 1024
 CHUNK = 4096 - 64  # one 4 KiB slot
@@ -112,6 +112,27 @@ def test_a_query_says_what_ram_and_the_disk_hold_per_salt_and_takes_nothing(serv
     assert (after.leases, after.hits, after.misses, after.chunks) == (0, before.hits, before.misses, before.chunks)
     assert server.tiers.counters["queries_deferred"] == 1  # one probe for the three items
     server.index.check()
+
+
+def test_a_lookup_read_back_from_the_disk_says_how_many_hits_came_from_it(server):
+    """The reply to a lookup the disk tier completed says which of its hits were read back from
+    the disk for it (an engine's hits by source); the next lookup finds them all in RAM."""
+    keys = keys_of(3, 5)
+    server.store("", keys)
+    server.index.clear()
+    server.store("", keys[:2])
+    server.index.touch(PEER.client_id, time.monotonic())
+    out = server.handler.handle(PEER, Lookup([LookupItem("", keys)]))
+    assert isinstance(out, Deferred)
+    sent = server.loop_until(lambda: not server.tiers._open)
+    ((deferred, reply),) = sent
+    assert deferred is out
+    (result,) = reply.results
+    assert (result.num_hits, result.read_back) == (5, {"disk": 3})
+    server.index.release(PEER.client_id, [result.lease_id])
+    again = server.handler.handle(PEER, Lookup([LookupItem("", keys)]))
+    assert isinstance(again, LookupReply)
+    assert (again.results[0].num_hits, again.results[0].read_back) == (5, {})
 
 
 def test_a_query_of_ram_only_never_asks_the_tiers(server):

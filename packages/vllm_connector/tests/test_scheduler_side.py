@@ -519,3 +519,31 @@ def test_a_streaming_session_stops_storing_once_media_arrive_after_it_was_keyed(
     s = side(FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items])))
     assert second_turn_keys(s, "a", "audio-of-a") == []
     assert second_turn_keys(s, "b", "audio-of-b") == []
+
+
+@pytest.mark.parametrize(
+    ("read_back", "local_hit", "expected"),
+    [
+        ({}, 0, {"host": 31}),  # all from the server's RAM (the last token is left to compute)
+        ({"disk": 2}, 0, {"host": 16, "disk": 15}),  # chunks 2-3 were read back from the disk
+        ({"disk": 1, "remote": 1}, 0, {"host": 16, "disk": 8, "remote": 7}),
+        ({"remote": 4}, 8, {"remote": 23}),  # the engine's own hit covers the first chunk
+    ],
+)
+def test_hits_are_counted_by_the_source_the_server_had_them_in(read_back, local_hit, expected):
+    """A lookup reply says which of its hits the server just read back from a tier below RAM;
+    the load's tokens are split by source (RAM, disk, remote), summing to what vLLM loads."""
+    client = FakeClient()
+    s = side(client)
+    s.kv_cache_manager = FakeCacheManager(local_hit)
+    req = request("r", 4 * CHUNK)
+    s.on_new_request(req)
+    s.get_num_new_matched_tokens(req, local_hit)
+    first = local_hit // CHUNK
+    hits = 4 - first
+    result = LookupResult(hits, 3, [Slot(i * 64, 64) for i in range(hits)], read_back)
+    client.lookups[-1][1].set_result(LookupReply(results=[result]))
+    loaded, _ = s.get_num_new_matched_tokens(req, local_hit)
+    assert loaded == 4 * CHUNK - 1 - local_hit
+    assert s.hit_sources(req, loaded) == expected
+    assert sum(expected.values()) == loaded

@@ -153,7 +153,7 @@ class CacheHandler:
         if answer.held is not None:
             return QueryReply([QueryResult(ram, below, tiers) for ram, below, tiers in answer.held])
         try:
-            return self.lookup_reply(answer.client, answer.items, self.clock())
+            return self.lookup_reply(answer.client, answer.items, self.clock(), answer.read_back)
         except Exception as exc:  # the client left meanwhile, or its leases are at their limit
             return error_reply_from(exc)
 
@@ -219,15 +219,24 @@ class CacheHandler:
             return deferred  # answered with lookup_reply once the lower tiers are done
         return self.lookup_reply(client, items, now)
 
-    def lookup_reply(self, client: str, items: list[tuple[str, Sequence[bytes]]], now: float) -> LookupReply:
-        """Lease the committed prefix of each item, and say where its chunks are."""
+    def lookup_reply(
+        self,
+        client: str,
+        items: list[tuple[str, Sequence[bytes]]],
+        now: float,
+        read_back: list[dict[int, str]] | None = None,
+    ) -> LookupReply:
+        """Lease the committed prefix of each item, and say where its chunks are; ``read_back``
+        (a lookup the tiers answered) says which keys were just read back from which tier."""
         outcomes = self.index.lookup(client, items, now)
-        return LookupReply(
-            results=[
-                LookupResult(o.num_hits, o.lease_id, [Slot(offset, length) for offset, length in o.slots])
-                for o in outcomes
-            ]
-        )
+        results = []
+        for item, o in enumerate(outcomes):
+            below: dict[str, int] = {}
+            for i, kind in (read_back[item] if read_back else {}).items():
+                if i < o.num_hits:
+                    below[kind] = below.get(kind, 0) + 1
+            results.append(LookupResult(o.num_hits, o.lease_id, [Slot(off, n) for off, n in o.slots], below))
+        return LookupReply(results=results)
 
     def _same_instance(self, body: Reserve | Commit | Abort | Release) -> None:
         """Refuses a request meant for another instance of this server (one before a restart)."""

@@ -111,6 +111,8 @@ class TierRead:
     sizes: list[int] = attrs.field(factory=list)  # per item: the payload bytes of each chunk of its run
     # per item: (reservation id, [(index in missing keys, payload offset, length)]) of the slots to fill
     targets: list[tuple[int, list[tuple[int, int, int]]]] = attrs.field(factory=list)
+    # per item: the indices (in missing keys) whose slots were filled, each with its tier's position
+    filled: list[dict[int, int]] = attrs.field(factory=list)
 
     def advance(self, event: ReadEvent) -> bool:
         """Move by the table; True when this move answers the lookup."""
@@ -213,11 +215,12 @@ def _keys(read: TierRead, item: int, start: int, stop: int) -> list[bytes]:
     return read.missing[item][1][start:stop]
 
 
-def fill(tiers: Sequence[Tier], pool: memoryview, read: TierRead) -> list[set[int]]:
+def fill(tiers: Sequence[Tier], pool: memoryview, read: TierRead) -> list[dict[int, int]]:
     """Read the chunks straight into their reserved slots, each from the first tier that holds
     it and, where that read fails, from the next (reader thread). A tier's read returns by the
-    deadline, and writes a slot only before it returns. Per item, the indices filled."""
-    filled: list[set[int]] = [set() for _ in read.targets]
+    deadline, and writes a slot only before it returns. Per item, the indices filled, each with
+    the position of the tier it came from."""
+    filled: list[dict[int, int]] = [{} for _ in read.targets]
     try:
         for t, tier in enumerate(tiers):
             places = [
@@ -233,7 +236,7 @@ def fill(tiers: Sequence[Tier], pool: memoryview, read: TierRead) -> list[set[in
             into = [pool[offset : offset + length] for _, _, offset, length in places]
             for (item, i, _, _), ok in zip(places, tier.read(refs, into, timeout=left), strict=True):
                 if ok:
-                    filled[item].add(i)
+                    filled[item][i] = t
     except Exception:
         log.exception("tier_read_failed")
     return filled

@@ -90,6 +90,8 @@ class Answer:
     client: str
     items: list[tuple[str, Sequence[bytes]]]
     held: list[tuple[int, int, dict[str, int]]] | None = None
+    #: For a lookup: per item, the keys (by position) that were just read back, and from which tier.
+    read_back: list[dict[int, str]] | None = None
 
 
 @attrs.define(eq=False)
@@ -346,12 +348,13 @@ class TierSet:
             return (0, [])
         return (out.reservation_id, out.slots)
 
-    def _filled(self, read: TierRead, filled: list[set[int]], event: ReadEvent = ReadEvent.FILLED) -> None:
+    def _filled(self, read: TierRead, filled: list[dict[int, int]], event: ReadEvent = ReadEvent.FILLED) -> None:
         """Publish the slots filled in time, give back the others, answer the lookup unless it was
         answered as overdue, and give back what the read held (loop thread)."""
         now = time.monotonic()
+        read.filled = filled
         for item, (reservation_id, _slots) in enumerate(read.targets):
-            done = filled[item] if item < len(filled) else set()
+            done = set(filled[item]) if item < len(filled) else set()
             self.counters["read_hits"] += len(done)
             self.counters["read_misses"] += len(read.missing[item][1]) - len(done)
             if not reservation_id:
@@ -374,11 +377,17 @@ class TierSet:
             del self._keys_of[read.client]
 
     def _answer(self, read: TierRead) -> None:
-        held = None
         if read.query_prefixes is not None:
             below = read.held_below(self.tiers)
             held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
-        self._answers.append(Answer(read.deferred, read.client, read.items, held))
+            self._answers.append(Answer(read.deferred, read.client, read.items, held=held))
+            return
+        read_back = []
+        for item, (_, keys) in enumerate(read.items):
+            start = len(keys) - len(read.missing[item][1])  # the RAM prefix when the lookup came
+            filled = read.filled[item] if item < len(read.filled) else {}
+            read_back.append({start + i: self.tiers[t].kind for i, t in filled.items()})
+        self._answers.append(Answer(read.deferred, read.client, read.items, read_back=read_back))
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
         """Each tier's figures and its write queue, flat, for the Stats reply's `extra`."""
@@ -409,7 +418,7 @@ class TierSet:
     def _post_probed(self, read: TierRead, found: Probed) -> None:
         self._post(lambda: self._probed(read, found))
 
-    def _post_filled(self, read: TierRead, filled: list[set[int]]) -> None:
+    def _post_filled(self, read: TierRead, filled: list[dict[int, int]]) -> None:
         self._post(lambda: self._filled(read, filled))
 
     def _written(self, item: QueuedWrite, ok: bool) -> None:

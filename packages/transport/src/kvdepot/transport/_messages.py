@@ -247,12 +247,15 @@ class Slot(_Inner, frozen=True):
 class LookupResult(_Inner, frozen=True):
     """Longest committed prefix of one lookup item, its lease and where its chunks are.
 
-    `lease_id` is 0 when there were no hits and so no lease was taken.
+    `lease_id` is 0 when there were no hits and so no lease was taken. `read_back`: how many
+    of the hits the server has just read back from each tier below RAM for this lookup (the
+    rest were in RAM), so that an engine can count its hits by source.
     """
 
     num_hits: Count
     lease_id: Id
     slots: list[Slot]
+    read_back: dict[Name, Count] = {}
 
 
 class LookupReply(_Body, frozen=True, tag="lookup_reply"):

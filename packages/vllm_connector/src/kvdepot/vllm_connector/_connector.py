@@ -287,6 +287,20 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
 
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """kvdepot's hits by source for `vllm:prompt_tokens_cached_by_source`: the server's RAM
+        is ``host``, its disk tier ``disk``; vLLM has no source for a remote store, so the
+        remote tier's are ``external_unspecified``."""
+        assert self._scheduler is not None
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        named = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+        out: dict[Any, int] = {}
+        for kind, tokens in self._scheduler.hit_sources(request, num_external_tokens).items():
+            source = named.get(kind, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        return out
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self._scheduler is not None
         return self._scheduler.build_connector_meta(scheduler_output)

@@ -108,6 +108,9 @@ class _Record:
     stored: bool = False
     #: A load of this request failed: it is never offered a hit again.
     load_failed: bool = False
+    #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
+    #: server had just read back for it from each tier below RAM (the rest came from RAM).
+    read_back: tuple[int, dict[str, int]] = (0, {})
 
 
 class SchedulerSide:
@@ -478,6 +481,7 @@ class SchedulerSide:
             self.planner.on_lookup_done(req_id, [0], ())
             return True
         record.lookup = None
+        record.read_back = (0, {})
         hits, handles, slots = [0], [], []
         try:
             results = future.result().results[record.first_item : record.first_item + self.kv_world_size]
@@ -496,6 +500,8 @@ class SchedulerSide:
                 hits = [r.num_hits for r in results]
                 slots = [[s.offset for s in r.slots] for r in results]
                 record.slot_bytes = lengths.pop() if lengths else 0
+                first = self.planner.get(req_id).lookup_first
+                record.read_back = (first + results[0].num_hits, dict(results[0].read_back))
         self.planner.on_lookup_done(req_id, hits, handles, slots=slots, source=record.server_id, at=record.sent_at)
         tracker = self.planner.get(req_id)
         self.stats.add("lookups")
@@ -503,6 +509,28 @@ class SchedulerSide:
         hit_chunks = tracker.hit_chunks - tracker.lookup_first if tracker.hit_chunks else 0
         self.stats.add("lookup_hit_tokens", hit_chunks * self.planner.chunk_size)
         return True
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
+        """The tokens a load brings, by where the server had them: ``"host"`` (its RAM), or the
+        tier it just read them back from (``"disk"``, ``"remote"``). Read-back chunks end the
+        hit, the disk's first (the tier asked first); the counts sum to ``num_external_tokens``."""
+        record = self._records.get(request.request_id)
+        if not num_external_tokens:
+            return {}
+        start = self.planner.get(request.request_id).engine_hit_tokens if record is not None else 0
+        end = start + num_external_tokens
+        hit_end, read_back = record.read_back if record is not None else (0, {})
+        size = self.planner.chunk_size
+        out: dict[str, int] = {}
+        at = (hit_end - sum(read_back.values())) * size
+        for kind in sorted(read_back, key=lambda k: (k != "disk", k)):
+            span = read_back[kind] * size
+            if (overlap := min(end, at + span) - max(start, at)) > 0:
+                out[kind] = overlap
+            at += span
+        if host := num_external_tokens - sum(out.values()):
+            out["host"] = host
+        return out
 
     def _handle(self, server_id: str, lease_id: int) -> int:
         if not lease_id:
