@@ -110,7 +110,8 @@ def test_a_query_says_what_ram_and_the_disk_hold_per_salt_and_takes_nothing(serv
     assert results == [QueryResult(2, 4, {"disk": 4}), QueryResult(0, 0, {"disk": 0}), QueryResult(1, 0, {"disk": 0})]
     after = server.index.stats()
     assert (after.leases, after.hits, after.misses, after.chunks) == (0, before.hits, before.misses, before.chunks)
-    assert server.tiers.counters["queries_deferred"] == 1  # one probe for the three items
+    assert server.tiers.counters["queries_probed"] == 1  # one probe for the three items
+    assert server.tiers.counters["queries_deferred"] == 0  # the disk's index is asked on the loop
     server.index.check()
 
 
@@ -141,9 +142,9 @@ def test_a_query_of_ram_only_never_asks_the_tiers(server):
     server.index.clear()
     server.store("", keys[:1])
     assert server.query([("", keys)], tiers=False) == [QueryResult(1)]
-    assert server.tiers.counters["queries_deferred"] == 0
+    assert server.tiers.counters["queries_probed"] == 0
     assert server.query([("", keys[:1])]) == [QueryResult(1)]  # all in RAM: answered at once
-    assert server.tiers.counters["queries_deferred"] == 0
+    assert server.tiers.counters["queries_probed"] == 0
 
 
 def test_a_query_past_the_key_bound_is_refused_with_a_typed_error(server):

@@ -76,6 +76,7 @@ class DiskTier:
     """Chunks in files under ``directory``, at most ``capacity`` bytes of them (headers included)."""
 
     kind = "disk"
+    probes_in_memory = True  # `lengths` reads the in-memory index under a short lock
 
     def __init__(
         self,

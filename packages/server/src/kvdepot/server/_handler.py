@@ -322,8 +322,11 @@ class CacheHandler:
         items: list[tuple[str, Sequence[bytes]]] = [(item.salt, item.keys) for item in body.items]
         if (total := sum(len(keys) for _, keys in items)) > MAX_KEYS_PER_REQUEST:
             raise ServerArgumentError(f"{total} keys in one query; send at most {MAX_KEYS_PER_REQUEST}", count=total)
-        if body.tiers and self.tiers is not None and (deferred := self.tiers.query(client, items)) is not None:
-            return deferred  # answered with the tiers' runs once the reader has probed them
+        asked = self.tiers.query(client, items) if body.tiers and self.tiers is not None else None
+        if isinstance(asked, Deferred):
+            return asked  # answered with the tiers' runs once the reader has probed them
+        if asked is not None:
+            return self.answer(asked)
         return QueryReply([QueryResult(ram) for ram in self.index.prefix_lengths(items)])
 
     def _get_quotas(self, client: str, body: GetQuotas, now: float) -> ReplyBody:

@@ -65,6 +65,7 @@ class RemoteTier:
     """Chunks in Valkey/Redis at ``url`` (see `parse_remote_url` for the forms and the password)."""
 
     kind = "remote"
+    probes_in_memory = False  # `lengths` is a round trip to Valkey
 
     def __init__(
         self,

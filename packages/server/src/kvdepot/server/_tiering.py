@@ -164,6 +164,7 @@ class TierSet:
             "reads_refused": 0,
             "reads_expired": 0,
             "reads_overdue": 0,
+            "queries_probed": 0,
             "queries_deferred": 0,
             "pins_dropped": 0,
         }
@@ -261,16 +262,21 @@ class TierSet:
         self.counters["reads_deferred"] += 1
         return self._start(read, count)
 
-    def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | None:
-        """Start asking the tiers which keys past each item's RAM prefix they hold (a Query: no
-        slot, no lease, no transfer); None when there is nothing to ask (the caller answers
-        from RAM at once). Bounded as lookups are, with them."""
+    def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | Answer | None:
+        """Ask the tiers which keys past each item's RAM prefix they hold (a Query: no slot, no
+        lease, no transfer). None when there is nothing to ask (the caller answers from RAM at
+        once); the answer itself when every tier up answers from memory (the disk's index: asked
+        here, on the loop); else a deferred reply, bounded as lookups are, with them."""
         if (start := self._may_read(client, items)) is None:
             return None
         count, prefixes, missing = start
         started = time.monotonic()
         read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait())
         read.query_prefixes = prefixes
+        self.counters["queries_probed"] += 1
+        if all(tier.probes_in_memory for tier in self.tiers if up(tier)):
+            read.holders = probe(self.tiers, read, self.read_deadline).holders
+            return self._held(read)
         self.counters["queries_deferred"] += 1
         return self._start(read, count)
 
@@ -376,11 +382,16 @@ class TierSet:
         else:
             del self._keys_of[read.client]
 
+    def _held(self, read: TierRead) -> Answer:
+        """The answer to a Query: per item, its RAM prefix and what the tiers hold past it."""
+        assert read.query_prefixes is not None
+        below = read.held_below(self.tiers)
+        held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
+        return Answer(read.deferred, read.client, read.items, held=held)
+
     def _answer(self, read: TierRead) -> None:
         if read.query_prefixes is not None:
-            below = read.held_below(self.tiers)
-            held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
-            self._answers.append(Answer(read.deferred, read.client, read.items, held=held))
+            self._answers.append(self._held(read))
             return
         read_back = []
         for item, (_, keys) in enumerate(read.items):

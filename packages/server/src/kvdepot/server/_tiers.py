@@ -120,6 +120,9 @@ class Tier(Protocol):
     """A tier below RAM. Every method blocks and is safe to call from several threads."""
 
     kind: str
+    #: Whether `lengths` answers from memory without waiting on a device or a peer (the disk's
+    #: index): a Query then asks it on the server's loop, without a hand-off to the reader.
+    probes_in_memory: bool
 
     @property
     def state(self) -> TierState:
