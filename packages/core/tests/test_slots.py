@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,3 +33,21 @@ def test_digests_differ_for_every_other_salt_or_key(a, b):
 def test_salt_and_key_bytes_do_not_run_together():
     """Moving bytes between the salt and the key gives another digest."""
     assert slot_digest("ab", b"c") != slot_digest("a", b"bc")
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-a", "ünïcode-salt", "x" * 5000])
+def test_the_digest_is_blake2b_of_the_salts_length_the_salt_and_the_key(salt):
+    """The digest per key reuses the salt's hashed prefix: it must equal the definition, for each
+    salt, and for one salt asked again after others (the prefix is never shared across salts)."""
+    import hashlib
+    import struct
+
+    def definition(salt: str, key: bytes) -> bytes:
+        raw = salt.encode()
+        data = struct.pack("<I", len(raw)) + raw + key
+        return hashlib.blake2b(data, digest_size=32, person=b"kvdepot-slot-v1").digest()
+
+    for key in (b"\x00" * 32, bytes(range(32))):
+        assert slot_digest(salt, key) == definition(salt, key)
+        assert slot_digest("other", key) != slot_digest(salt, key)
+        assert slot_digest(salt, key) == definition(salt, key)

@@ -20,6 +20,7 @@ same bytes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
@@ -34,11 +35,19 @@ SLOT_GENERATION_OFFSET = 8
 
 
 def slot_digest(salt: str, key: bytes) -> bytes:
-    """The 32-byte digest a slot's header holds for chunk ``key`` of ``salt``."""
+    """The 32-byte digest a slot's header holds for chunk ``key`` of ``salt``: BLAKE2b-256 of the
+    salt's length (u32, little-endian), the salt and the key."""
+    hasher = _salted(salt).copy()
+    hasher.update(key)
+    return hasher.digest()
+
+
+@functools.lru_cache(maxsize=1024)
+def _salted(salt: str) -> hashlib.blake2b:
+    """A BLAKE2b state that has taken the salt's part of every digest of ``salt`` (copied per key:
+    a query or a tier probe hashes hundreds of keys of one salt)."""
     salt_bytes = salt.encode()
-    return hashlib.blake2b(
-        struct.pack("<I", len(salt_bytes)) + salt_bytes + key, digest_size=32, person=_PERSON
-    ).digest()
+    return hashlib.blake2b(struct.pack("<I", len(salt_bytes)) + salt_bytes, digest_size=32, person=_PERSON)
 
 
 def pack_slot_header(generation: int, length: int, digest: bytes) -> bytes:
