@@ -84,8 +84,6 @@ TRANSITIONS: dict[tuple[ReadState, ReadEvent], tuple[ReadState, bool]] = {
     (R.LATE_PROBING, V.NOTHING): (R.DONE, False),
     (R.LATE_FILLING, V.FILLED): (R.DONE, False),
 }
-#: States in which the reader holds the read: the loop waits for its result.
-WITH_READER = frozenset({R.PROBING, R.FILLING, R.LATE_PROBING, R.LATE_FILLING})
 
 
 @attrs.define(eq=False)

@@ -2,7 +2,7 @@
 
 Stores, and loads on a GPU, run on one copy thread of the worker's own, in the order the
 steps asked for them, while the engine goes on with its next steps. Loads on a CPU engine run
-on the engine's thread, at the end of a step, with torch's own OpenMP team (`_PacedLoad`):
+on the engine's thread, at the end of a step, with torch's own OpenMP team (`PacedLoad`):
 
 - A load (`start_load_kv`) writes blocks of a request that vLLM keeps waiting, and that no
   other request can see, until `get_finished` reports the load done or failed. On a CPU, a
@@ -31,13 +31,14 @@ import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
 from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
+from kvdepot.vllm_connector._loads import Checked, PacedLoad, SlotChangedError, leading_nulls
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._pool_mapping import _PoolMapping
 
@@ -59,46 +60,6 @@ FINGERPRINT_MAX = 512
 # TTL since it asked for them: the copy then has the rest of the TTL, and the quarantine's one
 # more TTL, to land before the slots can go to another client.
 LATE_COPY_FRACTION = 0.5
-
-
-def _leading_nulls(block_ids: list[int]) -> int:
-    """How many of the blocks, from the first, are vLLM's null block."""
-    count = 0
-    for block in block_ids:
-        if block != NULL_BLOCK_ID:
-            break
-        count += 1
-    return count
-
-
-class SlotChangedError(RuntimeError):
-    """A slot did not hold its leased chunk before or after the copy (evicted and reused)."""
-
-    def __init__(self, first_chunk: int, num_chunks: int) -> None:
-        super().__init__(
-            f"the slot of chunk {first_chunk} of {num_chunks} no longer held it (its lease was late or expired); "
-            "the chunks before it were loaded"
-        )
-        self.first_chunk = first_chunk
-
-
-class _Checked(NamedTuple):
-    """A load checked against the mapped pool: this rank's slots and keys, and each group's leading
-    blocks not to write (vLLM's computed ones, or its null block)."""
-
-    slots: list[int]
-    keys: list[bytes]
-    skips: list[int]
-
-
-class _PacedLoad:
-    """A load copied on the engine thread, whole chunks at a time, over one or more steps."""
-
-    def __init__(self, op: LoadOp) -> None:
-        self.op = op
-        self.future: Future[None] = Future()
-        self.done_chunks = 0
-        self.checked: _Checked | None = None
 
 
 class WorkerSide:
@@ -167,7 +128,7 @@ class WorkerSide:
         self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
         self._stores: dict[str, list[Future[None]]] = {}
         self._held: set[str] = set()
-        self._paced: list[_PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
+        self._paced: list[PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
         self._step_started_at = time.monotonic()
         self._failed_blocks: set[int] = set()
         self._failed_requests: set[str] = set()
@@ -305,7 +266,7 @@ class WorkerSide:
             return
         if self._loads_on_engine_thread():
             for op in meta.loads:
-                paced = _PacedLoad(op)
+                paced = PacedLoad(op)
                 self._paced.append(paced)
                 self._loads[op.req_id] = (op, paced.future)
             return
@@ -414,7 +375,7 @@ class WorkerSide:
             raise RuntimeError("the pool is not mapped")
         return pool
 
-    def _check_load(self, op: LoadOp, pool: _PoolMapping) -> _Checked:
+    def _check_load(self, op: LoadOp, pool: _PoolMapping) -> Checked:
         """The load's slots, keys and blocks to skip per group, once it is checked against the mapped pool."""
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
@@ -429,15 +390,15 @@ class WorkerSide:
         if any(len(slots) * bpc != len(ids) for ids in op.block_ids) or len(keys) != len(slots):
             raise RuntimeError(f"{len(slots)} slots and {len(keys)} keys for {[len(i) for i in op.block_ids]} blocks")
         # vLLM's null block stands for blocks outside a sliding window: always leading, never written.
-        skips = [max(op.skip_blocks, _leading_nulls(ids)) for ids in op.block_ids]
+        skips = [max(op.skip_blocks, leading_nulls(ids)) for ids in op.block_ids]
         if any(NULL_BLOCK_ID in ids[skip:] for ids, skip in zip(op.block_ids, skips, strict=True)):
             raise RuntimeError("vLLM's null block lies after a block to load")
         if any(offset < SLOT_HEADER_BYTES or offset + self.chunk_bytes > pool.size for offset in slots):
             raise RuntimeError("a slot lies outside the mapped pool")
-        return _Checked(list(slots), list(keys), skips)
+        return Checked(list(slots), list(keys), skips)
 
     def _copy_load(
-        self, op: LoadOp, pool: _PoolMapping, copiers: list[Any], checked: _Checked, *, start: int, stop: int,
+        self, op: LoadOp, pool: _PoolMapping, copiers: list[Any], checked: Checked, *, start: int, stop: int,
         after: Any = None,
     ) -> None:  # fmt: skip
         """Copy the load's chunks ``start`` to ``stop`` from their slots into their blocks.
@@ -505,7 +466,7 @@ class WorkerSide:
                 self._loaded(paced.op, total)
                 paced.future.set_result(None)
 
-    def _handoff(self, paced: _PacedLoad) -> None:
+    def _handoff(self, paced: PacedLoad) -> None:
         """Finish a paced load on the copy thread (its first chunks already copied, if any)."""
 
         def finish() -> None:
