@@ -1,9 +1,11 @@
-"""Small helpers shared by the benchmark scripts: timing and a readable table."""
+"""Small helpers shared by the benchmark scripts: timing, a readable table, a server process."""
 
 from __future__ import annotations
 
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -49,3 +51,23 @@ def drop_page_cache(paths: Iterable[Path]) -> int:
                 os.close(fd)
             count += 1
     return count
+
+
+def start_server(workdir: Path, *args: str, name: str = "kvdepot") -> tuple[subprocess.Popen[bytes], str]:
+    """A `kvdepot serve` process on ``ipc://WORKDIR/NAME.sock`` (its pool in ``workdir``, no
+    metrics, warnings only, and ``args``), once it answers; with its address."""
+    from kvdepot.server import fetch_stats
+
+    address = f"ipc://{workdir}/{name}.sock"
+    cmd = [sys.executable, "-m", "kvdepot.server._cli", "serve", "--address", address, "--pool-dir", str(workdir)]
+    cmd += ["--no-metrics", "--log-level", "warning", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            fetch_stats(address, timeout=0.5)
+            return proc, address
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise
+            time.sleep(0.1)

@@ -29,7 +29,8 @@ from pathlib import Path
 
 import structlog
 
-from kvdepot.server import PoolMapping, fetch_stats
+from _util import start_server
+from kvdepot.server import PoolMapping
 from kvdepot.transport import (
     PROTOCOL_VERSION,
     CacheClient,
@@ -111,22 +112,6 @@ def interleaved_latencies(calls: dict[str, Callable[[], object]], count: int, ro
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def start_server(workdir: Path, capacity: str, page: str) -> tuple[subprocess.Popen[bytes], str]:
-    address = f"ipc://{workdir}/kvdepot.sock"
-    cmd = [sys.executable, "-m", "kvdepot.server._cli", "serve", "--address", address, "--capacity", capacity]
-    cmd += ["--page-size", page, "--pool-dir", str(workdir), "--no-metrics", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            fetch_stats(address, timeout=0.5)
-            return proc, address
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise
-            time.sleep(0.1)
-
-
 def key(salt: str, i: int) -> bytes:
     return hashlib.sha256(f"{salt}/{i}".encode()).digest()
 
@@ -153,7 +138,7 @@ def main() -> None:
         assert echo.stdout is not None
         echo.stdout.readline()
         capacity_mib = max(256, (chunks * chunk) >> 20) * 2
-        server, address = start_server(workdir, f"{capacity_mib}MiB", "64MiB")
+        server, address = start_server(workdir, "--capacity", f"{capacity_mib}MiB", "--page-size", "64MiB")
         with CacheClient(address, timeout=10.0, client_name="bench") as client:
             reg = client.register("bench-layout", 256, chunk).result(10)
             res = client.reserve("s", [key("s", 0)], chunk).result(10)

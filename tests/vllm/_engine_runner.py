@@ -27,6 +27,10 @@ The spec (JSON object):
   sleep_after         {prompt index (as a string): level}: after that prompt (sequential runs), call
                       `LLM.sleep(level)`, then `wake_up()`, then scale every weight as `reset_after`
                       does (the weights an RL trainer syncs while the engine sleeps)
+  pause_after         {prompt index (as a string): name}: after that prompt (sequential runs), write
+                      NAME.paused in the working directory and wait (at most `MAX_PAUSE_S`) until the
+                      test creates NAME.go: the test acts on the server between two prompts
+  engine_kwargs.kv_events_config  a dict for vLLM's KVEventsConfig
 
 The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
 prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
@@ -70,6 +74,8 @@ IDLE_STEP_SLEEP_S = 0.0005
 MAX_DRAIN_STEPS = 2_000
 MAX_DRAIN_S = 30.0
 DRAIN_IDLE_SLEEP_S = 0.005
+# How long `pause_after` waits for the test at most.
+MAX_PAUSE_S = 300.0
 # New weights for `reset_after`: every parameter scaled by this, enough to change greedy output.
 PERTURB_SCALE = 1.05
 
@@ -93,6 +99,15 @@ def _metrics_snapshot(llm: Any) -> dict[str, float]:
     return snapshot
 
 
+def _pause(name: str) -> None:
+    Path(f"{name}.paused").touch()
+    go, deadline = Path(f"{name}.go"), time.monotonic() + MAX_PAUSE_S
+    while not go.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the test never let the engine go on after pause {name!r}")
+        time.sleep(0.05)
+
+
 def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     """Run the spec, filling `result` as it goes (so a failure still returns what happened)."""
     from vllm.inputs import TokensPrompt
@@ -108,10 +123,15 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     drain_enabled = bool(spec.get("drain", True))
     resets = {int(k): bool(v) for k, v in (spec.get("reset_after") or {}).items()}
     sleeps = {int(k): int(v) for k, v in (spec.get("sleep_after") or {}).items()}
+    pauses = {int(k): str(v) for k, v in (spec.get("pause_after") or {}).items()}
     use_generate = bool(spec.get("use_generate", False))
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
+    if isinstance(kwargs.get("kv_events_config"), dict):
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(**kwargs["kv_events_config"])
     if spec.get("kv_transfer_config") is not None:
         kwargs["kv_transfer_config"] = spec["kv_transfer_config"]
     if collect_metrics:
@@ -229,6 +249,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                 if resets[index]:
                     llm.apply_model(_perturb)
                 result["resets"].append(llm.reset_prefix_cache(reset_connector=True))
+            if index in pauses:
+                _pause(pauses[index])
     else:
         for index in range(len(prompts)):
             add(index)

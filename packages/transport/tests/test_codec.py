@@ -34,6 +34,8 @@ REQUESTS = [
     t.GetQuotas(),
     t.Query([t.LookupItem("salt", [key(1), key(2)])]),
     t.Query([t.LookupItem("", [key(1)])], tiers=False),
+    t.Changes(0, [""]),
+    t.Changes(7, ["a", "b"], limit=10, server_id="srv"),
 ]
 REPLIES = [
     t.HelloReply(1, "0.1.0", "srv"),
@@ -49,6 +51,8 @@ REPLIES = [
     t.Pong(),
     t.QuotaReply({"a": 1}),
     t.QueryReply([t.QueryResult(2, 3, {"disk": 3, "remote": 1}), t.QueryResult(0)]),
+    t.ChangesReply([t.Change(True, 0, key(1)), t.Change(False, 1, key(2))], 9),
+    t.ChangesReply([], 3, lost=True),
     t.ErrorReply("unknown_lease", "gone", {"lease_id": 4, "flag": True, "none": None}),
 ]
 

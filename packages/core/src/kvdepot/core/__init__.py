@@ -11,6 +11,7 @@ from kvdepot.core._errors import (
     UnknownRequestError,
 )
 from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace, chunk_keys, pack_tokens
+from kvdepot.core._labels import salt_label
 from kvdepot.core._parallel import ParallelStrategy
 from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
 from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
@@ -51,6 +52,7 @@ __all__ = [
     "pack_slot_header",
     "pack_tokens",
     "recover_load_failures",
+    "salt_label",
     "slot_digest",
     "slot_header_holds",
 ]

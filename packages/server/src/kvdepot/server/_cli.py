@@ -219,6 +219,26 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         help="... and at most this many seconds per chunk the tiers would save: the prefill time of one "
         "chunk (default: none, --tier-deadline alone)",
     )
+    events = parser.add_argument_group("KV events for routers (docs/server.md, 'KV events')")
+    events.add_argument(
+        "--kv-events",
+        default=None,
+        metavar="ENDPOINT",
+        help="publish what RAM gains and loses as vLLM KV events on this ZMQ PUB endpoint, "
+        "e.g. tcp://127.0.0.1:5557 or ipc://PATH",
+    )
+    events.add_argument(
+        "--kv-events-replay",
+        default=None,
+        metavar="ENDPOINT",
+        help="a ZMQ ROUTER endpoint for replaying missed batches",
+    )
+    events.add_argument(
+        "--kv-events-topic",
+        default=None,
+        metavar="TOPIC",
+        help="the events' topic (default kv@node:<host name>@kvdepot)",
+    )
     _add_log_flags(parser)
 
 
@@ -274,6 +294,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         remote_ca_file=args.remote_ca_file,
         tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
         tier_deadline_per_chunk=args.tier_deadline_per_chunk or DEFAULT_READ_DEADLINE_PER_CHUNK,
+        kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay,
+        kv_events_topic=args.kv_events_topic,
     )
     try:
         server = CacheServer(config)
@@ -317,6 +340,7 @@ def _banner(summary: dict[str, Any]) -> str:
         ),
         ("pool", summary["pool"]),
         ("metrics", summary["metrics"] or "off"),
+        ("kv events", summary.get("kv_events") or "off"),
         ("chunk size", f"{summary['chunk_size']} tokens"),
     ]
     lines = [f"kvdepot {summary['version']} serving (pid {summary['pid']}); Ctrl-C stops it"]

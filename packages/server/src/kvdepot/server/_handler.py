@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvdepot.server._change_log import ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._ranking import SaltRanking
@@ -23,11 +24,13 @@ from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 
 if TYPE_CHECKING:
+    from kvdepot.server._events import IndexEvent
     from kvdepot.server._tiering import Answer, TierSet
 from kvdepot.transport import (
     PROTOCOL_VERSION,
     Abort,
     AbortReply,
+    Changes,
     Clear,
     ClearReply,
     Commit,
@@ -95,12 +98,14 @@ class CacheHandler:
         extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict,
         client_connected: Callable[[str], bool] = lambda client: False,
         admin_allowed: bool = True,
+        publish: Callable[[Sequence[IndexEvent]], None] | None = None,
     ) -> None:
         """``tiers``: the tiers below RAM, if any (lookups that miss RAM ask them, commits are
         written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
-        socket, or tcp with a shared secret), so that Clear and SetQuota may be served."""
+        socket, or tcp with a shared secret), so that Clear and SetQuota may be served;
+        ``publish``: takes the index's events too (the server's KV event publisher)."""
         self.index = index
         # layout name -> (fingerprint, chunk bytes) of the first client that registered it
         self.layouts: dict[str, tuple[str, int]] = {}
@@ -114,6 +119,8 @@ class CacheHandler:
         self.client_connected = client_connected
         self.admin_allowed = admin_allowed
         self.tiers = tiers
+        self.changes = ChangeLog(server_id)
+        self.publish = publish
         self._ranking = SaltRanking(index, SALT_RANKING_S)
         self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
@@ -130,6 +137,7 @@ class CacheHandler:
             SetQuota: self._set_quota,
             GetQuotas: self._get_quotas,
             Query: self._query,
+            Changes: self._changes,
         }
 
     # -- transport.Handler ----------------------------------------------------------------
@@ -144,8 +152,13 @@ class CacheHandler:
         """Hand what happened in the index to its consumers (loop thread: after every request,
         and after every pass of the server's own work)."""
         events = self.index.take_events()
-        if events and self.tiers is not None:
+        if not events:
+            return
+        self.changes.take(events)
+        if self.tiers is not None:
             self.tiers.take(events)
+        if self.publish is not None:
+            self.publish(events)
 
     def answer(self, answer: Answer) -> ReplyBody:
         """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:
@@ -328,6 +341,10 @@ class CacheHandler:
         if asked is not None:
             return self.answer(asked)
         return QueryReply([QueryResult(ram) for ram in self.index.prefix_lengths(items)])
+
+    def _changes(self, client: str, body: Changes, now: float) -> ReplyBody:
+        """What became of chunks of some salts in RAM (engines publishing KV events; see `Changes`)."""
+        return self.changes.read(body.since, body.salts, body.limit, body.server_id)
 
     def _get_quotas(self, client: str, body: GetQuotas, now: float) -> ReplyBody:
         return QuotaReply(quotas=self.index.quotas())

@@ -8,7 +8,6 @@ loop changes it.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +16,7 @@ import attrs
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from kvdepot.core import salt_label
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._results import IndexStats
 
@@ -28,11 +28,6 @@ MAX_PEER_LABELS = 64
 # cache_salt series in /metrics: the salts holding the most bytes, the rest summed as "other".
 # Labels are digests: a salt is a tenant's secret, and /metrics is readable by every local user.
 MAX_SALT_LABELS = 64
-
-
-def salt_label(salt: str) -> str:
-    """The label of ``salt`` in /metrics: ``s-`` and 12 hex digits of its SHA-256 (not reversible)."""
-    return "s-" + hashlib.sha256(salt.encode()).hexdigest()[:12]
 
 
 def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:

@@ -24,6 +24,7 @@ from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
+from kvdepot.server._kv_publisher import KVEventPublisher
 from kvdepot.server._metrics import MAX_SALT_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
@@ -94,6 +95,9 @@ class ServerConfig:
     remote_ca_file: Path | None = None  # CA certificates to verify a rediss:// server with (None: the system's)
     tier_deadline: float = DEFAULT_READ_DEADLINE
     tier_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK  # None: always `tier_deadline`
+    kv_events: str | None = None  # a ZMQ PUB endpoint for the RAM tier's KV events (None: none)
+    kv_events_replay: str | None = None  # ... and a ROUTER endpoint to replay missed batches from
+    kv_events_topic: str | None = None  # None: `default_topic()`
 
 
 class CacheServer:
@@ -143,6 +147,12 @@ class CacheServer:
             parts.callback(self.metrics.close)
             waker = Waker()
             self.tiers = self._open_tiers(config, waker, parts)
+            self.kv_events: KVEventPublisher | None = None
+            if config.kv_events is not None:
+                self.kv_events = KVEventPublisher(
+                    config.kv_events, replay_endpoint=config.kv_events_replay, topic=config.kv_events_topic
+                )
+                parts.callback(self.kv_events.close)
             server_id = uuid.uuid4().hex
             self.handler = CacheHandler(
                 self.index,
@@ -154,6 +164,7 @@ class CacheServer:
                 extra_stats=self._extra_stats,
                 client_connected=self._client_connected,
                 admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
+                publish=self.kv_events,
             )
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
             if config.peer_timeout is not None:
@@ -195,6 +206,7 @@ class CacheServer:
             "pages": self.allocator.num_pages,
             "pool": str(self.pool.path),
             "metrics": self.metrics_url,
+            "kv_events": self.kv_events.endpoint if self.kv_events is not None else None,
             "chunk_size": self.config.chunk_size,
             "server_id": self.endpoint.server_id,
             "version": __version__,
@@ -260,6 +272,9 @@ class CacheServer:
             extra[f"transport_{name}"] = value
         if self.tiers is not None:
             extra.update(self.tiers.stats())
+        if self.kv_events is not None:
+            extra.update(self.kv_events.figures())
+        extra["changes_next"] = self.handler.changes.next
         return extra
 
     def _open_tiers(self, config: ServerConfig, waker: Waker, parts: contextlib.ExitStack) -> TierSet | None:

@@ -6,7 +6,14 @@ every failure is a `TransportError` (`_errors`). Clients use `CacheClient`; serv
 endpoint, transport pairs, the conformance suite) live in `kvdepot.transport.testing`.
 """
 
-from kvdepot.transport._address import check_ipc_trusted, default_address, ipc_path
+from kvdepot.transport._address import (
+    check_ipc_trusted,
+    check_not_in_use,
+    default_address,
+    ipc_path,
+    is_loopback_tcp,
+    secure_ipc_socket,
+)
 from kvdepot.transport._cache_client import Batch, CacheClient, query_prefixes
 from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
@@ -44,11 +51,15 @@ from kvdepot.transport._errors import (
 )
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo, Waker
 from kvdepot.transport._messages import (
+    MAX_ITEMS_PER_LOOKUP,
     PROTOCOL_VERSION,
     REPLY_FOR,
     RESERVED_CLIENT_PREFIX,
     Abort,
     AbortReply,
+    Change,
+    Changes,
+    ChangesReply,
     Clear,
     ClearReply,
     Commit,
@@ -94,6 +105,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_PEER_TIMEOUT",
     "DEFAULT_TIMEOUT",
+    "MAX_ITEMS_PER_LOOKUP",
     "PROTOCOL_VERSION",
     "REPLY_FOR",
     "RESERVED_CLIENT_PREFIX",
@@ -103,6 +115,9 @@ __all__ = [
     "BadRequestError",
     "Batch",
     "CacheClient",
+    "Change",
+    "Changes",
+    "ChangesReply",
     "Clear",
     "ClearReply",
     "Commit",
@@ -167,6 +182,7 @@ __all__ = [
     "Waker",
     "__version__",
     "check_ipc_trusted",
+    "check_not_in_use",
     "decode_reply",
     "decode_request",
     "default_address",
@@ -174,6 +190,8 @@ __all__ = [
     "encode_request",
     "error_reply_from",
     "ipc_path",
+    "is_loopback_tcp",
     "open_endpoint",
     "query_prefixes",
+    "secure_ipc_socket",
 ]

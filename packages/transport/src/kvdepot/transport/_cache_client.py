@@ -29,6 +29,8 @@ from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortReply,
+    Changes,
+    ChangesReply,
     Clear,
     ClearReply,
     Commit,
@@ -116,6 +118,14 @@ class _Operations:
         """How long a prefix of each item the server holds, in RAM and (``tiers``) in the tiers
         below; takes no lease and needs no Register. For routers: `QueryResult`."""
         return self._call(Query(_items(items), tiers))
+
+    def changes(
+        self, since: int, salts: Sequence[str], *, limit: int = 4096, server_id: str = ""
+    ) -> Future[ChangesReply]:
+        """What became of the chunks of ``salts`` in RAM since change ``since`` of server
+        ``server_id`` (0: where the numbering stands now); at most ``limit`` changes. Takes no
+        lease and needs no Register."""
+        return self._call(Changes(since, list(salts), limit, server_id))
 
     def reserve(
         self, salt: str, keys: Sequence[bytes], chunk_bytes: int, *, server_id: str = ""

@@ -17,6 +17,9 @@ from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortReply,
+    Change,
+    Changes,
+    ChangesReply,
     Clear,
     ClearReply,
     Commit,
@@ -68,6 +71,7 @@ class DictHandler:
         self.reservations: dict[int, tuple[str, str, list[bytes], dict[int, Slot]]] = {}
         self.registered: dict[str, Register] = {}
         self.quotas: dict[str, int] = {}
+        self.changes: list[tuple[bool, str, bytes]] = []  # change n is changes[n - 1]
         self.seen: list[tuple[str, RequestBody]] = []
         self.gone: list[str] = []
         self.gate: threading.Event | None = None
@@ -156,6 +160,7 @@ class DictHandler:
         indices = placed.keys() if body.indices is None else [i for i in body.indices if i in placed]
         for index in indices:
             self.chunks[(salt, keys[index])] = placed[index]
+            self.changes.append((True, salt, keys[index]))
         return CommitReply(len(list(indices)))
 
     def _abort(self, peer: PeerInfo, body: Abort) -> AbortReply:
@@ -190,6 +195,7 @@ class DictHandler:
         doomed = [k for k in self.chunks if body.salt is None or k[0] == body.salt]
         for k in doomed:
             del self.chunks[k]
+            self.changes.append((False, *k))
         return ClearReply(len(doomed))
 
     def _setquota(self, peer: PeerInfo, body: SetQuota) -> QuotaReply:
@@ -210,6 +216,17 @@ class DictHandler:
                 held += 1
             results.append(QueryResult(held))
         return QueryReply(results)
+
+    def _changes(self, peer: PeerInfo, body: Changes) -> ChangesReply:
+        head = len(self.changes) + 1
+        if body.since == 0:
+            return ChangesReply([], head)
+        if body.since > head or body.server_id not in ("", self.server_id):
+            return ChangesReply([], head, lost=True)
+        index = {salt: i for i, salt in enumerate(body.salts)}
+        end = min(head, body.since + body.limit)
+        window = self.changes[body.since - 1 : end - 1]
+        return ChangesReply([Change(s, index[salt], k) for s, salt, k in window if salt in index], end)
 
     def __repr__(self) -> str:
         return f"DictHandler(chunks={len(self.chunks)}, leases={len(self.leases)})"

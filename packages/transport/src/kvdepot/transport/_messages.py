@@ -20,8 +20,8 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 5  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
-# 4: RegisterReply.reservation_ttl_s; 5: Query
+PROTOCOL_VERSION = 6  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
+# 4: RegisterReply.reservation_ttl_s; 5: Query; 6: Changes
 
 #: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
 #: under one is refused, so no peer can take over or end such a session.
@@ -33,6 +33,8 @@ MAX_KEYS_PER_REQUEST = 1 << 16  # 65,536 chunks of 256 tokens = 16M tokens, far 
 MAX_ITEMS_PER_LOOKUP = 1 << 14  # requests of one engine step; vLLM batches are a few thousand
 MAX_IDS_PER_RELEASE = 1 << 16
 MAX_NAME_LENGTH = 1024  # salts, names, layout fingerprints, paths
+MAX_SALTS_PER_CHANGES = 1 << 10
+MAX_CHANGES_PER_REPLY = 1 << 14
 MAX_INT = (1 << 63) - 1
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_SIZE, max_length=KEY_SIZE)]
@@ -185,6 +187,21 @@ class Query(_Body, frozen=True, tag="query"):
     tiers: bool = True
 
 
+class Changes(_Body, frozen=True, tag="changes"):
+    """What became of the chunks of ``salts`` in RAM since change number ``since``: for engines
+    that publish KV events (the connector announces what it stored, then what went).
+
+    The server numbers every chunk that becomes visible or goes away in RAM, in the order it
+    happened, and keeps the last few hundred thousand. ``since=0`` asks where the numbering
+    stands now (no changes). ``server_id``: the instance that numbered ``since`` (another one
+    answers ``lost``). Read-only: no lease, no Register."""
+
+    since: Count
+    salts: Annotated[list[Name], msgspec.Meta(max_length=MAX_SALTS_PER_CHANGES)]
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_CHANGES_PER_REPLY)] = 4096
+    server_id: Name = ""
+
+
 RequestBody = (
     Hello
     | Register
@@ -200,6 +217,7 @@ RequestBody = (
     | SetQuota
     | GetQuotas
     | Query
+    | Changes
 )
 REQUEST_TYPES: tuple[type, ...] = RequestBody.__args__
 
@@ -356,6 +374,28 @@ class QueryReply(_Body, frozen=True, tag="query_reply"):
     results: list[QueryResult]
 
 
+class Change(_Inner, frozen=True):
+    """One chunk's change: ``stored`` (it became visible) or not (it was evicted or cleared), of
+    salt ``salts[salt]`` of the request."""
+
+    stored: bool
+    salt: Count
+    key: Key
+
+
+class ChangesReply(_Body, frozen=True, tag="changes_reply"):
+    """The changes numbered ``since`` up to ``next`` (exclusive), oldest first, of the salts asked.
+
+    ``lost``: changes between ``since`` and the oldest kept are gone (the server keeps a bounded
+    number), or ``since`` is not a number of this server instance (``server_id`` names another,
+    or ``since`` is past this one's numbering: a restart): the asker no longer knows what the
+    server holds and must ask (`Query`). ``next`` is where to go on from."""
+
+    changes: list[Change]
+    next: Count
+    lost: bool = False
+
+
 class ErrorReply(msgspec.Struct, frozen=True, tag="error", gc=False):
     """The request failed. `code` is one of `ERROR_CODES`; `fields` carry the details."""
 
@@ -378,6 +418,7 @@ ReplyBody = (
     | Pong
     | QuotaReply
     | QueryReply
+    | ChangesReply
     | ErrorReply
 )
 REPLY_TYPES: tuple[type, ...] = ReplyBody.__args__
@@ -398,6 +439,7 @@ REPLY_FOR: dict[type, type] = {
     SetQuota: QuotaReply,
     GetQuotas: QuotaReply,
     Query: QueryReply,
+    Changes: ChangesReply,
 }
 
 

@@ -21,6 +21,7 @@ from kvdepot.vllm_connector._config import ConnectorConfig
 from kvdepot.vllm_connector._groups import CacheGroup, ConnectorConfigError, cache_groups, layout_part
 from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._identity import model_identity
+from kvdepot.vllm_connector._kv_events import EventAnnouncer
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
 from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
@@ -28,8 +29,11 @@ from kvdepot.vllm_connector._server import ensure_server
 from kvdepot.vllm_connector._worker import WorkerSide
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -234,6 +238,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 health=self.health,
                 groups=self.groups,
                 hold_finished=_writes_blocks_before_the_connector(vllm_config),
+                events=self._event_announcer(vllm_config, block_size),
             )
         else:
             self._worker = WorkerSide(
@@ -258,6 +263,16 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             address,
             self.config.chunk_size,
             ", ".join(group.describe() for group in self.groups),
+        )
+
+    def _event_announcer(self, vllm_config: VllmConfig, block_size: int) -> EventAnnouncer | None:
+        """What kvdepot holds, in the engine's KV events, where the engine publishes them."""
+        events_config = getattr(vllm_config, "kv_events_config", None)
+        if events_config is None or not events_config.enable_kv_cache_events:
+            return None
+        log.info("kvdepot: the engine's KV events also announce the chunks it can load from kvdepot (medium CPU)")
+        return EventAnnouncer(
+            self.client, block_size=block_size, chunk_size=self.config.chunk_size, num_groups=len(self.groups)
         )
 
     def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
@@ -308,6 +323,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
         self._scheduler.update_connector_output(connector_output)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events = self._scheduler.events if self._scheduler is not None else None
+        return events.take() if events is not None else ()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

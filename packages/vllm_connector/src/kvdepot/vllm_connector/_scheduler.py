@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 
     from kvdepot.transport import CacheClient
     from kvdepot.vllm_connector._health import ServerHealth
+    from kvdepot.vllm_connector._kv_events import EventAnnouncer
 
 log = logging.getLogger("vllm.kvdepot.scheduler")
 
@@ -111,6 +112,8 @@ class _Record:
     #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
     #: server had just read back for it from each tier below RAM (the rest came from RAM).
     read_back: tuple[int, dict[str, int]] = (0, {})
+    #: The keys of its last lookup, one list per KV rank (for its KV events).
+    keys: list[list[bytes]] = attrs.Factory(list)
 
 
 class SchedulerSide:
@@ -127,13 +130,16 @@ class SchedulerSide:
         health: ServerHealth,
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
         hold_finished: bool = True,
+        events: EventAnnouncer | None = None,
     ) -> None:
         """``hold_finished``: a finished request keeps its blocks in vLLM until its stores are done;
         else they go back at once, and the workers wait for the stores when vLLM hands a block on
-        (only where vLLM writes no block it hands out before the workers' `handle_preemptions`)."""
+        (only where vLLM writes no block it hands out before the workers' `handle_preemptions`).
+        ``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`)."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.groups = groups
         self.hold_finished = hold_finished
+        self.events = events
         # With several groups, or one whose blocks vLLM may drop while their request runs (a
         # window), the blocks of each store are read from vLLM's block table when it is planned.
         self._windowed = len(groups) > 1 or not groups[0].stable
@@ -331,6 +337,8 @@ class SchedulerSide:
             return False
         self.planner.new_epoch(secrets.token_hex(16))
         self._flush_releases()
+        if self.events is not None:
+            self.events.reset()
         log.info("kvdepot cache reset: this engine's keys start a new epoch; nothing stored before can be a hit")
         return True
 
@@ -374,7 +382,7 @@ class SchedulerSide:
         keys = self.planner.start_lookup(req_id, record.request.all_token_ids, local_tokens=local_tokens)
         self._flush_releases()  # a repeated lookup gives back the old leases
         if keys is not None:
-            record.lookup, record.sent_at = None, time.monotonic()
+            record.lookup, record.sent_at, record.keys = None, time.monotonic(), keys
             self._queued.append((req_id, self.planner.get(req_id).cache_salt, keys))
         return True
 
@@ -392,6 +400,8 @@ class SchedulerSide:
         if plan is None:
             return
         keys, blocks = [list(k) for k in plan.keys], [list(plan.block_ids)]
+        if self.events is not None:
+            self.events.expect(record.request, plan.first_chunk, keys, plan.cache_salt)
         if self._windowed:
             keys, blocks = self._windowed_store(req_id, plan.first_chunk, keys)
             if not blocks[0]:
@@ -502,6 +512,9 @@ class SchedulerSide:
                 record.slot_bytes = lengths.pop() if lengths else 0
                 first = self.planner.get(req_id).lookup_first
                 record.read_back = (first + results[0].num_hits, dict(results[0].read_back))
+                if self.events is not None and min(hits) > 0:
+                    hit_keys = [rank_keys[: min(hits)] for rank_keys in record.keys]
+                    self.events.hit(record.request, first, hit_keys, self.planner.get(req_id).cache_salt)
         self.planner.on_lookup_done(req_id, hits, handles, slots=slots, source=record.server_id, at=record.sent_at)
         tracker = self.planner.get(req_id)
         self.stats.add("lookups")

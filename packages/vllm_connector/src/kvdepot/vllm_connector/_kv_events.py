@@ -1,0 +1,348 @@
+"""What kvdepot holds for this engine, in the engine's own KV event stream (``--kv-events-config``).
+
+vLLM publishes what its prefix cache gains and loses as KV events, which KV-aware routers
+(llm-d's indexer, Dynamo's router) read. With events enabled, the connector adds kvdepot's part
+through `take_events()`, so the same stream also says which prompt prefixes this engine can
+load from kvdepot's RAM:
+
+- a chunk is announced as ``BlockStored`` once every KV rank's copy of it is committed on the
+  server (a store of this engine), or when a lookup of this engine hits it; one event per chunk
+  and KV-cache group, naming vLLM's own block hashes of the chunk's blocks (and the hash of the
+  block before it as the parent), with its token ids and vLLM's block size, ``medium="CPU"``,
+  ``locality="LOCAL"`` and ``ownership="kvdepot"``;
+- a ``BlockRemoved`` follows when the server evicts or clears any rank's copy of an announced
+  chunk, or restarts without it. kvdepot never sends ``AllBlocksCleared``.
+
+How it learns what went: the server numbers every chunk that becomes visible or goes in its
+RAM (`kvdepot.transport.Changes`); once per `POLL_S` at most, at an engine step, the scheduler
+sends one message asking for the changes of its salts since the last number it saw, and reads
+the reply at a later step, never waiting for it. So an event is published one or two engine
+steps after the change, an idle engine publishes nothing until its next step, and events of one
+chunk keep the server's order. If the server's log has moved past the last number (it keeps
+the last 131,072 changes) or the server restarted, nothing is lost silently: the next poll asks
+the server which watched chunks it holds (`Query`, in the same message as the changes, so both
+answer the same moment) and announces or removes the difference.
+
+Bounds: at most `MAX_WATCHED` chunks are watched; past that the oldest is forgotten, with a
+``BlockRemoved`` if it was announced (a router under-counts rather than over-counts). A chunk
+planned for a store that never shows up (its store failed, or another engine's copy was there
+first) is checked with the server after `CHECK_AFTER_S`, and forgotten after `PENDING_TTL_S`.
+
+Tenancy: vLLM puts a request's ``cache_salt`` in plaintext in the first block's extra keys.
+kvdepot's events carry its label instead (`kvdepot.core.salt_label`, the digest that /metrics
+shows), so subscribers can tell tenants apart but never learn a salt. A router that rebuilds
+block keys from the extra keys will therefore not match kvdepot's salted chunks to vLLM's;
+routers that use vLLM's block hashes do (they are salted digests already).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from kvdepot.core import salt_label
+from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, LookupItem
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+    from kvdepot.transport import CacheClient
+
+log = logging.getLogger("vllm.kvdepot.events")
+
+#: The scheduler asks the server for changes at most this often (seconds).
+POLL_S = 0.05
+#: Chunks watched at most (about 3 KiB each: their tokens and block hashes).
+MAX_WATCHED = 8192
+#: A planned chunk not yet seen committed is asked after about a second, and given up after a minute.
+CHECK_AFTER_S = 1.0
+PENDING_TTL_S = 60.0
+#: Changes asked per poll; a poll that gets this many asks again at the next step.
+CHANGES_PER_POLL = 4096
+MEDIUM = "CPU"
+OWNER = "kvdepot"
+
+
+def _same(block_hash: Any) -> Any:
+    return block_hash
+
+
+def _low_64_bits(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def _block_hash_converter(vllm_convert: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """vLLM's conversion of a block hash for its events (bytes, or by default their low 64 bits as
+    an int), without its cost: vLLM reads its environment on every call, which costs more than
+    the rest of an announcement. Checked against vLLM's own on a probe; vLLM's is used if they differ."""
+    probe = bytes(range(32))
+    for convert in (_same, _low_64_bits):
+        if convert(probe) == vllm_convert(probe):
+            return convert
+    return vllm_convert
+
+
+@attrs.define(eq=False)
+class _Chunk:
+    """One chunk of this engine's requests: its key per KV rank, which are committed, what its events say."""
+
+    keys: tuple[bytes, ...]
+    salt: str
+    hashes: list[Any]  # vLLM's hashes of its blocks, as its events name them
+    parent: Any
+    tokens: tuple[int, ...]
+    lora: tuple[int | None, str | None]
+    extra: list[tuple[Any, ...] | None] | None
+    present: set[bytes] = attrs.Factory(set)
+    announced: bool = False
+    #: When it was planned, or last seen go; and when the server is asked about it next (monotonic).
+    since: float = 0.0
+    check_at: float = 0.0
+
+
+class EventAnnouncer:
+    """Turns kvdepot's stores, hits and the server's changes into vLLM KV events (scheduler thread)."""
+
+    def __init__(
+        self,
+        client: CacheClient,
+        *,
+        block_size: int,
+        chunk_size: int,
+        num_groups: int = 1,
+        max_watched: int = MAX_WATCHED,
+    ) -> None:
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        self._stored_cls, self._removed_cls = BlockStored, BlockRemoved
+        self._convert = _block_hash_converter(maybe_convert_block_hash)
+        fields = set(BlockStored.__struct_fields__)
+        self._extra = {name: value for name, value in (("locality", "LOCAL"), ("ownership", OWNER)) if name in fields}
+        self.client = client
+        self.block_size = block_size
+        self.chunk_size = chunk_size
+        self.blocks_per_chunk = chunk_size // block_size
+        self.num_groups = num_groups
+        self.max_watched = max_watched
+        self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()  # by first rank's key
+        self._by_key: dict[bytes, _Chunk] = {}
+        self._outbox: list[Any] = []
+        self._since = 0
+        self._server = ""
+        self._check_all = False
+        self._polled_at = float("-inf")
+        self._poll: tuple[Future[Any], list[Future[Any]], list[tuple[_Chunk, bytes]], str] | None = None
+
+    # -- what the scheduler tells it ------------------------------------------------------
+
+    def expect(self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str) -> None:
+        """A store of chunks ``first_chunk`` on (``keys``: one list per KV rank) is planned."""
+        now = time.monotonic()
+        for chunk in self._chunks_of(request, first_chunk, keys, salt):
+            if not chunk.announced:
+                chunk.since, chunk.check_at = now, now + CHECK_AFTER_S
+        self._trim()
+
+    def hit(self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str) -> None:
+        """A lookup found chunks ``first_chunk`` on in the server's RAM: announce them."""
+        for chunk in self._chunks_of(request, first_chunk, keys, salt):
+            chunk.present.update(chunk.keys)
+            self._announce(chunk)
+        self._trim()
+
+    def reset(self) -> None:
+        """The engine's keys start a new epoch: nothing watched can be hit by it any more."""
+        for chunk in self._chunks.values():
+            if chunk.announced:
+                self._outbox.extend(self._removed(chunk))
+        self._chunks.clear()
+        self._by_key.clear()
+
+    def take(self) -> list[Any]:
+        """The events since the last call (vLLM's `take_events`, once per engine step)."""
+        self._pump(time.monotonic())
+        out, self._outbox = self._outbox, []
+        return out
+
+    def close(self) -> None:
+        self._poll = None
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _chunks_of(
+        self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str
+    ) -> list[_Chunk]:
+        """The watched chunk of each chunk index (created on first sight)."""
+        out = []
+        hashes = request.block_hashes
+        for offset in range(len(keys[0]) if keys else 0):
+            index = first_chunk + offset
+            rank_keys = tuple(rank[offset] for rank in keys)
+            chunk = self._chunks.get(rank_keys[0])
+            if chunk is None:
+                if (index + 1) * self.blocks_per_chunk > len(hashes):
+                    continue  # vLLM has not hashed these blocks (a different hash block size)
+                chunk = self._watch(request, index, rank_keys, salt)
+            else:
+                self._chunks.move_to_end(rank_keys[0])
+            out.append(chunk)
+        return out
+
+    def _watch(self, request: Request, index: int, keys: tuple[bytes, ...], salt: str) -> _Chunk:
+        first_block = index * self.blocks_per_chunk
+        blocks = range(first_block, first_block + self.blocks_per_chunk)
+        lora = getattr(request, "lora_request", None)
+        lora_name = lora.name if lora is not None else None
+        extra: list[tuple[Any, ...] | None] = []
+        for block in blocks:
+            keys_of_block = ([lora_name] if lora_name else []) + ([salt_label(salt)] if block == 0 and salt else [])
+            extra.append(tuple(keys_of_block) or None)
+        now = time.monotonic()
+        chunk = _Chunk(
+            keys,
+            salt,
+            hashes=[self._convert(request.block_hashes[block]) for block in blocks],
+            parent=self._convert(request.block_hashes[first_block - 1]) if first_block else None,
+            tokens=tuple(request.all_token_ids[index * self.chunk_size : (index + 1) * self.chunk_size]),
+            lora=(lora.adapter_id if lora is not None else None, lora_name),
+            extra=extra if any(extra) else None,
+            since=now,
+            check_at=now + CHECK_AFTER_S,
+        )
+        self._chunks[keys[0]] = chunk
+        for key in keys:
+            self._by_key[key] = chunk
+        return chunk
+
+    def _stored(self, chunk: _Chunk) -> list[Any]:
+        tokens = list(chunk.tokens)
+        return [
+            self._stored_cls(
+                block_hashes=chunk.hashes,
+                parent_block_hash=chunk.parent,
+                token_ids=tokens,
+                block_size=self.block_size,
+                lora_id=chunk.lora[0],
+                medium=MEDIUM,
+                lora_name=chunk.lora[1],
+                extra_keys=chunk.extra,
+                group_idx=group,
+                **self._extra,
+            )
+            for group in range(self.num_groups)
+        ]
+
+    def _removed(self, chunk: _Chunk) -> list[Any]:
+        return [
+            self._removed_cls(block_hashes=chunk.hashes, medium=MEDIUM, group_idx=group, **self._extra)
+            for group in range(self.num_groups)
+        ]
+
+    def _trim(self) -> None:
+        """Forget the oldest chunks past `max_watched` (announced ones with a removal)."""
+        while len(self._chunks) > self.max_watched:
+            self._forget(next(iter(self._chunks.values())))
+
+    def _forget(self, chunk: _Chunk) -> None:
+        if chunk.announced:
+            self._outbox.extend(self._removed(chunk))
+        self._chunks.pop(chunk.keys[0], None)
+        for key in chunk.keys:
+            if self._by_key.get(key) is chunk:
+                del self._by_key[key]
+
+    def _announce(self, chunk: _Chunk) -> None:
+        if not chunk.announced and chunk.present.issuperset(chunk.keys):
+            chunk.announced = True
+            self._outbox.extend(self._stored(chunk))
+
+    def _went(self, chunk: _Chunk, key: bytes, now: float) -> None:
+        chunk.present.discard(key)
+        if chunk.announced:  # watched again as if just planned: a new commit announces it again
+            chunk.announced = False
+            chunk.since = chunk.check_at = now
+            self._outbox.extend(self._removed(chunk))
+
+    def _pump(self, now: float) -> None:
+        if self._poll is not None:
+            if not self._poll[0].done() or not all(f.done() for f in self._poll[1]):
+                return
+            poll, self._poll = self._poll, None
+            self._apply(*poll, now)
+        if now - self._polled_at >= POLL_S and self._chunks:
+            self._send(now)
+
+    def _send(self, now: float) -> None:
+        """One message: the changes since the last number, then a Query of the chunks to check."""
+        self._polled_at = now
+        server = self.client.server_id or ""
+        if server != self._server:
+            self._since, self._check_all = 0, True  # a new server instance numbers afresh
+        due = [c for c in self._chunks.values() if self._check_all or (not c.announced and now >= c.check_at)]
+        for chunk in due:
+            chunk.check_at = now + CHECK_AFTER_S
+        checked = [(chunk, key) for chunk in due for key in chunk.keys]
+        salts = sorted({chunk.salt for chunk in self._chunks.values()})
+        try:
+            with self.client.batch() as batch:
+                changes = batch.changes(self._since, salts, limit=CHANGES_PER_POLL, server_id=self._server)
+                queries = [
+                    batch.query(
+                        [LookupItem(chunk.salt, [key]) for chunk, key in checked[i : i + MAX_ITEMS_PER_LOOKUP]],
+                        tiers=False,
+                    )
+                    for i in range(0, len(checked), MAX_ITEMS_PER_LOOKUP)
+                ]
+        except Exception as exc:  # the client is closed or the server down: try again later
+            log.debug("kvdepot events: changes not asked: %s", exc)
+            return
+        self._check_all = False
+        self._poll = (changes, queries, checked, server)
+
+    def _apply(
+        self,
+        changes: Future[Any],
+        queries: list[Future[Any]],
+        checked: list[tuple[_Chunk, bytes]],
+        server: str,
+        now: float,
+    ) -> None:
+        try:
+            reply = changes.result()
+            results = [result for query in queries for result in query.result().results]
+        except Exception as exc:
+            log.debug("kvdepot events: changes not read: %s", exc)
+            self._check_all = self._check_all or bool(checked)
+            return
+        self._server, self._since = server, reply.next
+        if reply.lost:
+            self._check_all = True  # what was missed is asked next time, with the changes after it
+        for change in reply.changes:
+            chunk = self._by_key.get(change.key)
+            if chunk is None:
+                continue  # keys are salted digests: a known key is this chunk, whatever salt asked
+            if change.stored:
+                chunk.present.add(change.key)
+                self._announce(chunk)
+            else:
+                self._went(chunk, change.key, now)
+        if len(reply.changes) >= CHANGES_PER_POLL or reply.lost:
+            self._polled_at = float("-inf")  # more to read: ask again at the next step
+            return  # the query answered another moment than the changes read so far
+        for (chunk, key), result in zip(checked, results, strict=False):
+            if self._by_key.get(key) is not chunk:
+                continue
+            if result.ram:
+                chunk.present.add(key)
+                self._announce(chunk)
+            else:
+                self._went(chunk, key, now)
+        for chunk in [c for c in self._chunks.values() if not c.announced and now - c.since >= PENDING_TTL_S]:
+            self._forget(chunk)

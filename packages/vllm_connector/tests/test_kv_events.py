@@ -1,0 +1,252 @@
+"""The connector's KV events against a fake server: what is announced, when, and what undoes it.
+
+A unit test: the client is a test double holding a server's RAM as a set of keys and its
+numbered changes, answering `changes` and `query` as the real server does (the end-to-end test
+with real engines and a real server is tests/vllm/test_kv_events_e2e.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Future
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+from kvdepot.core import salt_label
+from kvdepot.transport import Change, ChangesReply, QueryReply, QueryResult
+from kvdepot.vllm_connector._kv_events import EventAnnouncer
+
+BLOCK, CHUNK = 4, 8
+
+
+def digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode()).digest()
+
+
+class FakeServer:
+    """A server's RAM (keys) and its numbered changes; a restart forgets both."""
+
+    def __init__(self) -> None:
+        self.server_id = "server-1"
+        self.held: set[bytes] = set()
+        self.log: list[tuple[bool, str, bytes]] = []
+        self.first = 1  # the oldest change kept
+        self.polls = 0
+        self.queried: list[bytes] = []
+
+    def commit(self, salt: str, *keys: bytes) -> None:
+        for key in keys:
+            self.held.add(key)
+            self.log.append((True, salt, key))
+
+    def evict(self, salt: str, *keys: bytes) -> None:
+        for key in keys:
+            self.held.discard(key)
+            self.log.append((False, salt, key))
+
+    def restart(self) -> None:
+        self.server_id, self.held, self.log, self.first = self.server_id + "'", set(), [], 1
+
+    def changes(self, since: int, salts: list[str], limit: int, server_id: str) -> ChangesReply:
+        head = self.first + len(self.log)
+        if since == 0:
+            return ChangesReply([], head)
+        if since < self.first or since > head or server_id not in ("", self.server_id):
+            return ChangesReply([], head, lost=True)
+        window = self.log[since - self.first : since - self.first + limit]
+        out = [Change(stored, salts.index(salt), key) for stored, salt, key in window if salt in salts]
+        return ChangesReply(out, since + len(window))
+
+
+class FakeBatch:
+    def __init__(self, server: FakeServer) -> None:
+        self.server = server
+
+    def __enter__(self) -> FakeBatch:
+        self.server.polls += 1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def changes(self, since: int, salts: list[str], *, limit: int, server_id: str) -> Future[Any]:
+        return done(self.server.changes(since, salts, limit, server_id))
+
+    def query(self, items: list[Any], *, tiers: bool) -> Future[Any]:
+        assert tiers is False
+        self.server.queried.extend(key for item in items for key in item.keys)
+        return done(QueryReply([QueryResult(int(item.keys[0] in self.server.held)) for item in items]))
+
+
+class FakeClient:
+    def __init__(self, server: FakeServer) -> None:
+        self.server = server
+
+    @property
+    def server_id(self) -> str:
+        return self.server.server_id
+
+    def batch(self) -> FakeBatch:
+        return FakeBatch(self.server)
+
+
+def done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+def request(seed: int, chunks: int = 2, lora: str | None = None) -> SimpleNamespace:
+    tokens = [seed * 1000 + i for i in range(chunks * CHUNK + 3)]
+    hashes = [digest(f"{seed}/{b}") for b in range(len(tokens) // BLOCK)]
+    lora_request = SimpleNamespace(name=lora, adapter_id=7) if lora else None
+    return SimpleNamespace(block_hashes=hashes, all_token_ids=tokens, lora_request=lora_request)
+
+
+def hashes_of(req: SimpleNamespace, chunk: int) -> list[int]:
+    """The chunk's block hashes as vLLM's events name them by default (their low 64 bits)."""
+    blocks = req.block_hashes[chunk * (CHUNK // BLOCK) : (chunk + 1) * (CHUNK // BLOCK)]
+    return [int.from_bytes(h, "big") & (2**64 - 1) for h in blocks]
+
+
+def keys_of(seed: int, chunks: int = 2, ranks: int = 1) -> list[list[bytes]]:
+    return [[digest(f"key/{seed}/{c}/{r}") for c in range(chunks)] for r in range(ranks)]
+
+
+@pytest.fixture
+def server() -> FakeServer:
+    return FakeServer()
+
+
+def announcer(server: FakeServer, **kwargs: Any) -> EventAnnouncer:
+    events = EventAnnouncer(FakeClient(server), block_size=BLOCK, chunk_size=CHUNK, **kwargs)  # type: ignore[arg-type]
+    events.take()  # the first poll: where the server's numbering stands
+    return events
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    now = [1000.0]
+    monkeypatch.setattr("kvdepot.vllm_connector._kv_events.time.monotonic", lambda: now[0])
+    return now
+
+
+def settle(events: EventAnnouncer, clock: list[float]) -> list[Any]:
+    """Two steps: one sends the poll, the next reads it (and sends the next)."""
+    out: list[Any] = []
+    for _ in range(2):
+        clock[0] += 0.1
+        out += events.take()
+    return out
+
+
+def test_a_store_is_announced_once_every_rank_committed_it(server, clock):
+    events = announcer(server, num_groups=2)
+    req, keys = request(1), keys_of(1, ranks=2)
+    events.expect(req, 0, keys, "")
+    assert settle(events, clock) == []  # planned, not committed
+    server.commit("", keys[0][0], keys[0][1], keys[1][0])
+    out = settle(events, clock)
+    assert [type(e) for e in out] == [BlockStored, BlockStored]  # chunk 0, one event per group
+    assert [e.group_idx for e in out] == [0, 1]
+    first = out[0]
+    assert first.block_hashes == hashes_of(req, 0)
+    assert first.parent_block_hash is None
+    assert first.token_ids == req.all_token_ids[:CHUNK]
+    assert (first.block_size, first.medium, first.ownership) == (BLOCK, "CPU", "kvdepot")
+    server.commit("", keys[1][1])
+    (second, _) = settle(events, clock)
+    assert second.parent_block_hash == first.block_hashes[-1]
+    assert second.token_ids == req.all_token_ids[CHUNK : 2 * CHUNK]
+
+
+def test_an_eviction_removes_and_a_new_commit_announces_again(server, clock):
+    events = announcer(server)
+    req, keys = request(2), keys_of(2)
+    events.expect(req, 0, keys, "")
+    server.commit("", *keys[0])
+    assert len(settle(events, clock)) == 2
+    server.evict("", keys[0][1])
+    server.commit("", keys[0][1])  # evicted and stored again between two polls: it ends announced
+    server.evict("", keys[0][0])
+    out = settle(events, clock)
+    assert [(type(e), e.block_hashes) for e in out] == [
+        (BlockRemoved, hashes_of(req, 1)),
+        (BlockStored, hashes_of(req, 1)),
+        (BlockRemoved, hashes_of(req, 0)),
+    ]
+
+
+def test_a_hit_is_announced_at_once(server, clock):
+    events = announcer(server)
+    req, keys = request(3), keys_of(3)
+    events.hit(req, 0, keys, "")
+    assert [type(e) for e in events.take()] == [BlockStored, BlockStored]
+
+
+def test_a_restart_or_a_gap_asks_the_server_and_removes_what_went(server, clock):
+    events = announcer(server)
+    req, keys = request(4), keys_of(4)
+    events.expect(req, 0, keys, "")
+    server.commit("", *keys[0])
+    assert len(settle(events, clock)) == 2
+    server.restart()
+    server.commit("", keys[0][1])  # the restarted server got chunk 1 again (read back from a disk tier)
+    out = settle(events, clock) + settle(events, clock)
+    assert [type(e) for e in out] == [BlockRemoved]  # chunk 0 went with the restart; chunk 1 is still held
+    assert set(server.queried) >= set(keys[0])
+    # A gap: the server's log moved past what this engine read.
+    server.evict("", keys[0][1])
+    server.first += len(server.log) + 5
+    server.log = []
+    out = settle(events, clock) + settle(events, clock)
+    assert [type(e) for e in out] == [BlockRemoved]
+
+
+def test_a_store_never_committed_is_asked_about_and_then_given_up(server, clock):
+    events = announcer(server)
+    req, keys = request(5), keys_of(5)
+    server.held.add(keys[0][0])  # another engine's copy was there first: this engine's store made no change
+    events.expect(req, 0, keys, "")
+    clock[0] += 1.0
+    out = settle(events, clock)
+    assert [type(e) for e in out] == [BlockStored]  # asked after a second: chunk 0 is held
+    clock[0] += 61.0
+    settle(events, clock)
+    assert keys[0][1] not in events._by_key  # chunk 1 never came: forgotten
+
+
+def test_the_oldest_chunk_beyond_the_bound_is_forgotten_with_a_removal(server, clock):
+    events = announcer(server, max_watched=2)
+    req = request(6, chunks=3)
+    events.hit(req, 0, keys_of(6, chunks=3), "")
+    out = events.take()
+    assert [type(e) for e in out] == [BlockStored, BlockStored, BlockStored, BlockRemoved]
+    assert out[-1].block_hashes == out[0].block_hashes
+
+
+def test_a_reset_removes_everything_announced_and_never_clears_all(server, clock):
+    events = announcer(server)
+    events.hit(request(7), 0, keys_of(7), "")
+    events.take()
+    events.reset()
+    assert [type(e) for e in events.take()] == [BlockRemoved, BlockRemoved]
+
+
+def test_events_carry_the_salts_label_never_the_salt(server, clock):
+    events = announcer(server)
+    req = request(8, lora="adapter-a")
+    events.hit(req, 0, keys_of(8), "tenant-secret")
+    out = events.take()
+    wire = msgspec.msgpack.encode(out)
+    assert b"tenant-secret" not in wire
+    assert out[0].extra_keys == [("adapter-a", salt_label("tenant-secret")), ("adapter-a",)]
+    assert out[1].extra_keys == [("adapter-a",), ("adapter-a",)]
+    assert (out[0].lora_name, out[0].lora_id) == ("adapter-a", 7)

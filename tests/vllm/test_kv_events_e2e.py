@@ -1,0 +1,236 @@
+"""KV events end to end: real vLLM engines with ``kv_events_config`` and kvdepot, read by a real
+ZMQ SUB socket and decoded with vLLM's own event classes, and the server's own publisher.
+
+A router's index is rebuilt from each stream by the rules routers apply (a stored block is
+kept only if its parent is known and its tokens are there), and checked against what the
+server holds after each step: a store, a hit in a second engine, a clear, evictions, a server
+restart.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvdepot.server
+import kvdepot.transport
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration]
+
+CHUNK = 256  # tokens per chunk: two CPU blocks of 128
+BLOCK = 128
+LENGTH = 1100  # four full chunks and a tail
+SHORT = 100  # a prompt shorter than a chunk: it stores nothing, its steps let the engine publish
+STEPS = 48  # tokens generated per prompt: engine steps in which the connector reads the server's changes
+
+
+def prompt(seed: int, length: int = LENGTH) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(length)]
+
+
+class Subscriber:
+    """A real ZMQ SUB socket on an events endpoint, decoding every batch with vLLM's classes."""
+
+    def __init__(self, endpoint: str) -> None:
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self.batches: list[tuple[bytes, int, Any]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(50):
+                topic, seq, payload = self._socket.recv_multipart()
+                with self._lock:
+                    self.batches.append((topic, int.from_bytes(seq, "big"), self._decoder.decode(payload)))
+
+    def events(self) -> list[Any]:
+        with self._lock:
+            return [event for _, _, batch in self.batches for event in batch.events]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._socket.close(linger=0)
+
+
+class RouterIndex:
+    """What a router would believe kvdepot holds, rebuilt from one stream: llm-d's rules."""
+
+    def __init__(self) -> None:
+        self.known: set[Any] = set()  # every block hash ever stored, any medium: possible parents
+        self.cpu: dict[Any, tuple[int, ...]] = {}  # block hash -> its tokens, in kvdepot's RAM
+        self.orphans = 0
+        self.cleared_all = 0
+        self.removed = 0
+
+    def apply(self, events: list[Any]) -> RouterIndex:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        for event in events:
+            if isinstance(event, BlockStored):
+                whole = len(event.token_ids) == event.block_size * len(event.block_hashes)
+                if not whole or (event.parent_block_hash is not None and event.parent_block_hash not in self.known):
+                    self.orphans += 1
+                    continue
+                for i, block in enumerate(event.block_hashes):
+                    self.known.add(block)
+                    if event.medium == "CPU":
+                        assert event.ownership == "kvdepot"
+                        self.cpu[block] = tuple(event.token_ids[i * event.block_size : (i + 1) * event.block_size])
+            elif isinstance(event, BlockRemoved) and event.medium == "CPU":
+                for block in event.block_hashes:
+                    self.removed += self.cpu.pop(block, None) is not None
+            elif isinstance(event, AllBlocksCleared):
+                self.cleared_all += 1
+        return self
+
+    @property
+    def chunks(self) -> int:
+        assert len(self.cpu) % (CHUNK // BLOCK) == 0
+        return len(self.cpu) // (CHUNK // BLOCK)
+
+    def holds(self, tokens: list[int]) -> int:
+        """How many of the prompt's chunks the index says kvdepot holds."""
+        blocks = {self.cpu[h] for h in self.cpu}
+        return sum(
+            all(tuple(tokens[b * BLOCK : (b + 1) * BLOCK]) in blocks for b in range(c * 2, c * 2 + 2))
+            for c in range(len(tokens) // CHUNK)
+        )
+
+
+class Pauses:
+    """Lets a test act between two prompts of an engine run (`pause_after`)."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+
+    def wait(self, name: str, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not (self.where / f"{name}.paused").exists():
+            assert time.monotonic() < deadline, f"the engine never reached pause {name!r}"
+            time.sleep(0.05)
+
+    def go(self, name: str) -> None:
+        (self.where / f"{name}.go").touch()
+
+
+@pytest.fixture
+def workdir(short_tmp: Path) -> Path:
+    return short_tmp
+
+
+def events_config(endpoint: str) -> dict[str, Any]:
+    return {"engine_kwargs": {"kv_events_config": {"enable_kv_cache_events": True, "endpoint": endpoint}}}
+
+
+@pytest.fixture
+def subscribers() -> Iterator[list[Subscriber]]:
+    made: list[Subscriber] = []
+    yield made
+    for sub in made:
+        sub.close()
+
+
+def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir, tmp_path, subscribers):
+    """Store, hit in a second engine, clear, evictions and a server restart, each checked against the
+    server: the index a router rebuilds from the engine's stream holds exactly the server's chunks."""
+    quota = 6  # chunks a salt may hold: the fourth prompt of four chunks evicts
+    server = kvdepot.server.ServerProcess(
+        f"ipc://{workdir}/kvdepot.sock", capacity="256MiB", args=["--no-metrics"], log_path=workdir / "server.log"
+    )
+    server.start()
+    try:
+        config = {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": server.address},
+        }
+        a_events, b_events = f"ipc://{workdir}/a-events", f"ipc://{workdir}/b-events"
+        a, b = Subscriber(a_events), Subscriber(b_events)
+        subscribers.extend([a, b])
+        short = prompt(99, SHORT)
+        first, others = prompt(1), [prompt(2), prompt(3), prompt(4)]
+        prompts = [first, short, short, *others, short, short, short]
+        pauses = Pauses(tmp_path / "engines")
+        run = {
+            "max_tokens": STEPS,
+            "kv_transfer_config": config,
+            "pause_after": {1: "stored", 2: "cleared", 6: "evicted", 8: "restarted"},
+            **events_config(a_events),
+        }
+        with ThreadPoolExecutor(1) as pool:
+            engine_a = pool.submit(vllm_engine, tiny_llama, prompts, **run)
+
+            # 1. A store: every chunk of the first prompt, as the server holds them.
+            pauses.wait("stored")
+            index = RouterIndex().apply(a.events())
+            assert server.stats().chunks == LENGTH // CHUNK
+            assert index.chunks == LENGTH // CHUNK
+            assert index.holds(first) == LENGTH // CHUNK
+            assert index.orphans == 0  # each chunk's parent block was announced before it
+
+            # 2. A hit in a second engine: its own stream announces what it can load from kvdepot.
+            second = vllm_engine(
+                tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
+            ).check()
+            assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]
+            assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+
+            # 3. A clear (an operator's, through the admin request): removals, never AllBlocksCleared.
+            client = kvdepot.transport.CacheClient(server.address)
+            chunk_bytes = server.stats().used_bytes // server.stats().chunks
+            assert client.clear().result(10).removed == LENGTH // CHUNK
+            client.set_quota("", quota * chunk_bytes).result(10)
+            client.close()
+            pauses.go("stored")
+            pauses.wait("cleared")
+            index = RouterIndex().apply(a.events())
+            assert server.stats().chunks == 0
+            assert index.chunks == 0
+            assert index.removed == LENGTH // CHUNK * 2
+            assert index.cleared_all == 0
+
+            # 4. Evictions: three more prompts under a quota of six chunks.
+            pauses.go("cleared")
+            pauses.wait("evicted")
+            index = RouterIndex().apply(a.events())
+            held = server.stats().chunks
+            assert held == quota
+            assert index.chunks == held
+            assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
+            assert index.holds(others[0]) == 0
+
+            # 5. A server restart (its RAM is gone): the engine notices and removes what it announced.
+            server.stop()
+            server.start()
+            pauses.go("evicted")
+            pauses.wait("restarted")
+            index = RouterIndex().apply(a.events())
+            assert server.stats().chunks == 0
+            assert index.chunks == 0
+            assert index.cleared_all == 0
+            pauses.go("restarted")
+            engine_a.result().check()
+        for sub in (a, b):  # every batch of a stream, in order and without a gap
+            seqs = [seq for _, seq, _ in sub.batches]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    finally:
+        server.stop()
