@@ -76,10 +76,15 @@ class RouterIndex:
 
     def __init__(self) -> None:
         self.known: set[Any] = set()  # every block hash ever stored, any medium: possible parents
-        self.cpu: dict[Any, tuple[int, ...]] = {}  # block hash -> its tokens, in kvdepot's RAM
+        # block hash -> its tokens, in kvdepot's RAM ("CPU") and in the tiers below it ("STORAGE")
+        self.media: dict[str, dict[Any, tuple[int, ...]]] = {"CPU": {}, "STORAGE": {}}
         self.orphans = 0
         self.cleared_all = 0
         self.removed = 0
+
+    @property
+    def cpu(self) -> dict[Any, tuple[int, ...]]:
+        return self.media["CPU"]
 
     def apply(self, events: list[Any]) -> RouterIndex:
         from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -92,24 +97,24 @@ class RouterIndex:
                     continue
                 for i, block in enumerate(event.block_hashes):
                     self.known.add(block)
-                    if event.medium == "CPU":
+                    if event.medium in self.media:
                         assert event.ownership == "kvdepot"
-                        self.cpu[block] = tuple(event.token_ids[i * event.block_size : (i + 1) * event.block_size])
-            elif isinstance(event, BlockRemoved) and event.medium == "CPU":
+                        tokens = tuple(event.token_ids[i * event.block_size : (i + 1) * event.block_size])
+                        self.media[event.medium][block] = tokens
+            elif isinstance(event, BlockRemoved) and event.medium in self.media:
                 for block in event.block_hashes:
-                    self.removed += self.cpu.pop(block, None) is not None
+                    self.removed += self.media[event.medium].pop(block, None) is not None
             elif isinstance(event, AllBlocksCleared):
                 self.cleared_all += 1
         return self
 
-    @property
-    def chunks(self) -> int:
-        assert len(self.cpu) % (CHUNK // BLOCK) == 0
-        return len(self.cpu) // (CHUNK // BLOCK)
+    def chunks(self, medium: str = "CPU") -> int:
+        assert len(self.media[medium]) % (CHUNK // BLOCK) == 0
+        return len(self.media[medium]) // (CHUNK // BLOCK)
 
-    def holds(self, tokens: list[int]) -> int:
-        """How many of the prompt's chunks the index says kvdepot holds."""
-        blocks = {self.cpu[h] for h in self.cpu}
+    def holds(self, tokens: list[int], medium: str = "CPU") -> int:
+        """How many of the prompt's chunks the index says kvdepot holds in ``medium``."""
+        blocks = set(self.media[medium].values())
         return sum(
             all(tuple(tokens[b * BLOCK : (b + 1) * BLOCK]) in blocks for b in range(c * 2, c * 2 + 2))
             for c in range(len(tokens) // CHUNK)
@@ -183,7 +188,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir,
             pauses.wait("stored")
             index = RouterIndex().apply(a.events())
             assert server.stats().chunks == LENGTH // CHUNK
-            assert index.chunks == LENGTH // CHUNK
+            assert index.chunks() == LENGTH // CHUNK
             assert index.holds(first) == LENGTH // CHUNK
             assert index.orphans == 0  # each chunk's parent block was announced before it
 
@@ -204,7 +209,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir,
             pauses.wait("cleared")
             index = RouterIndex().apply(a.events())
             assert server.stats().chunks == 0
-            assert index.chunks == 0
+            assert index.chunks() == 0
             assert index.removed == LENGTH // CHUNK * 2
             assert index.cleared_all == 0
 
@@ -214,7 +219,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir,
             index = RouterIndex().apply(a.events())
             held = server.stats().chunks
             assert held == quota
-            assert index.chunks == held
+            assert index.chunks() == held
             assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
             assert index.holds(others[0]) == 0
 
@@ -225,12 +230,67 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir,
             pauses.wait("restarted")
             index = RouterIndex().apply(a.events())
             assert server.stats().chunks == 0
-            assert index.chunks == 0
+            assert index.chunks() == 0
             assert index.cleared_all == 0
             pauses.go("restarted")
             engine_a.result().check()
         for sub in (a, b):  # every batch of a stream, in order and without a gap
             seqs = [seq for _, seq, _ in sub.batches]
             assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    finally:
+        server.stop()
+
+
+def test_chunks_that_leave_ram_for_the_disk_tier_are_announced_as_storage(
+    tiny_llama, vllm_engine, workdir, tmp_path, subscribers
+):
+    """RAM cleared, the disk tier keeps the chunks: the engine's stream moves them from CPU to
+    STORAGE; a second engine that reads them back announces them in RAM again."""
+    server = kvdepot.server.ServerProcess(
+        f"ipc://{workdir}/kvdepot.sock",
+        capacity="256MiB",
+        args=["--no-metrics", "--disk-dir", str(workdir / "disk"), "--disk-capacity", "1GiB"],
+        log_path=workdir / "server.log",
+    )
+    server.start()
+    try:
+        config = {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": server.address},
+        }
+        a_events, b_events = f"ipc://{workdir}/a-events", f"ipc://{workdir}/b-events"
+        a, b = Subscriber(a_events), Subscriber(b_events)
+        subscribers.extend([a, b])
+        first, short = prompt(11), prompt(98, SHORT)
+        pauses = Pauses(tmp_path / "engines")
+        run = {"max_tokens": STEPS, "kv_transfer_config": config, "pause_after": {1: "stored", 3: "moved"}}
+        with ThreadPoolExecutor(1) as pool:
+            engine_a = pool.submit(
+                vllm_engine, tiny_llama, [first, short, short, short], **run, **events_config(a_events)
+            )
+            pauses.wait("stored")
+            deadline = time.monotonic() + 60
+            while server.stats().extra.get("tier:disk:objects") != LENGTH // CHUNK:
+                assert time.monotonic() < deadline, "the chunks never reached the disk tier"
+                time.sleep(0.1)
+            index = RouterIndex().apply(a.events())
+            assert index.holds(first) == LENGTH // CHUNK
+            assert index.chunks("STORAGE") == 0  # in RAM: announced there alone
+            with kvdepot.transport.CacheClient(server.address) as client:
+                assert client.clear().result(10).removed == LENGTH // CHUNK  # RAM only: the disk keeps them
+            pauses.go("stored")
+            pauses.wait("moved")
+            index = RouterIndex().apply(a.events())
+            assert index.chunks() == 0
+            assert index.holds(first, "STORAGE") == LENGTH // CHUNK
+            assert index.chunks("STORAGE") == LENGTH // CHUNK
+            second = vllm_engine(
+                tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
+            ).check()
+            assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]  # read back from the disk
+            assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+            pauses.go("moved")
+            engine_a.result().check()
     finally:
         server.stop()

@@ -36,6 +36,7 @@ class FakeServer:
     def __init__(self) -> None:
         self.server_id = "server-1"
         self.held: set[bytes] = set()
+        self.below: set[bytes] = set()  # the tiers below RAM (a disk tier)
         self.log: list[tuple[bool, str, bytes]] = []
         self.first = 1  # the oldest change kept
         self.polls = 0
@@ -80,9 +81,14 @@ class FakeBatch:
         return done(self.server.changes(since, salts, limit, server_id))
 
     def query(self, items: list[Any], *, tiers: bool) -> Future[Any]:
-        assert tiers is False
-        self.server.queried.extend(key for item in items for key in item.keys)
-        return done(QueryReply([QueryResult(int(item.keys[0] in self.server.held)) for item in items]))
+        server = self.server
+        server.queried.extend(key for item in items for key in item.keys)
+        results = []
+        for item in items:
+            key = item.keys[0]
+            ram = int(key in server.held)
+            results.append(QueryResult(ram, int(tiers and not ram and key in server.below)))
+        return done(QueryReply(results))
 
 
 class FakeClient:
@@ -250,3 +256,39 @@ def test_events_carry_the_salts_label_never_the_salt(server, clock):
     assert out[0].extra_keys == [("adapter-a", salt_label("tenant-secret")), ("adapter-a",)]
     assert out[1].extra_keys == [("adapter-a",), ("adapter-a",)]
     assert (out[0].lora_name, out[0].lora_id) == ("adapter-a", 7)
+
+
+def test_a_chunk_that_leaves_ram_for_a_tier_below_is_announced_there(server, clock):
+    events = announcer(server)
+    req, keys = request(9), keys_of(9)
+    events.expect(req, 0, keys, "")
+    server.commit("", *keys[0])
+    server.below.update(keys[0])  # written behind to the disk tier
+    assert len(settle(events, clock)) == 2
+    server.evict("", *keys[0])
+    out = settle(events, clock) + settle(events, clock)
+    assert [(type(e), e.medium, e.block_hashes) for e in out] == [
+        (BlockRemoved, "CPU", hashes_of(req, 0)),
+        (BlockRemoved, "CPU", hashes_of(req, 1)),
+        (BlockStored, "STORAGE", hashes_of(req, 0)),
+        (BlockStored, "STORAGE", hashes_of(req, 1)),
+    ]
+    assert out[2].token_ids == req.all_token_ids[:CHUNK]
+    # Valkey's LRU or the disk's capacity took chunk 1: found at the next check, 30 s on.
+    server.below.discard(keys[0][1])
+    assert settle(events, clock) == []
+    clock[0] += 30.0
+    out = settle(events, clock)
+    assert [(type(e), e.medium, e.block_hashes) for e in out] == [(BlockRemoved, "STORAGE", hashes_of(req, 1))]
+    events.reset()
+    assert [(type(e), e.medium) for e in events.take()] == [(BlockRemoved, "STORAGE")]
+
+
+def test_a_chunk_in_no_tier_below_is_only_removed(server, clock):
+    events = announcer(server)
+    req, keys = request(10, chunks=1), keys_of(10, chunks=1)
+    events.hit(req, 0, keys, "")
+    assert len(events.take()) == 1
+    server.evict("", keys[0][0])
+    out = settle(events, clock) + settle(events, clock)
+    assert [(type(e), e.medium) for e in out] == [(BlockRemoved, "CPU")]

@@ -11,7 +11,13 @@ load from kvdepot's RAM:
   block before it as the parent), with its token ids and vLLM's block size, ``medium="CPU"``,
   ``locality="LOCAL"`` and ``ownership="kvdepot"``;
 - a ``BlockRemoved`` follows when the server evicts or clears any rank's copy of an announced
-  chunk, or restarts without it. kvdepot never sends ``AllBlocksCleared``.
+  chunk, or restarts without it. kvdepot never sends ``AllBlocksCleared``;
+- a chunk that leaves RAM while the tiers below it (disk, remote) hold every rank's copy is
+  announced there: ``BlockStored`` with ``medium="STORAGE"``, until a check finds it gone from
+  them (``BlockRemoved``, ``"STORAGE"``). The tiers evict on their own (the disk by capacity,
+  Valkey by its LRU) without telling anyone, so such a chunk is asked about every
+  `STORAGE_CHECK_S`: a router may believe in it that long after the tier dropped it. A chunk
+  in RAM is announced in RAM alone.
 
 How it learns what went: the server numbers every chunk that becomes visible or goes in its
 RAM (`kvdepot.transport.Changes`); once per `POLL_S` at most, at an engine step, the scheduler
@@ -65,7 +71,11 @@ CHECK_AFTER_S = 1.0
 PENDING_TTL_S = 60.0
 #: Changes asked per poll; a poll that gets this many asks again at the next step.
 CHANGES_PER_POLL = 4096
+#: A chunk announced in the tiers below RAM is asked about again this often (seconds): how long
+#: a router may believe in a chunk the remote tier's own eviction (Valkey's LRU) took.
+STORAGE_CHECK_S = 30.0
 MEDIUM = "CPU"
+STORAGE = "STORAGE"
 OWNER = "kvdepot"
 
 
@@ -100,10 +110,29 @@ class _Chunk:
     lora: tuple[int | None, str | None]
     extra: list[tuple[Any, ...] | None] | None
     present: set[bytes] = attrs.Factory(set)
+    #: Announced in RAM (medium CPU); announced in a tier below (medium STORAGE).
     announced: bool = False
+    storage: bool = False
     #: When it was planned, or last seen go; and when the server is asked about it next (monotonic).
     since: float = 0.0
     check_at: float = 0.0
+    #: When the tiers below are asked whether they hold it (never unless it left RAM or is in them).
+    storage_check_at: float = float("inf")
+
+
+@attrs.frozen
+class _Poll:
+    """One message in flight: the changes, RAM queries of ``ram`` and tier queries of ``below``."""
+
+    changes: Future[Any]
+    ram_queries: list[Future[Any]]
+    ram: list[tuple[_Chunk, bytes]]
+    tier_queries: list[Future[Any]]
+    below: list[_Chunk]
+    server: str
+
+    def done(self) -> bool:
+        return self.changes.done() and all(f.done() for f in (*self.ram_queries, *self.tier_queries))
 
 
 class EventAnnouncer:
@@ -138,7 +167,7 @@ class EventAnnouncer:
         self._server = ""
         self._check_all = False
         self._polled_at = float("-inf")
-        self._poll: tuple[Future[Any], list[Future[Any]], list[tuple[_Chunk, bytes]], str] | None = None
+        self._poll: _Poll | None = None
 
     # -- what the scheduler tells it ------------------------------------------------------
 
@@ -160,8 +189,7 @@ class EventAnnouncer:
     def reset(self) -> None:
         """The engine's keys start a new epoch: nothing watched can be hit by it any more."""
         for chunk in self._chunks.values():
-            if chunk.announced:
-                self._outbox.extend(self._removed(chunk))
+            self._unannounce(chunk)
         self._chunks.clear()
         self._by_key.clear()
 
@@ -221,7 +249,7 @@ class EventAnnouncer:
             self._by_key[key] = chunk
         return chunk
 
-    def _stored(self, chunk: _Chunk) -> list[Any]:
+    def _stored(self, chunk: _Chunk, medium: str = MEDIUM) -> list[Any]:
         tokens = list(chunk.tokens)
         return [
             self._stored_cls(
@@ -230,7 +258,7 @@ class EventAnnouncer:
                 token_ids=tokens,
                 block_size=self.block_size,
                 lora_id=chunk.lora[0],
-                medium=MEDIUM,
+                medium=medium,
                 lora_name=chunk.lora[1],
                 extra_keys=chunk.extra,
                 group_idx=group,
@@ -239,9 +267,9 @@ class EventAnnouncer:
             for group in range(self.num_groups)
         ]
 
-    def _removed(self, chunk: _Chunk) -> list[Any]:
+    def _removed(self, chunk: _Chunk, medium: str = MEDIUM) -> list[Any]:
         return [
-            self._removed_cls(block_hashes=chunk.hashes, medium=MEDIUM, group_idx=group, **self._extra)
+            self._removed_cls(block_hashes=chunk.hashes, medium=medium, group_idx=group, **self._extra)
             for group in range(self.num_groups)
         ]
 
@@ -250,9 +278,15 @@ class EventAnnouncer:
         while len(self._chunks) > self.max_watched:
             self._forget(next(iter(self._chunks.values())))
 
-    def _forget(self, chunk: _Chunk) -> None:
+    def _unannounce(self, chunk: _Chunk) -> None:
         if chunk.announced:
             self._outbox.extend(self._removed(chunk))
+        if chunk.storage:
+            self._outbox.extend(self._removed(chunk, STORAGE))
+        chunk.announced = chunk.storage = False
+
+    def _forget(self, chunk: _Chunk) -> None:
+        self._unannounce(chunk)
         self._chunks.pop(chunk.keys[0], None)
         for key in chunk.keys:
             if self._by_key.get(key) is chunk:
@@ -269,18 +303,29 @@ class EventAnnouncer:
             chunk.announced = False
             chunk.since = chunk.check_at = now
             self._outbox.extend(self._removed(chunk))
+            chunk.storage_check_at = min(chunk.storage_check_at, now)  # is it still in a tier below?
+
+    def _below(self, chunk: _Chunk, held: bool, now: float) -> None:
+        """The tiers below RAM hold every rank's copy of the chunk (``held``), or not."""
+        if held and not chunk.storage:
+            self._outbox.extend(self._stored(chunk, STORAGE))
+        elif chunk.storage and not held:
+            self._outbox.extend(self._removed(chunk, STORAGE))
+        chunk.storage = held
+        chunk.storage_check_at = now + STORAGE_CHECK_S if held else float("inf")
 
     def _pump(self, now: float) -> None:
         if self._poll is not None:
-            if not self._poll[0].done() or not all(f.done() for f in self._poll[1]):
+            if not self._poll.done():
                 return
             poll, self._poll = self._poll, None
-            self._apply(*poll, now)
+            self._apply(poll, now)
         if now - self._polled_at >= POLL_S and self._chunks:
             self._send(now)
 
     def _send(self, now: float) -> None:
-        """One message: the changes since the last number, then a Query of the chunks to check."""
+        """One message: the changes since the last number, then queries of the chunks to check
+        in RAM, and of those to check in the tiers below."""
         self._polled_at = now
         server = self.client.server_id or ""
         if server != self._server:
@@ -288,40 +333,42 @@ class EventAnnouncer:
         due = [c for c in self._chunks.values() if self._check_all or (not c.announced and now >= c.check_at)]
         for chunk in due:
             chunk.check_at = now + CHECK_AFTER_S
-        checked = [(chunk, key) for chunk in due for key in chunk.keys]
+        ram = [(chunk, key) for chunk in due for key in chunk.keys]
+        below = [c for c in self._chunks.values() if now >= c.storage_check_at or (self._check_all and c.storage)]
+        for chunk in below:
+            chunk.storage_check_at = now + STORAGE_CHECK_S  # until its answer comes
         salts = sorted({chunk.salt for chunk in self._chunks.values()})
         try:
             with self.client.batch() as batch:
                 changes = batch.changes(self._since, salts, limit=CHANGES_PER_POLL, server_id=self._server)
-                queries = [
-                    batch.query(
-                        [LookupItem(chunk.salt, [key]) for chunk, key in checked[i : i + MAX_ITEMS_PER_LOOKUP]],
-                        tiers=False,
-                    )
-                    for i in range(0, len(checked), MAX_ITEMS_PER_LOOKUP)
-                ]
+                ram_queries = self._queries(batch, ram, tiers=False)
+                tier_queries = self._queries(batch, [(c, key) for c in below for key in c.keys], tiers=True)
         except Exception as exc:  # the client is closed or the server down: try again later
             log.debug("kvdepot events: changes not asked: %s", exc)
             return
         self._check_all = False
-        self._poll = (changes, queries, checked, server)
+        self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server)
 
-    def _apply(
-        self,
-        changes: Future[Any],
-        queries: list[Future[Any]],
-        checked: list[tuple[_Chunk, bytes]],
-        server: str,
-        now: float,
-    ) -> None:
+    @staticmethod
+    def _queries(batch: Any, keys: list[tuple[_Chunk, bytes]], *, tiers: bool) -> list[Future[Any]]:
+        """Queries of one key each (so each answer is that key's alone), as few messages as the protocol allows."""
+        return [
+            batch.query(
+                [LookupItem(chunk.salt, [key]) for chunk, key in keys[i : i + MAX_ITEMS_PER_LOOKUP]], tiers=tiers
+            )
+            for i in range(0, len(keys), MAX_ITEMS_PER_LOOKUP)
+        ]
+
+    def _apply(self, poll: _Poll, now: float) -> None:
         try:
-            reply = changes.result()
-            results = [result for query in queries for result in query.result().results]
+            reply = poll.changes.result()
+            ram = [result for query in poll.ram_queries for result in query.result().results]
+            below = [result for query in poll.tier_queries for result in query.result().results]
         except Exception as exc:
             log.debug("kvdepot events: changes not read: %s", exc)
-            self._check_all = self._check_all or bool(checked)
+            self._check_all = self._check_all or bool(poll.ram)
             return
-        self._server, self._since = server, reply.next
+        self._server, self._since = poll.server, reply.next
         if reply.lost:
             self._check_all = True  # what was missed is asked next time, with the changes after it
         for change in reply.changes:
@@ -333,10 +380,15 @@ class EventAnnouncer:
                 self._announce(chunk)
             else:
                 self._went(chunk, change.key, now)
+        at = 0
+        for chunk in poll.below:  # a key in RAM is taken as held below too: it was read back, or is written behind
+            results, at = below[at : at + len(chunk.keys)], at + len(chunk.keys)
+            if self._chunks.get(chunk.keys[0]) is chunk and len(results) == len(chunk.keys):
+                self._below(chunk, all(r.ram or r.below for r in results), now)
         if len(reply.changes) >= CHANGES_PER_POLL or reply.lost:
             self._polled_at = float("-inf")  # more to read: ask again at the next step
-            return  # the query answered another moment than the changes read so far
-        for (chunk, key), result in zip(checked, results, strict=False):
+            return  # the RAM queries answered another moment than the changes read so far
+        for (chunk, key), result in zip(poll.ram, ram, strict=False):
             if self._by_key.get(key) is not chunk:
                 continue
             if result.ram:
@@ -344,5 +396,6 @@ class EventAnnouncer:
                 self._announce(chunk)
             else:
                 self._went(chunk, key, now)
-        for chunk in [c for c in self._chunks.values() if not c.announced and now - c.since >= PENDING_TTL_S]:
+        stale = [c for c in self._chunks.values() if not (c.announced or c.storage) and now - c.since >= PENDING_TTL_S]
+        for chunk in stale:
             self._forget(chunk)
