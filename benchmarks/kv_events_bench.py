@@ -130,7 +130,7 @@ def engine_part(chunks: int, block_size: int, chunk_size: int) -> tuple[float, f
     from vllm.distributed.kv_events import BlockStored
 
     from kvdepot.transport import Change, ChangesReply
-    from kvdepot.vllm_connector._kv_events import EventAnnouncer
+    from kvdepot.vllm_connector._kv_events import EventAnnouncer, _Poll
 
     bpc = chunk_size // block_size
     tokens = list(range(chunks * chunk_size))
@@ -149,7 +149,7 @@ def engine_part(chunks: int, block_size: int, chunk_size: int) -> tuple[float, f
 
     start = time.perf_counter()
     announcer.expect(request, 0, [keys], "")  # type: ignore[arg-type]
-    announcer._apply(done(reply), [], [], "s", time.monotonic())  # type: ignore[arg-type]
+    announcer._apply(_Poll(done(reply), [], [], [], [], "s"), time.monotonic())  # type: ignore[arg-type]
     events = announcer.take()
     ours = (time.perf_counter() - start) / chunks
     assert len(events) == chunks
