@@ -292,3 +292,26 @@ def test_a_chunk_in_no_tier_below_is_only_removed(server, clock):
     server.evict("", keys[0][0])
     out = settle(events, clock) + settle(events, clock)
     assert [(type(e), e.medium) for e in out] == [(BlockRemoved, "CPU")]
+
+
+def test_announced_chunks_cost_a_poll_nothing_until_something_happens(server, clock):
+    """A poll asks the server about no chunk that is announced and unchanged: a router's view of
+    thousands of chunks is kept by the changes alone."""
+    events = announcer(server)
+    req, keys = request(12, chunks=500), keys_of(12, chunks=500)
+    server.commit("", *keys[0])  # another engine stored them
+    events.hit(req, 0, keys, "")
+    assert len(events.take()) == 500
+    settle(events, clock)
+    asked = len(server.queried)  # the first poll after this server's first sight asks about every chunk once
+    assert asked == 500
+    for _ in range(20):
+        assert settle(events, clock) == []
+    assert len(server.queried) == asked
+    server.evict("", keys[0][7])
+    out = settle(events, clock)
+    assert [(type(e), e.block_hashes) for e in out] == [(BlockRemoved, hashes_of(req, 7))]
+    clock[0] += 61.0
+    settle(events, clock)
+    assert keys[0][7] not in events._by_key  # gone a minute with no commit bringing it back: forgotten
+    assert len(server.queried) == asked + 1  # the chunk that went, once: is it in a tier below?

@@ -44,6 +44,8 @@ routers that use vLLM's block hashes do (they are salted digests already).
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -66,7 +68,8 @@ log = logging.getLogger("vllm.kvdepot.events")
 POLL_S = 0.05
 #: Chunks watched at most (about 3 KiB each: their tokens and block hashes).
 MAX_WATCHED = 8192
-#: A planned chunk not yet seen committed is asked after about a second, and given up after a minute.
+#: A planned chunk not yet seen committed is asked about after a second, and given up after a
+#: minute; one seen go is given up a minute later unless a commit brings it back.
 CHECK_AFTER_S = 1.0
 PENDING_TTL_S = 60.0
 #: Changes asked per poll; a poll that gets this many asks again at the next step.
@@ -130,6 +133,7 @@ class _Poll:
     tier_queries: list[Future[Any]]
     below: list[_Chunk]
     server: str
+    since: int
 
     def done(self) -> bool:
         return self.changes.done() and all(f.done() for f in (*self.ram_queries, *self.tier_queries))
@@ -168,6 +172,12 @@ class EventAnnouncer:
         self._check_all = False
         self._polled_at = float("-inf")
         self._poll: _Poll | None = None
+        # When chunks are due to be asked about, in RAM and in the tiers below: (time, n, chunk),
+        # an entry stale once the chunk's own time differs, so a poll never walks every chunk.
+        self._ram_due: list[tuple[float, int, _Chunk]] = []
+        self._below_due: list[tuple[float, int, _Chunk]] = []
+        self._order = itertools.count()
+        self._salts: collections.Counter[str] = collections.Counter()
 
     # -- what the scheduler tells it ------------------------------------------------------
 
@@ -176,7 +186,8 @@ class EventAnnouncer:
         now = time.monotonic()
         for chunk in self._chunks_of(request, first_chunk, keys, salt):
             if not chunk.announced:
-                chunk.since, chunk.check_at = now, now + CHECK_AFTER_S
+                chunk.since = now
+                self._check_ram(chunk, now + CHECK_AFTER_S)
         self._trim()
 
     def hit(self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str) -> None:
@@ -192,6 +203,9 @@ class EventAnnouncer:
             self._unannounce(chunk)
         self._chunks.clear()
         self._by_key.clear()
+        self._salts.clear()
+        self._ram_due.clear()
+        self._below_due.clear()
 
     def take(self) -> list[Any]:
         """The events since the last call (vLLM's `take_events`, once per engine step)."""
@@ -242,12 +256,36 @@ class EventAnnouncer:
             lora=(lora.adapter_id if lora is not None else None, lora_name),
             extra=extra if any(extra) else None,
             since=now,
-            check_at=now + CHECK_AFTER_S,
         )
         self._chunks[keys[0]] = chunk
         for key in keys:
             self._by_key[key] = chunk
+        self._salts[salt] += 1
+        self._check_ram(chunk, now + CHECK_AFTER_S)
         return chunk
+
+    def _check_ram(self, chunk: _Chunk, at: float) -> None:
+        chunk.check_at = at
+        heapq.heappush(self._ram_due, (at, next(self._order), chunk))
+
+    def _check_below(self, chunk: _Chunk, at: float) -> None:
+        chunk.storage_check_at = at
+        if at != float("inf"):
+            heapq.heappush(self._below_due, (at, next(self._order), chunk))
+
+    def _watched(self, chunk: _Chunk) -> bool:
+        return self._chunks.get(chunk.keys[0]) is chunk
+
+    def _due(
+        self, heap: list[tuple[float, int, _Chunk]], now: float, wanted: Callable[[_Chunk, float], bool]
+    ) -> list[_Chunk]:
+        """The chunks whose time in ``heap`` has come (once each; stale entries dropped)."""
+        out: dict[int, _Chunk] = {}
+        while heap and heap[0][0] <= now:
+            at, _, chunk = heapq.heappop(heap)
+            if self._watched(chunk) and wanted(chunk, at):
+                out[id(chunk)] = chunk
+        return list(out.values())
 
     def _stored(self, chunk: _Chunk, medium: str = MEDIUM) -> list[Any]:
         tokens = list(chunk.tokens)
@@ -287,7 +325,10 @@ class EventAnnouncer:
 
     def _forget(self, chunk: _Chunk) -> None:
         self._unannounce(chunk)
-        self._chunks.pop(chunk.keys[0], None)
+        if self._chunks.pop(chunk.keys[0], None) is chunk:
+            self._salts[chunk.salt] -= 1
+            if not self._salts[chunk.salt]:
+                del self._salts[chunk.salt]
         for key in chunk.keys:
             if self._by_key.get(key) is chunk:
                 del self._by_key[key]
@@ -301,9 +342,10 @@ class EventAnnouncer:
         chunk.present.discard(key)
         if chunk.announced:  # watched again as if just planned: a new commit announces it again
             chunk.announced = False
-            chunk.since = chunk.check_at = now
+            chunk.since = now  # a commit in the changes announces it again; forgotten if none comes
+            self._check_ram(chunk, now + PENDING_TTL_S)
             self._outbox.extend(self._removed(chunk))
-            chunk.storage_check_at = min(chunk.storage_check_at, now)  # is it still in a tier below?
+            self._check_below(chunk, now)  # is it still in a tier below?
 
     def _below(self, chunk: _Chunk, held: bool, now: float) -> None:
         """The tiers below RAM hold every rank's copy of the chunk (``held``), or not."""
@@ -312,7 +354,7 @@ class EventAnnouncer:
         elif chunk.storage and not held:
             self._outbox.extend(self._removed(chunk, STORAGE))
         chunk.storage = held
-        chunk.storage_check_at = now + STORAGE_CHECK_S if held else float("inf")
+        self._check_below(chunk, now + STORAGE_CHECK_S if held else float("inf"))
 
     def _pump(self, now: float) -> None:
         if self._poll is not None:
@@ -330,14 +372,21 @@ class EventAnnouncer:
         server = self.client.server_id or ""
         if server != self._server:
             self._since, self._check_all = 0, True  # a new server instance numbers afresh
-        due = [c for c in self._chunks.values() if self._check_all or (not c.announced and now >= c.check_at)]
-        for chunk in due:
-            chunk.check_at = now + CHECK_AFTER_S
-        ram = [(chunk, key) for chunk in due for key in chunk.keys]
-        below = [c for c in self._chunks.values() if now >= c.storage_check_at or (self._check_all and c.storage)]
+        if self._check_all:  # after a gap or a restart: every chunk, once
+            due, below = list(self._chunks.values()), [c for c in self._chunks.values() if c.storage]
+            self._ram_due.clear()
+        else:
+            due = self._due(self._ram_due, now, lambda c, at: not c.announced and c.check_at == at)
+            below = self._due(self._below_due, now, lambda c, at: c.storage_check_at == at)
+        for chunk in [c for c in due if not (c.announced or c.storage) and now - c.since >= PENDING_TTL_S]:
+            self._forget(chunk)  # planned a minute ago and never seen committed: given up
+        due = [c for c in due if self._watched(c)]
+        for chunk in due:  # asked once a second after it was planned; then given up a minute on
+            self._check_ram(chunk, max(now + CHECK_AFTER_S, chunk.since + PENDING_TTL_S))
         for chunk in below:
-            chunk.storage_check_at = now + STORAGE_CHECK_S  # until its answer comes
-        salts = sorted({chunk.salt for chunk in self._chunks.values()})
+            self._check_below(chunk, now + STORAGE_CHECK_S)  # until its answer comes
+        ram = [(chunk, key) for chunk in due for key in chunk.keys]
+        salts = sorted(self._salts)
         try:
             with self.client.batch() as batch:
                 changes = batch.changes(self._since, salts, limit=CHANGES_PER_POLL, server_id=self._server)
@@ -347,7 +396,7 @@ class EventAnnouncer:
             log.debug("kvdepot events: changes not asked: %s", exc)
             return
         self._check_all = False
-        self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server)
+        self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server, self._since)
 
     @staticmethod
     def _queries(batch: Any, keys: list[tuple[_Chunk, bytes]], *, tiers: bool) -> list[Future[Any]]:
@@ -385,7 +434,7 @@ class EventAnnouncer:
             results, at = below[at : at + len(chunk.keys)], at + len(chunk.keys)
             if self._chunks.get(chunk.keys[0]) is chunk and len(results) == len(chunk.keys):
                 self._below(chunk, all(r.ram or r.below for r in results), now)
-        if len(reply.changes) >= CHANGES_PER_POLL or reply.lost:
+        if reply.next - poll.since >= CHANGES_PER_POLL or reply.lost:
             self._polled_at = float("-inf")  # more to read: ask again at the next step
             return  # the RAM queries answered another moment than the changes read so far
         for (chunk, key), result in zip(poll.ram, ram, strict=False):
@@ -396,6 +445,3 @@ class EventAnnouncer:
                 self._announce(chunk)
             else:
                 self._went(chunk, key, now)
-        stale = [c for c in self._chunks.values() if not (c.announced or c.storage) and now - c.since >= PENDING_TTL_S]
-        for chunk in stale:
-            self._forget(chunk)
