@@ -315,3 +315,23 @@ def test_announced_chunks_cost_a_poll_nothing_until_something_happens(server, cl
     settle(events, clock)
     assert keys[0][7] not in events._by_key  # gone a minute with no commit bringing it back: forgotten
     assert len(server.queried) == asked + 1  # the chunk that went, once: is it in a tier below?
+
+
+def test_checks_due_together_are_spread_over_polls(server, clock, monkeypatch):
+    monkeypatch.setattr("kvdepot.vllm_connector._kv_events.CHECKS_PER_POLL", 2)
+    events = announcer(server)
+    other = keys_of(14, chunks=1)
+    server.commit("", *other[0])
+    events.hit(request(14, chunks=1), 0, other, "")
+    settle(events, clock)  # the first poll to this server asks about every chunk once: this one
+    req, keys = request(13, chunks=5), keys_of(13, chunks=5)
+    events.expect(req, 0, keys, "")
+    asked = len(server.queried)
+    clock[0] += 1.0  # all five are due for their check now
+    per_poll = []
+    for _ in range(4):
+        clock[0] += 0.1
+        events.take()
+        per_poll.append(len(server.queried) - asked)
+        asked = len(server.queried)
+    assert per_poll == [2, 2, 1, 0]

@@ -72,6 +72,9 @@ MAX_WATCHED = 8192
 #: minute; one seen go is given up a minute later unless a commit brings it back.
 CHECK_AFTER_S = 1.0
 PENDING_TTL_S = 60.0
+#: Chunks asked about per poll at most, in RAM and in the tiers below each (a check of the
+#: tiers may cost the server a remote round trip), besides the check of every chunk after a gap.
+CHECKS_PER_POLL = 1024
 #: Changes asked per poll; a poll that gets this many asks again at the next step.
 CHANGES_PER_POLL = 4096
 #: A chunk announced in the tiers below RAM is asked about again this often (seconds): how long
@@ -279,9 +282,10 @@ class EventAnnouncer:
     def _due(
         self, heap: list[tuple[float, int, _Chunk]], now: float, wanted: Callable[[_Chunk, float], bool]
     ) -> list[_Chunk]:
-        """The chunks whose time in ``heap`` has come (once each; stale entries dropped)."""
+        """The chunks whose time in ``heap`` has come (once each; stale entries dropped), at
+        most `CHECKS_PER_POLL`: the rest stay due for the next polls."""
         out: dict[int, _Chunk] = {}
-        while heap and heap[0][0] <= now:
+        while heap and heap[0][0] <= now and len(out) < CHECKS_PER_POLL:
             at, _, chunk = heapq.heappop(heap)
             if self._watched(chunk) and wanted(chunk, at):
                 out[id(chunk)] = chunk
