@@ -225,7 +225,7 @@ def engine_part(chunks: int, block_size: int, chunk_size: int) -> tuple[float, f
 
     start = time.perf_counter()
     announcer.expect(request, 0, [keys], "")  # type: ignore[arg-type]
-    announcer._apply(_Poll(done(reply), [], [], [], [], "s", 1), time.monotonic())  # type: ignore[arg-type]
+    announcer._apply(_Poll([done(reply)], [], [], [], [], "s", 1), time.monotonic())  # type: ignore[arg-type]
     events = announcer.take()
     ours = (time.perf_counter() - start) / chunks
     assert len(events) == chunks

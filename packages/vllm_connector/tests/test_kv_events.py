@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
 from kvdepot.core import salt_label
-from kvdepot.transport import Change, ChangesReply, QueryReply, QueryResult
+from kvdepot.transport import MAX_SALTS_PER_CHANGES, Change, ChangesReply, QueryReply, QueryResult
 from kvdepot.vllm_connector._kv_events import EventAnnouncer
 
 BLOCK, CHUNK = 4, 8
@@ -78,6 +78,10 @@ class FakeBatch:
         pass
 
     def changes(self, since: int, salts: list[str], *, limit: int, server_id: str) -> Future[Any]:
+        if len(salts) > MAX_SALTS_PER_CHANGES:  # as the real server: a malformed request
+            future: Future[Any] = Future()
+            future.set_exception(ValueError(f"{len(salts)} salts"))
+            return future
         return done(self.server.changes(since, salts, limit, server_id))
 
     def query(self, items: list[Any], *, tiers: bool) -> Future[Any]:
@@ -294,9 +298,11 @@ def test_a_chunk_in_no_tier_below_is_only_removed(server, clock):
     assert [(type(e), e.medium) for e in out] == [(BlockRemoved, "CPU")]
 
 
-def test_announced_chunks_cost_a_poll_nothing_until_something_happens(server, clock):
-    """A poll asks the server about no chunk that is announced and unchanged: a router's view of
-    thousands of chunks is kept by the changes alone."""
+def test_announced_chunks_are_asked_about_only_every_30_s(server, clock, monkeypatch):
+    """A poll asks the server about no chunk that is announced and unchanged, except once every
+    `RECHECK_S`: a router's view of thousands of chunks is kept by the changes alone, and no
+    announcement outlives its chunk longer than that."""
+    monkeypatch.setattr("kvdepot.vllm_connector._kv_events.CHECKS_PER_POLL", 10_000)
     events = announcer(server)
     req, keys = request(12, chunks=500), keys_of(12, chunks=500)
     server.commit("", *keys[0])  # another engine stored them
@@ -311,10 +317,15 @@ def test_announced_chunks_cost_a_poll_nothing_until_something_happens(server, cl
     server.evict("", keys[0][7])
     out = settle(events, clock)
     assert [(type(e), e.block_hashes) for e in out] == [(BlockRemoved, hashes_of(req, 7))]
+    settle(events, clock)  # the chunk that went, once: is it in a tier below? (no)
+    assert len(server.queried) == asked + 1
+    server.held.discard(keys[0][9])  # gone without a change the engine saw (a bug, a lost message)
     clock[0] += 61.0
-    settle(events, clock)
+    out = settle(events, clock)
+    assert [(type(e), e.block_hashes) for e in out] == [(BlockRemoved, hashes_of(req, 9))]
     assert keys[0][7] not in events._by_key  # gone a minute with no commit bringing it back: forgotten
-    assert len(server.queried) == asked + 1  # the chunk that went, once: is it in a tier below?
+    # the announced ones once each, and the one found gone once more: is it in a tier below?
+    assert len(server.queried) == asked + 1 + 499 + 1
 
 
 def test_checks_due_together_are_spread_over_polls(server, clock, monkeypatch):
@@ -335,3 +346,34 @@ def test_checks_due_together_are_spread_over_polls(server, clock, monkeypatch):
         per_poll.append(len(server.queried) - asked)
         asked = len(server.queried)
     assert per_poll == [2, 2, 1, 0]
+
+
+def test_a_restart_is_checked_even_after_the_new_server_made_many_changes(server, clock):
+    events = announcer(server)
+    req, keys = request(15), keys_of(15)
+    server.commit("", *keys[0])
+    events.hit(req, 0, keys, "")
+    events.take()
+    settle(events, clock)
+    server.restart()
+    server.commit("", *[digest(f"other/{i}") for i in range(5000)])  # more than a poll reads
+    out = settle(events, clock) + settle(events, clock)
+    assert [(type(e), e.block_hashes) for e in out] == [
+        (BlockRemoved, hashes_of(req, 0)),
+        (BlockRemoved, hashes_of(req, 1)),
+    ]
+
+
+def test_more_salts_than_one_request_takes_are_asked_in_several(server, clock):
+    """Changes take at most 1,024 salts: the salts of more chunks go in several, in one message."""
+    events = announcer(server)
+    salts = [f"user-{i}" for i in range(1500)]
+    for i, salt in enumerate(salts):
+        keys = [[digest(f"{salt}/chunk")]]
+        server.commit(salt, keys[0][0])
+        events.hit(request(100 + i, chunks=1), 0, keys, salt)
+    events.take()
+    settle(events, clock)
+    server.evict("user-1400", digest("user-1400/chunk"))
+    out = settle(events, clock)
+    assert [(type(e), e.block_hashes) for e in out] == [(BlockRemoved, hashes_of(request(1500, chunks=1), 0))]

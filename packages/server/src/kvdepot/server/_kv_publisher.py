@@ -227,9 +227,12 @@ class KVEventPublisher:
     def _send(self, events: list[BlockStored | BlockRemoved]) -> None:
         payload = self._encoder.encode(EventBatch(time.time(), events))
         seq = self.seq.to_bytes(8, "big")
-        # PUB does not block: a subscriber at its high-water mark misses the batch, and replays it.
-        with contextlib.suppress(zmq.Again):
+        try:  # PUB does not block: a subscriber at its high-water mark misses the batch, and replays it
             self._pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+        except zmq.ZMQError as exc:  # never ends the thread: the batch stays in replay
+            log.warning("kv_events_send_failed", error=str(exc), seq=self.seq)
         self._replay_buffer.append((self.seq, payload))
         self.seq += 1
         self.published_events += len(events)

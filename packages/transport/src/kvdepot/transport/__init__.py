@@ -52,6 +52,7 @@ from kvdepot.transport._errors import (
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo, Waker
 from kvdepot.transport._messages import (
     MAX_ITEMS_PER_LOOKUP,
+    MAX_SALTS_PER_CHANGES,
     PROTOCOL_VERSION,
     REPLY_FOR,
     RESERVED_CLIENT_PREFIX,
@@ -106,6 +107,7 @@ __all__ = [
     "DEFAULT_PEER_TIMEOUT",
     "DEFAULT_TIMEOUT",
     "MAX_ITEMS_PER_LOOKUP",
+    "MAX_SALTS_PER_CHANGES",
     "PROTOCOL_VERSION",
     "REPLY_FOR",
     "RESERVED_CLIENT_PREFIX",

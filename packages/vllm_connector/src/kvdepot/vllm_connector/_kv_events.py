@@ -29,6 +29,12 @@ the last 131,072 changes) or the server restarted, nothing is lost silently: the
 the server which watched chunks it holds (`Query`, in the same message as the changes, so both
 answer the same moment) and announces or removes the difference.
 
+Each announced chunk is also asked about every `RECHECK_S`, whatever the changes said: no
+announcement outlives its chunk by longer, whatever went wrong in between. A poll asks about
+at most `CHECKS_PER_POLL` chunks (a check of every chunk, after a gap or a restart, is spread
+over polls), and the salts go `MAX_SALTS_PER_CHANGES` to a `Changes` request, several in one
+message if need be.
+
 Bounds: at most `MAX_WATCHED` chunks are watched; past that the oldest is forgotten, with a
 ``BlockRemoved`` if it was announced (a router under-counts rather than over-counts). A chunk
 planned for a store that never shows up (its store failed, or another engine's copy was there
@@ -55,7 +61,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from kvdepot.core import salt_label
-from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, LookupItem
+from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, MAX_SALTS_PER_CHANGES, LookupItem
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -72,6 +78,9 @@ MAX_WATCHED = 8192
 #: minute; one seen go is given up a minute later unless a commit brings it back.
 CHECK_AFTER_S = 1.0
 PENDING_TTL_S = 60.0
+#: An announced chunk is asked about again this often (seconds), whatever the changes said: a
+#: bound on how long any announcement can outlive its chunk.
+RECHECK_S = 30.0
 #: Chunks asked about per poll at most, in RAM and in the tiers below each (a check of the
 #: tiers may cost the server a remote round trip), besides the check of every chunk after a gap.
 CHECKS_PER_POLL = 1024
@@ -130,7 +139,7 @@ class _Chunk:
 class _Poll:
     """One message in flight: the changes, RAM queries of ``ram`` and tier queries of ``below``."""
 
-    changes: Future[Any]
+    changes: list[Future[Any]]  # one per `MAX_SALTS_PER_CHANGES` salts
     ram_queries: list[Future[Any]]
     ram: list[tuple[_Chunk, bytes]]
     tier_queries: list[Future[Any]]
@@ -139,7 +148,7 @@ class _Poll:
     since: int
 
     def done(self) -> bool:
-        return self.changes.done() and all(f.done() for f in (*self.ram_queries, *self.tier_queries))
+        return all(f.done() for f in (*self.changes, *self.ram_queries, *self.tier_queries))
 
 
 class EventAnnouncer:
@@ -341,24 +350,38 @@ class EventAnnouncer:
         if not chunk.announced and chunk.present.issuperset(chunk.keys):
             chunk.announced = True
             self._outbox.extend(self._stored(chunk))
+            self._check_ram(chunk, time.monotonic() + RECHECK_S)
 
     def _went(self, chunk: _Chunk, key: bytes, now: float) -> None:
         chunk.present.discard(key)
         if chunk.announced:  # watched again as if just planned: a new commit announces it again
             chunk.announced = False
             chunk.since = now  # a commit in the changes announces it again; forgotten if none comes
-            self._check_ram(chunk, now + PENDING_TTL_S)
             self._outbox.extend(self._removed(chunk))
+            self._check_ram(chunk, self._next_check(chunk, now))
             self._check_below(chunk, now)  # is it still in a tier below?
 
     def _below(self, chunk: _Chunk, held: bool, now: float) -> None:
         """The tiers below RAM hold every rank's copy of the chunk (``held``), or not."""
+        went = chunk.storage and not held
         if held and not chunk.storage:
             self._outbox.extend(self._stored(chunk, STORAGE))
-        elif chunk.storage and not held:
+        elif went:
             self._outbox.extend(self._removed(chunk, STORAGE))
         chunk.storage = held
         self._check_below(chunk, now + STORAGE_CHECK_S if held else float("inf"))
+        if went and not chunk.announced:
+            chunk.since = now  # in no tier: forgotten in a minute unless a commit brings it back
+            self._check_ram(chunk, self._next_check(chunk, now))
+
+    def _next_check(self, chunk: _Chunk, now: float) -> float:
+        """When to ask the server whether RAM holds the chunk next."""
+        if chunk.announced:
+            return now + RECHECK_S
+        if chunk.storage:
+            return float("inf")  # the changes say when it is back in RAM; the tiers' check when it goes
+        # planned or gone: asked a second after it was, then given up a minute on
+        return max(now + CHECK_AFTER_S, chunk.since + PENDING_TTL_S)
 
     def _pump(self, now: float) -> None:
         if self._poll is not None:
@@ -375,32 +398,50 @@ class EventAnnouncer:
         self._polled_at = now
         server = self.client.server_id or ""
         if server != self._server:
-            self._since, self._check_all = 0, True  # a new server instance numbers afresh
-        if self._check_all:  # after a gap or a restart: every chunk, once
-            due, below = list(self._chunks.values()), [c for c in self._chunks.values() if c.storage]
-            self._ram_due.clear()
-        else:
-            due = self._due(self._ram_due, now, lambda c, at: not c.announced and c.check_at == at)
-            below = self._due(self._below_due, now, lambda c, at: c.storage_check_at == at)
+            self._check_all = True  # a new server instance: its numbering and its RAM are new
+        since = self._since
+        if self._check_all:
+            # After a gap or a restart: every chunk is asked about again, CHECKS_PER_POLL a poll,
+            # and the changes are read from where the server stands now (the queries cover the rest).
+            since, self._check_all = 0, False
+            for chunk in self._chunks.values():
+                self._check_ram(chunk, now)
+                if chunk.storage:
+                    self._check_below(chunk, now)
+        due = self._due(self._ram_due, now, lambda c, at: c.check_at == at)
+        below = self._due(self._below_due, now, lambda c, at: c.storage_check_at == at)
         for chunk in [c for c in due if not (c.announced or c.storage) and now - c.since >= PENDING_TTL_S]:
-            self._forget(chunk)  # planned a minute ago and never seen committed: given up
+            self._forget(chunk)  # planned or gone a minute ago, and never seen committed since
         due = [c for c in due if self._watched(c)]
-        for chunk in due:  # asked once a second after it was planned; then given up a minute on
-            self._check_ram(chunk, max(now + CHECK_AFTER_S, chunk.since + PENDING_TTL_S))
+        for chunk in due:
+            self._check_ram(chunk, self._next_check(chunk, now))
         for chunk in below:
             self._check_below(chunk, now + STORAGE_CHECK_S)  # until its answer comes
         ram = [(chunk, key) for chunk in due for key in chunk.keys]
         salts = sorted(self._salts)
         try:
             with self.client.batch() as batch:
-                changes = batch.changes(self._since, salts, limit=CHANGES_PER_POLL, server_id=self._server)
+                changes = [
+                    batch.changes(since, salts[i : i + MAX_SALTS_PER_CHANGES], limit=CHANGES_PER_POLL, server_id=server)
+                    for i in range(0, max(1, len(salts)), MAX_SALTS_PER_CHANGES)
+                ]
                 ram_queries = self._queries(batch, ram, tiers=False)
                 tier_queries = self._queries(batch, [(c, key) for c in below for key in c.keys], tiers=True)
         except Exception as exc:  # the client is closed or the server down: try again later
             log.debug("kvdepot events: changes not asked: %s", exc)
+            self._retry(due, below, now)
             return
-        self._check_all = False
-        self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server, self._since)
+        self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server, since)
+
+    def _retry(self, due: list[_Chunk], below: list[_Chunk], now: float) -> None:
+        """A poll that failed: its checks are due again a second later (and the poll with them)."""
+        self._polled_at = now + CHECK_AFTER_S - POLL_S
+        for chunk in due:
+            if self._watched(chunk):
+                self._check_ram(chunk, now + CHECK_AFTER_S)
+        for chunk in below:
+            if self._watched(chunk):
+                self._check_below(chunk, now + CHECK_AFTER_S)
 
     @staticmethod
     def _queries(batch: Any, keys: list[tuple[_Chunk, bytes]], *, tiers: bool) -> list[Future[Any]]:
@@ -414,17 +455,20 @@ class EventAnnouncer:
 
     def _apply(self, poll: _Poll, now: float) -> None:
         try:
-            reply = poll.changes.result()
+            replies = [future.result() for future in poll.changes]
             ram = [result for query in poll.ram_queries for result in query.result().results]
             below = [result for query in poll.tier_queries for result in query.result().results]
         except Exception as exc:
             log.debug("kvdepot events: changes not read: %s", exc)
-            self._check_all = self._check_all or bool(poll.ram)
+            self._retry([chunk for chunk, _ in poll.ram], poll.below, now)
             return
-        self._server, self._since = poll.server, reply.next
+        reply = replies[0]  # each asked the same numbers, of other salts
+        if poll.server != self._server:
+            self._server = poll.server
+        self._since = reply.next
         if reply.lost:
             self._check_all = True  # what was missed is asked next time, with the changes after it
-        for change in reply.changes:
+        for change in (change for r in replies for change in r.changes):
             chunk = self._by_key.get(change.key)
             if chunk is None:
                 continue  # keys are salted digests: a known key is this chunk, whatever salt asked
@@ -436,11 +480,16 @@ class EventAnnouncer:
         at = 0
         for chunk in poll.below:  # a key in RAM is taken as held below too: it was read back, or is written behind
             results, at = below[at : at + len(chunk.keys)], at + len(chunk.keys)
-            if self._chunks.get(chunk.keys[0]) is chunk and len(results) == len(chunk.keys):
+            if self._watched(chunk) and len(results) == len(chunk.keys):
                 self._below(chunk, all(r.ram or r.below for r in results), now)
-        if reply.next - poll.since >= CHANGES_PER_POLL or reply.lost:
-            self._polled_at = float("-inf")  # more to read: ask again at the next step
-            return  # the RAM queries answered another moment than the changes read so far
+        if (poll.since and reply.next - poll.since >= CHANGES_PER_POLL) or reply.lost:
+            # More changes to read, or missed: the RAM answers describe another moment than the
+            # changes read so far. Ask again at the next step, those chunks with it.
+            self._polled_at = float("-inf")
+            for chunk, _ in poll.ram:
+                if self._watched(chunk):
+                    self._check_ram(chunk, now)
+            return
         for (chunk, key), result in zip(poll.ram, ram, strict=False):
             if self._by_key.get(key) is not chunk:
                 continue
