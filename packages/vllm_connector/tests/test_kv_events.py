@@ -377,3 +377,11 @@ def test_more_salts_than_one_request_takes_are_asked_in_several(server, clock):
     server.evict("user-1400", digest("user-1400/chunk"))
     out = settle(events, clock)
     assert [(type(e), e.block_hashes) for e in out] == [(BlockRemoved, hashes_of(request(1500, chunks=1), 0))]
+
+
+def test_nothing_is_announced_when_vllm_hashes_finer_than_its_blocks(server, clock):
+    events = announcer(server)
+    req = request(16)
+    req.block_hashes = [digest(f"fine/{i}") for i in range(len(req.all_token_ids) // (BLOCK // 2))]
+    events.hit(req, 0, keys_of(16), "")
+    assert events.take() == []

@@ -190,6 +190,7 @@ class EventAnnouncer:
         self._below_due: list[tuple[float, int, _Chunk]] = []
         self._order = itertools.count()
         self._salts: collections.Counter[str] = collections.Counter()
+        self._finer_hashes_logged = False
 
     # -- what the scheduler tells it ------------------------------------------------------
 
@@ -234,8 +235,15 @@ class EventAnnouncer:
         self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str
     ) -> list[_Chunk]:
         """The watched chunk of each chunk index (created on first sight)."""
-        out = []
+        out: list[_Chunk] = []
         hashes = request.block_hashes
+        if len(hashes) > len(request.all_token_ids) // self.block_size:
+            # vLLM hashes finer than its blocks (a hash block size below the block size, for
+            # hybrid models): its events name blocks this announcer cannot tell apart. None sent.
+            if not self._finer_hashes_logged:
+                self._finer_hashes_logged = True
+                log.warning("kvdepot events: vLLM hashes blocks finer than its block size; kvdepot announces nothing")
+            return out
         for offset in range(len(keys[0]) if keys else 0):
             index = first_chunk + offset
             rank_keys = tuple(rank[offset] for rank in keys)
