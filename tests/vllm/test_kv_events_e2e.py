@@ -154,143 +154,144 @@ def subscribers() -> Iterator[list[Subscriber]]:
         sub.close()
 
 
-def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, workdir, tmp_path, subscribers):
+@pytest.fixture
+def node(workdir: Path, subscribers: list[Subscriber]) -> Iterator[Any]:
+    """`node(*serve_args)`: a real `kvdepot serve` in `workdir` (stopped at the end), the connector
+    config that reaches it, and two engines' event endpoints (``a``, ``b``) with a subscriber each."""
+    servers: list[kvdepot.server.ServerProcess] = []
+
+    def start(*args: str) -> tuple[kvdepot.server.ServerProcess, dict[str, Any], dict[str, tuple[str, Subscriber]]]:
+        server = kvdepot.server.ServerProcess(
+            f"ipc://{workdir}/kvdepot.sock",
+            capacity="256MiB",
+            args=["--no-metrics", *args],
+            log_path=workdir / "server.log",
+        )
+        servers.append(server)
+        server.start()
+        config = {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": server.address},
+        }
+        streams = {}
+        for name in ("a", "b"):
+            endpoint = f"ipc://{workdir}/{name}-events"
+            subscribers.append(Subscriber(endpoint))
+            streams[name] = (endpoint, subscribers[-1])
+        return server, config, streams
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tmp_path):
     """Store, hit in a second engine, clear, evictions and a server restart, each checked against the
     server: the index a router rebuilds from the engine's stream holds exactly the server's chunks."""
     quota = 6  # chunks a salt may hold: the fourth prompt of four chunks evicts
-    server = kvdepot.server.ServerProcess(
-        f"ipc://{workdir}/kvdepot.sock", capacity="256MiB", args=["--no-metrics"], log_path=workdir / "server.log"
-    )
-    server.start()
-    try:
-        config = {
-            "kv_connector": "KVDepotConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvdepot.address": server.address},
-        }
-        a_events, b_events = f"ipc://{workdir}/a-events", f"ipc://{workdir}/b-events"
-        a, b = Subscriber(a_events), Subscriber(b_events)
-        subscribers.extend([a, b])
-        short = prompt(99, SHORT)
-        first, others = prompt(1), [prompt(2), prompt(3), prompt(4)]
-        prompts = [first, short, short, *others, short, short, short]
-        pauses = Pauses(tmp_path / "engines")
-        run = {
-            "max_tokens": STEPS,
-            "kv_transfer_config": config,
-            "pause_after": {1: "stored", 2: "cleared", 6: "evicted", 8: "restarted"},
-            **events_config(a_events),
-        }
-        with ThreadPoolExecutor(1) as pool:
-            engine_a = pool.submit(vllm_engine, tiny_llama, prompts, **run)
+    server, config, streams = node()
+    (a_events, a), (b_events, b) = streams["a"], streams["b"]
+    short = prompt(99, SHORT)
+    first, others = prompt(1), [prompt(2), prompt(3), prompt(4)]
+    prompts = [first, short, short, *others, short, short, short]
+    pauses = Pauses(tmp_path / "engines")
+    run = {
+        "max_tokens": STEPS,
+        "kv_transfer_config": config,
+        "pause_after": {1: "stored", 2: "cleared", 6: "evicted", 8: "restarted"},
+        **events_config(a_events),
+    }
+    with ThreadPoolExecutor(1) as pool:
+        engine_a = pool.submit(vllm_engine, tiny_llama, prompts, **run)
 
-            # 1. A store: every chunk of the first prompt, as the server holds them.
-            pauses.wait("stored")
-            index = RouterIndex().apply(a.events())
-            assert server.stats().chunks == LENGTH // CHUNK
-            assert index.chunks() == LENGTH // CHUNK
-            assert index.holds(first) == LENGTH // CHUNK
-            assert index.orphans == 0  # each chunk's parent block was announced before it
+        # 1. A store: every chunk of the first prompt, as the server holds them.
+        pauses.wait("stored")
+        index = RouterIndex().apply(a.events())
+        assert server.stats().chunks == LENGTH // CHUNK
+        assert index.chunks() == LENGTH // CHUNK
+        assert index.holds(first) == LENGTH // CHUNK
+        assert index.orphans == 0  # each chunk's parent block was announced before it
 
-            # 2. A hit in a second engine: its own stream announces what it can load from kvdepot.
-            second = vllm_engine(
-                tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
-            ).check()
-            assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]
-            assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+        # 2. A hit in a second engine: its own stream announces what it can load from kvdepot.
+        second = vllm_engine(
+            tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
+        ).check()
+        assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]
+        assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
 
-            # 3. A clear (an operator's, through the admin request): removals, never AllBlocksCleared.
-            client = kvdepot.transport.CacheClient(server.address)
-            chunk_bytes = server.stats().used_bytes // server.stats().chunks
-            assert client.clear().result(10).removed == LENGTH // CHUNK
-            client.set_quota("", quota * chunk_bytes).result(10)
-            client.close()
-            pauses.go("stored")
-            pauses.wait("cleared")
-            index = RouterIndex().apply(a.events())
-            assert server.stats().chunks == 0
-            assert index.chunks() == 0
-            assert index.removed == LENGTH // CHUNK * 2
-            assert index.cleared_all == 0
+        # 3. A clear (an operator's, through the admin request): removals, never AllBlocksCleared.
+        client = kvdepot.transport.CacheClient(server.address)
+        chunk_bytes = server.stats().used_bytes // server.stats().chunks
+        assert client.clear().result(10).removed == LENGTH // CHUNK
+        client.set_quota("", quota * chunk_bytes).result(10)
+        client.close()
+        pauses.go("stored")
+        pauses.wait("cleared")
+        index = RouterIndex().apply(a.events())
+        assert server.stats().chunks == 0
+        assert index.chunks() == 0
+        assert index.removed == LENGTH // CHUNK * 2
+        assert index.cleared_all == 0
 
-            # 4. Evictions: three more prompts under a quota of six chunks.
-            pauses.go("cleared")
-            pauses.wait("evicted")
-            index = RouterIndex().apply(a.events())
-            held = server.stats().chunks
-            assert held == quota
-            assert index.chunks() == held
-            assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
-            assert index.holds(others[0]) == 0
+        # 4. Evictions: three more prompts under a quota of six chunks.
+        pauses.go("cleared")
+        pauses.wait("evicted")
+        index = RouterIndex().apply(a.events())
+        held = server.stats().chunks
+        assert held == quota
+        assert index.chunks() == held
+        assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
+        assert index.holds(others[0]) == 0
 
-            # 5. A server restart (its RAM is gone): the engine notices and removes what it announced.
-            server.stop()
-            server.start()
-            pauses.go("evicted")
-            pauses.wait("restarted")
-            index = RouterIndex().apply(a.events())
-            assert server.stats().chunks == 0
-            assert index.chunks() == 0
-            assert index.cleared_all == 0
-            pauses.go("restarted")
-            engine_a.result().check()
-        for sub in (a, b):  # every batch of a stream, in order and without a gap
-            seqs = [seq for _, seq, _ in sub.batches]
-            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-    finally:
+        # 5. A server restart (its RAM is gone): the engine notices and removes what it announced.
         server.stop()
+        server.start()
+        pauses.go("evicted")
+        pauses.wait("restarted")
+        index = RouterIndex().apply(a.events())
+        assert server.stats().chunks == 0
+        assert index.chunks() == 0
+        assert index.cleared_all == 0
+        pauses.go("restarted")
+        engine_a.result().check()
+    for sub in (a, b):  # every batch of a stream, in order and without a gap
+        seqs = [seq for _, seq, _ in sub.batches]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
 
 
 def test_chunks_that_leave_ram_for_the_disk_tier_are_announced_as_storage(
-    tiny_llama, vllm_engine, workdir, tmp_path, subscribers
+    tiny_llama, vllm_engine, workdir, node, tmp_path
 ):
     """RAM cleared, the disk tier keeps the chunks: the engine's stream moves them from CPU to
     STORAGE; a second engine that reads them back announces them in RAM again."""
-    server = kvdepot.server.ServerProcess(
-        f"ipc://{workdir}/kvdepot.sock",
-        capacity="256MiB",
-        args=["--no-metrics", "--disk-dir", str(workdir / "disk"), "--disk-capacity", "1GiB"],
-        log_path=workdir / "server.log",
-    )
-    server.start()
-    try:
-        config = {
-            "kv_connector": "KVDepotConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvdepot.address": server.address},
-        }
-        a_events, b_events = f"ipc://{workdir}/a-events", f"ipc://{workdir}/b-events"
-        a, b = Subscriber(a_events), Subscriber(b_events)
-        subscribers.extend([a, b])
-        first, short = prompt(11), prompt(98, SHORT)
-        pauses = Pauses(tmp_path / "engines")
-        run = {"max_tokens": STEPS, "kv_transfer_config": config, "pause_after": {1: "stored", 3: "moved"}}
-        with ThreadPoolExecutor(1) as pool:
-            engine_a = pool.submit(
-                vllm_engine, tiny_llama, [first, short, short, short], **run, **events_config(a_events)
-            )
-            pauses.wait("stored")
-            deadline = time.monotonic() + 60
-            while server.stats().extra.get("tier:disk:objects") != LENGTH // CHUNK:
-                assert time.monotonic() < deadline, "the chunks never reached the disk tier"
-                time.sleep(0.1)
-            index = RouterIndex().apply(a.events())
-            assert index.holds(first) == LENGTH // CHUNK
-            assert index.chunks("STORAGE") == 0  # in RAM: announced there alone
-            with kvdepot.transport.CacheClient(server.address) as client:
-                assert client.clear().result(10).removed == LENGTH // CHUNK  # RAM only: the disk keeps them
-            pauses.go("stored")
-            pauses.wait("moved")
-            index = RouterIndex().apply(a.events())
-            assert index.chunks() == 0
-            assert index.holds(first, "STORAGE") == LENGTH // CHUNK
-            assert index.chunks("STORAGE") == LENGTH // CHUNK
-            second = vllm_engine(
-                tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
-            ).check()
-            assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]  # read back from the disk
-            assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
-            pauses.go("moved")
-            engine_a.result().check()
-    finally:
-        server.stop()
+    server, config, streams = node("--disk-dir", str(workdir / "disk"), "--disk-capacity", "1GiB")
+    (a_events, a), (b_events, b) = streams["a"], streams["b"]
+    first, short = prompt(11), prompt(98, SHORT)
+    pauses = Pauses(tmp_path / "engines")
+    run = {"max_tokens": STEPS, "kv_transfer_config": config, "pause_after": {1: "stored", 3: "moved"}}
+    with ThreadPoolExecutor(1) as pool:
+        engine_a = pool.submit(vllm_engine, tiny_llama, [first, short, short, short], **run, **events_config(a_events))
+        pauses.wait("stored")
+        deadline = time.monotonic() + 60
+        while server.stats().extra.get("tier:disk:objects") != LENGTH // CHUNK:
+            assert time.monotonic() < deadline, "the chunks never reached the disk tier"
+            time.sleep(0.1)
+        index = RouterIndex().apply(a.events())
+        assert index.holds(first) == LENGTH // CHUNK
+        assert index.chunks("STORAGE") == 0  # in RAM: announced there alone
+        with kvdepot.transport.CacheClient(server.address) as client:
+            assert client.clear().result(10).removed == LENGTH // CHUNK  # RAM only: the disk keeps them
+        pauses.go("stored")
+        pauses.wait("moved")
+        index = RouterIndex().apply(a.events())
+        assert index.chunks() == 0
+        assert index.holds(first, "STORAGE") == LENGTH // CHUNK
+        assert index.chunks("STORAGE") == LENGTH // CHUNK
+        second = vllm_engine(
+            tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
+        ).check()
+        assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]  # read back from the disk
+        assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+        pauses.go("moved")
+        engine_a.result().check()

@@ -226,9 +226,6 @@ class EventAnnouncer:
         out, self._outbox = self._outbox, []
         return out
 
-    def close(self) -> None:
-        self._poll = None
-
     # -- internals --------------------------------------------------------------------------
 
     def _chunks_of(
