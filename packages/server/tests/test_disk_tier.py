@@ -448,3 +448,18 @@ def test_each_salts_usage_is_counted_again_after_a_restart(tier_dir):
         assert tier.salt_bytes("x") == OBJECT
         assert read(tier, 1, 2, 3, salt="x") == [None, None, payload(3)]
         assert read(tier, 1, salt="y") == [payload(1)]
+
+
+def test_a_clear_of_one_salt_deletes_its_files_only_and_a_restart_finds_none(tier_dir):
+    with DiskTier(tier_dir, 1 << 30) as tier:
+        assert write(tier, 1, 2, 3, salt="gone") == [True] * 3
+        assert write(tier, 1, 2, salt="kept") == [True] * 2
+        assert tier.clear("gone") == 3
+        assert tier.salt_bytes("gone") == 0
+        assert read(tier, 1, 2, 3, salt="gone") == [None] * 3
+        assert read(tier, 1, 2, salt="kept") == [payload(1), payload(2)]
+    with DiskTier(tier_dir, 1 << 30) as again:
+        assert read(again, 1, salt="gone") == [None]
+        assert read(again, 1, 2, salt="kept") == [payload(1), payload(2)]
+        assert again.clear(None) == 2
+        assert again.stats().objects == 0

@@ -13,9 +13,10 @@ import time
 import pytest
 from structlog.testing import capture_logs
 
-from kvdepot.server import ChunkRef, ChunkWrite, RemoteTier, TierState, object_name
+from kvdepot.server import ChunkRef, ChunkWrite, RemoteTier, TierError, TierState, object_name
 from kvdepot.server._remote_tier import READ_WORKERS
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES
+from kvdepot.server._tiers import SALT_TAG_BYTES, salt_tag
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +65,9 @@ def test_round_trip_standalone(valkey_server, open_tier):
     with contextlib.closing(valkey_server.client()) as plain:
         value = plain.get("kvd:" + object_name("s", b"k1"))
     assert value is not None
-    assert value[FIXED_HEADER_BYTES + 2 :] == payload(1)  # header, then the raw payload
+    # header (its fingerprint: the salt's tag, then the caller's), then the raw payload
+    assert value[FIXED_HEADER_BYTES : FIXED_HEADER_BYTES + SALT_TAG_BYTES] == salt_tag("s")
+    assert value[FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 :] == payload(1)
 
 
 def test_large_chunks(valkey_server, open_tier):
@@ -104,7 +107,7 @@ def test_corrupt_value_is_a_miss_counted_and_deleted(valkey_server, open_tier, w
         if where == "garbage":
             plain.set(key, b"not a kvdepot object")
         else:
-            offset = 20 if where == "header" else FIXED_HEADER_BYTES + 2 + 1000
+            offset = 20 if where == "header" else FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 + 1000
             byte = plain.getrange(key, offset, offset)[0]
             plain.setrange(key, offset, bytes([byte ^ 0x40]))
         assert read(tier, 1, 2) == [None, payload(2)]
@@ -204,7 +207,7 @@ def test_cluster_corruption_is_a_miss(valkey_cluster, open_tier):
         with contextlib.closing(node.client()) as plain:
             slot = plain.execute_command("CLUSTER", "KEYSLOT", key)
             if plain.execute_command("CLUSTER", "COUNTKEYSINSLOT", slot):
-                plain.setrange(key, FIXED_HEADER_BYTES + 2 + 5, b"\xff\xff")
+                plain.setrange(key, FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 + 5, b"\xff\xff")
     assert read(tier, 1, 2, 3) == [payload(1), None, payload(3)]
     assert tier.stats().corrupt == 1
     assert tier.lengths([ChunkRef("s", b"k2", b"fp")]) == [None]
@@ -377,7 +380,7 @@ def test_a_batch_in_several_windows_lands_each_chunk_checked(valkey_server, open
     tier.write(writes(1, 2, 3, 4, 5, 6))
     key = "kvd:" + object_name("s", b"k4")
     with contextlib.closing(valkey_server.client()) as plain:
-        offset = FIXED_HEADER_BYTES + 2 + 7
+        offset = FIXED_HEADER_BYTES + SALT_TAG_BYTES + 2 + 7
         plain.setrange(key, offset, bytes([plain.getrange(key, offset, offset)[0] ^ 1]))
         assert read(tier, 1, 2, 3, 4, 9, 6) == [payload(1), payload(2), payload(3), None, None, payload(6)]
         assert plain.exists(key) == 0
@@ -543,3 +546,52 @@ def test_an_object_evicted_behind_the_tier_is_counted_until_it_is_the_oldest(val
     assert stored(valkey_server, "s", *range(4)) == [1, 2, 3]
     tier.write(writes(4, 5))
     assert stored(valkey_server, "s", *range(6)) == [3, 4, 5]
+
+
+def all_keys(server) -> list[bytes]:
+    found: list[bytes] = []
+    for node in getattr(server, "nodes", [server]):
+        with contextlib.closing(node.client()) as plain:
+            found += plain.keys("*")
+    return found
+
+
+@pytest.mark.parametrize("where", ["valkey_server", "valkey_cluster"])
+def test_a_clear_deletes_one_salts_objects_whoever_wrote_them_and_its_accounting(where, request, open_tier):
+    """A clear finds a salt's objects by the tag in their headers (on every node of a cluster), also
+    those another server wrote and those whose quota accounting Valkey lost; other salts' objects
+    and keys outside the prefix stay."""
+    server = request.getfixturevalue(where)
+    writer, clearer = open_tier(server.url), open_tier(server.url)
+    writer.quota_of = {"gone": 100 * CHUNK}.get
+    assert writer.write(writes(*range(30), salt="gone", size=1024)) == [True] * 30
+    assert writer.write(writes(*range(5), salt="kept", size=1024)) == [True] * 5
+    import redis
+
+    if where == "valkey_server":
+        plain = server.client()
+    else:
+        plain = redis.RedisCluster(host="127.0.0.1", port=server.nodes[0].port)
+    with contextlib.closing(plain):
+        plain.set("not-kvdepot", b"x")
+        plain.delete(f"kvd:quota:{{{salt_tag('gone').hex()}}}:objects")  # as if Valkey evicted it
+    assert any(b"quota:" in k for k in all_keys(server))
+    assert clearer.clear("gone") == 30
+    assert stored(server, "gone", *range(30)) == []
+    assert stored(server, "kept", *range(5)) == list(range(5))
+    assert not any(b"quota:" in k for k in all_keys(server))
+    assert b"not-kvdepot" in all_keys(server)
+    assert read(clearer, 0, 1, salt="kept", size=1024) == [payload(0, 1024), payload(1, 1024)]
+    assert clearer.clear("gone") == 0
+    assert clearer.clear(None) == 5
+    assert stored(server, "kept", *range(5)) == []
+    assert b"not-kvdepot" in all_keys(server)
+
+
+def test_clearing_a_tier_that_is_down_is_a_typed_error(valkey_server, open_tier):
+    tier = open_tier(valkey_server.url)
+    assert tier.write(writes(1)) == [True]
+    valkey_server.kill()
+    tier.write(writes(2))  # marks it down
+    with pytest.raises(TierError, match="down"):
+        tier.clear("s")

@@ -10,6 +10,7 @@ import time
 
 from kvdepot.server import ChunkIndex, DiskTier, SlabAllocator
 from kvdepot.server._pool import SlotHeaders
+from kvdepot.server._tier_read import ReadState
 from kvdepot.server._tiering import TierSet
 
 PAGE = 64 * 1024
@@ -43,6 +44,9 @@ class LoopTiers(TierSet):
 
     def run(self):
         for answer in super().run():
+            if answer.cleared is not None:  # a Clear's answer: what the tiers did
+                self.answers.append(answer.cleared)
+                continue
             self.answers.append(self.index.lookup(answer.client, answer.items, time.monotonic()))
         self.take(self.index.take_events())
         return []
@@ -398,6 +402,49 @@ def test_a_lookup_is_answered_without_the_tiers_when_a_tier_call_hangs(tmp_path,
         assert len(answers) == 2  # nobody is answered twice
         assert index.stats().pending_chunks == 0
         assert index.lookup("a", [("", keys)], time.monotonic())[0].num_hits == 1  # the chunk read in time
+        index.check()
+    finally:
+        tiers.close()
+
+
+def test_a_clear_voids_a_tier_read_of_its_salt_already_under_way(tmp_path):
+    """A lookup's read-through that read a salt's chunks before a clear of that salt, and is
+    handed back to the loop after it, commits none of them: they were deleted. The clear's
+    answer counts what each tier deleted."""
+    import threading
+
+    from kvdepot.transport import Deferred
+
+    answers: list = []
+    pool, index, tiers = make(tmp_path, answers)
+    try:
+        keys = on_disk_only(tiers, index, pool, 3)
+        disk = tiers.tiers[0]
+        read_done = threading.Event()
+        original = disk._read_one
+
+        def read_one(ref, buf):
+            ok = original(ref, buf)
+            if ref.key == keys[-1]:
+                read_done.set()
+            return ok
+
+        disk._read_one = read_one
+        assert tiers.lookup("a", [("", keys)], time.monotonic()) is not None
+        settle(tiers, lambda: tiers._open[0].state is ReadState.FILLING)  # probed, slots placed
+        assert read_done.wait(10)  # every chunk read into its slot
+        deadline = time.monotonic() + 10
+        while not tiers._posted:  # the fill's outcome waits for the loop
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        tiers.clear(Deferred(), "", removed=0)
+        settle(tiers, lambda: len(answers) == 2)
+        lookup = next(a for a in answers if not hasattr(a, "tiers"))
+        cleared = next(a for a in answers if hasattr(a, "tiers"))
+        assert lookup[0].num_hits == 0
+        assert index.stats().chunks == 0
+        assert cleared.tiers == {"disk": 3}
+        assert disk.stats().objects == 0
         index.check()
     finally:
         tiers.close()

@@ -188,3 +188,27 @@ def test_with_a_real_disk_tier(tmp_path):
         bufs = [memoryview(bytearray(1000)) for _ in range(8)]
         assert tier.read([ChunkRef("s", b"k%d" % i, b"", 1000) for i in range(8)], bufs) == [True] * 8
         wb.close()
+
+
+def test_a_clear_takes_its_salts_writes_off_the_queue_and_runs_after_the_batch_under_way(fake):
+    """`discard` hands back the queued writes of one salt unwritten; a job given to `call` runs on
+    the worker after the batch it is writing, before the writes still queued."""
+    fake.gate.clear()  # the worker holds its first batch
+    order: list[str] = []
+    wb = WriteBehind(fake, batch_items=1, on_done=lambda item, ok: order.append(f"{item.salt}{item.key.decode()}"))
+    try:
+        other = [ChunkWrite("t", b"k%d" % i, b"x" * 10) for i in range(2)]
+        assert wb.submit([item(0), item(1), other[0], item(2), other[1]]) == 5
+        time.sleep(0.05)  # let the worker take item 0
+        gone = wb.discard("s")
+        assert [g.key for g in gone] == [b"k1", b"k2"]  # k0 is under way
+        assert wb.call(lambda: order.append("job"))
+        fake.gate.set()
+        assert wb.flush(10)
+        assert order == ["sk0", "job", "tk0", "tk1"]
+        assert set(fake.objects) == {("s", b"k0"), ("t", b"k0"), ("t", b"k1")}
+        assert wb.stats().discarded == 2
+        assert wb.discard(None) == []
+    finally:
+        wb.close()
+    assert not wb.call(lambda: None)

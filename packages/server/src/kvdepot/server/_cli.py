@@ -1,4 +1,4 @@
-"""The `kvdepot` command: `serve`, `stats`, and subcommands other distributions add.
+"""The `kvdepot` command: `serve`, `stats`, `query`, `ping`, `clear`, `quota`, and subcommands other distributions add.
 
 Adding a subcommand from another distribution: expose an object (a module or any object)
 with `name: str`, `help: str`, `configure(parser: argparse.ArgumentParser) -> None` and
@@ -28,8 +28,9 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
-from kvdepot.server import _query_cli
+from kvdepot.server import _admin_cli, _dashboard, _query_cli
 from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._server import HEALTH_STALL_S
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
 
@@ -162,7 +163,19 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"Prometheus port on 127.0.0.1 (0: any free port; default {DEFAULT_METRICS_PORT}, skipped if busy)",
     )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics and /healthz endpoint binds (default 127.0.0.1; 0.0.0.0 lets a Prometheus "
+        "on another host scrape it, and anyone who reaches the port read it)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve Prometheus metrics")
+    parser.add_argument(
+        "--health-stall",
+        type=_seconds,
+        default=None,
+        help=f"/healthz answers 503 once the loop has not turned for this many seconds (default {HEALTH_STALL_S:g})",
+    )
     parser.add_argument("--pool-dir", type=Path, default=None, help="where the pool file lives (default /dev/shm)")
     parser.add_argument("--lease-ttl", type=_seconds, default=None, help="seconds before an unreleased lease expires")
     parser.add_argument(
@@ -278,6 +291,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         chunk_size=args.chunk_size,
         metrics_port=None if args.no_metrics else metrics_port,
         metrics_required=args.metrics_port is not None,
+        metrics_host=args.metrics_host,
+        health_stall=args.health_stall or HEALTH_STALL_S,
         pool_dir=args.pool_dir,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
         reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
@@ -391,6 +406,17 @@ BUILTIN_COMMANDS: list[Command] = [
     SimpleCommand(
         "query", "how long a prefix of a prompt a server holds, in RAM and below", _query_cli.configure, _query_cli.run
     ),
+    SimpleCommand(
+        "ping", "exit 0 when a server answers (for health probes)", _admin_cli.configure_ping, _admin_cli.run_ping
+    ),
+    SimpleCommand(
+        "clear",
+        "remove a salt's chunks, or all, from RAM and with --tiers from the tiers below",
+        _admin_cli.configure_clear,
+        _admin_cli.run_clear,
+    ),
+    SimpleCommand("quota", "get, set or unset a salt's quota", _admin_cli.configure_quota, _admin_cli.run_quota),
+    _dashboard.command,
 ]
 
 
@@ -439,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(commands)
     args = parser.parse_args(argv)
     for problem in problems:
-        if args.command not in ("serve", "stats"):
+        if args.command not in {command.name for command in BUILTIN_COMMANDS}:
             sys.stderr.write(f"kvdepot: warning: {problem}\n")
     code: int = args._run(args)
     return code

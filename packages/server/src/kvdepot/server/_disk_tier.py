@@ -422,10 +422,10 @@ class DiskTier:
                 count += 1
         return count
 
-    def clear(self) -> int:
-        """Delete every chunk; how many there were."""
+    def clear(self, salt: str | None = None) -> int:
+        """Delete every chunk of ``salt`` (None: of every salt); how many there were."""
         with self._lock:
-            digests = list(self._index)
+            digests = list(self._index if salt is None else self._salts.get(salt_tag(salt), ()))
         for digest in digests:
             self._drop(digest)
         return len(digests)

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
+from kvdepot.core import salt_label
 from kvdepot.server._change_log import ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._ranking import SaltRanking
-from kvdepot.server._results import IndexStats, Reclaimed
+from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 
@@ -99,13 +100,17 @@ class CacheHandler:
         client_connected: Callable[[str], bool] = lambda client: False,
         admin_allowed: bool = True,
         publish: Callable[[Sequence[IndexEvent]], None] | None = None,
+        timed: Callable[[str, float], None] | None = None,
+        looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
     ) -> None:
         """``tiers``: the tiers below RAM, if any (lookups that miss RAM ask them, commits are
         written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
         socket, or tcp with a shared secret), so that Clear and SetQuota may be served;
-        ``publish``: takes the index's events too (the server's KV event publisher)."""
+        ``publish``: takes the index's events too (the server's KV event publisher); ``timed``:
+        told each request's type name and the seconds it took; ``looked_up``: told each lookup
+        answered and its outcomes (the server's metrics)."""
         self.index = index
         # layout name -> (fingerprint, chunk bytes) of the first client that registered it
         self.layouts: dict[str, tuple[str, int]] = {}
@@ -121,6 +126,8 @@ class CacheHandler:
         self.tiers = tiers
         self.changes = ChangeLog(server_id)
         self.publish = publish
+        self.timed = timed
+        self.looked_up = looked_up
         self._ranking = SaltRanking(index, SALT_RANKING_S)
         self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
@@ -143,10 +150,13 @@ class CacheHandler:
     # -- transport.Handler ----------------------------------------------------------------
 
     def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody | Deferred:
+        start = time.perf_counter()
         try:
             return self._table[type(body)](peer.client_id, body, self.clock())
         finally:
             self.flush_events()
+            if self.timed is not None:
+                self.timed(type(body).__name__, time.perf_counter() - start)
 
     def flush_events(self) -> None:
         """Hand what happened in the index to its consumers (loop thread: after every request,
@@ -163,6 +173,13 @@ class CacheHandler:
     def answer(self, answer: Answer) -> ReplyBody:
         """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:
         what RAM held when it came, and what the tiers hold past that)."""
+        if (cleared := answer.cleared) is not None:
+            return ClearReply(
+                removed=cleared.removed,
+                left=self.index.visible_chunks(cleared.salt),
+                tiers=cleared.tiers,
+                tier_errors=cleared.errors,
+            )
         if answer.held is not None:
             return QueryReply([QueryResult(ram, below, tiers) for ram, below, tiers in answer.held])
         try:
@@ -242,6 +259,8 @@ class CacheHandler:
         """Lease the committed prefix of each item, and say where its chunks are; ``read_back``
         (a lookup the tiers answered) says which keys were just read back from which tier."""
         outcomes = self.index.lookup(client, items, now)
+        if self.looked_up is not None:
+            self.looked_up(items, outcomes)
         results = []
         for item, o in enumerate(outcomes):
             below: dict[str, int] = {}
@@ -315,11 +334,23 @@ class CacheHandler:
                 request=request,
             )
 
-    def _clear(self, client: str, body: Clear, now: float) -> ReplyBody:
+    def _clear(self, client: str, body: Clear, now: float) -> ReplyBody | Deferred:
+        """A slice of RAM; with `tiers`, the writes queued for the salt first (which unpins them),
+        and once RAM holds none left to remove, every tier below (answered when they are done)."""
         self._check_admin(client, "clear")
+        tiers = self.tiers if body.tiers else None
+        if tiers is not None:
+            tiers.discard(body.salt)
         removed, more = self.index.clear(body.salt)
-        log.info("chunks_cleared", peer=client, salt=body.salt, removed=removed, more=more)
-        return ClearReply(removed=removed, more=more)
+        label = "*" if body.salt is None else salt_label(body.salt)
+        log.info("chunks_cleared", peer=client, salt=label, removed=removed, more=more, tiers=body.tiers)
+        if more:
+            return ClearReply(removed=removed, more=True)
+        if tiers is None:
+            return ClearReply(removed=removed, left=self.index.visible_chunks(body.salt))
+        deferred = Deferred()
+        tiers.clear(deferred, body.salt, removed)
+        return deferred
 
     def _ping(self, client: str, body: Ping, now: float) -> ReplyBody:
         return Pong()
@@ -327,7 +358,7 @@ class CacheHandler:
     def _set_quota(self, client: str, body: SetQuota, now: float) -> ReplyBody:
         self._check_admin(client, "set_quota")
         quotas = self.index.set_quota(body.salt, body.max_bytes)
-        log.info("quota_set", peer=client, salt=body.salt, max_bytes=body.max_bytes)
+        log.info("quota_set", peer=client, salt=salt_label(body.salt), max_bytes=body.max_bytes)
         return QuotaReply(quotas=quotas)
 
     def _query(self, client: str, body: Query, now: float) -> ReplyBody | Deferred:
@@ -347,6 +378,7 @@ class CacheHandler:
         return self.changes.read(body.since, body.salts, body.limit, body.server_id)
 
     def _get_quotas(self, client: str, body: GetQuotas, now: float) -> ReplyBody:
+        self._check_admin(client, "get_quotas")  # it names every tenant's salt
         return QuotaReply(quotas=self.index.quotas())
 
 

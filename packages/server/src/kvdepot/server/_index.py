@@ -313,6 +313,10 @@ class ChunkIndex:
                 self._events.append(Cleared(entry.salt, entry.key, entry.length))
         return min(len(victims), limit), len(victims) > limit
 
+    def visible_chunks(self, salt: str | None = None) -> int:
+        """Committed chunks of ``salt`` (None: of every salt) in RAM, leased or not."""
+        return sum(self._salt_chunks.values()) if salt is None else self._salt_chunks.get(salt, 0)
+
     def set_quota(self, salt: str, max_bytes: int | None) -> dict[str, int]:
         """Limit the bytes `salt` may hold (None removes the limit); evicts its LRU chunks now.
 

@@ -1,24 +1,33 @@
 """Prometheus metrics: the same figures as `kvdepot stats`, read from a snapshot at scrape time.
 
-The server loop publishes an immutable `MetricsSnapshot` now and then; the HTTP thread of
-prometheus-client only reads the latest one, so a scrape never walks the index while the
-loop changes it.
+The server loop publishes an immutable `MetricsSnapshot` now and then; the HTTP thread only
+reads the latest one, so a scrape never walks the index while the loop changes it. The same
+HTTP server answers `/healthz`: 200 while the server says it is healthy, 503 and why not.
 """
 
 from __future__ import annotations
 
-import contextlib
+import bisect
+import heapq
+import re
+import socket
 import threading
-from collections.abc import Iterator
+import urllib.parse
+from collections.abc import Callable, Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from kvdepot.core import salt_label
 from kvdepot.server._errors import ServerArgumentError
-from kvdepot.server._results import IndexStats
+from kvdepot.server._results import IndexStats, LookupOutcome
+
+log = structlog.get_logger(__name__)
 
 # Peers named one by one in the bad-frames metric; the rest add up under "other", so that a
 # peer inventing new identities cannot grow the metric without bound.
@@ -28,6 +37,20 @@ MAX_PEER_LABELS = 64
 # cache_salt series in /metrics: the salts holding the most bytes, the rest summed as "other".
 # Labels are digests: a salt is a tenant's secret, and /metrics is readable by every local user.
 MAX_SALT_LABELS = 64
+# Salts whose lookups are counted one by one: the first this many looked up since the start (a
+# client inventing salts cannot grow the server's memory); /metrics names the MAX_SALT_LABELS of
+# them with the most keys looked up. Lookups of later salts count in the totals only.
+MAX_TRACKED_SALTS = 1024
+# Upper bounds (seconds) of the request-latency buckets: the loop answers most requests in tens
+# of microseconds; a lookup of thousands of keys takes a millisecond or so; past 10 ms every
+# client of the server waits behind it.
+LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3)
+# Requests whose latency series exist from the start, at zero: the dashboard's latency panels.
+TIMED_FROM_START = ("Lookup", "Reserve", "Commit")
+# Seconds a metrics or health request may leave its connection silent before it is dropped.
+HTTP_REQUEST_TIMEOUT_S = 10.0
+# How often the HTTP thread looks at its stop flag: the longest `Metrics.close()` waits for it.
+HTTP_POLL_INTERVAL_S = 0.1
 
 
 def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
@@ -47,6 +70,10 @@ class MetricsSnapshot:
     transport: dict[str, int]
     bad_frames_by_peer: dict[str, int]
     tiers: dict[str, str | int | float | bool | None] = attrs.field(factory=dict)  # `tier:KIND:FIGURE`
+    #: request label -> (count per bucket of LATENCY_BUCKETS and +Inf, not cumulative; sum of seconds)
+    latency: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict)
+    #: salt label -> (hits, misses)
+    salt_lookups: dict[str, tuple[int, int]] = attrs.field(factory=dict)
 
 
 class BadFrameCounter:
@@ -62,6 +89,62 @@ class BadFrameCounter:
 
     def snapshot(self) -> dict[str, int]:
         return dict(self._counts)
+
+
+class RequestLatency:
+    """Seconds the loop spent on each request, per request type, as histogram buckets (loop thread)."""
+
+    def __init__(self, kinds: Sequence[str] = TIMED_FROM_START) -> None:
+        self._counts: dict[str, list[int]] = {}
+        self._sums: dict[str, float] = {}
+        for kind in kinds:
+            self._start(kind)
+
+    def _start(self, kind: str) -> list[int]:
+        counts = self._counts[kind] = [0] * (len(LATENCY_BUCKETS) + 1)
+        self._sums[kind] = 0.0
+        return counts
+
+    def observe(self, kind: str, seconds: float) -> None:
+        """One request of type `kind` (its class name: the protocol's few) took `seconds`."""
+        counts = self._counts.get(kind) or self._start(kind)
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self._sums[kind] += seconds
+
+    def snapshot(self) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {_snake(kind): (tuple(counts), self._sums[kind]) for kind, counts in self._counts.items()}
+
+
+def _snake(name: str) -> str:
+    """`EndSession` -> `end_session`."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class SaltLookups:
+    """Keys found and not found by lookups, per salt, for at most `MAX_TRACKED_SALTS` salts (loop thread)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, list[int]] = {}  # salt -> [hits, misses]
+        self._labels: dict[str, str] = {}
+
+    def add(self, items: Sequence[tuple[str, Sequence[bytes]]], outcomes: Sequence[LookupOutcome]) -> None:
+        """Count a lookup's answer: per item, its hits and the keys past them."""
+        for (salt, keys), outcome in zip(items, outcomes, strict=True):
+            counts = self._counts.get(salt)
+            if counts is None:
+                if len(self._counts) >= MAX_TRACKED_SALTS:
+                    continue
+                counts = self._counts[salt] = [0, 0]
+                self._labels[salt] = salt_label(salt)
+            counts[0] += outcome.num_hits
+            counts[1] += len(keys) - outcome.num_hits
+
+    def snapshot(self) -> dict[str, tuple[int, int]]:
+        """(hits, misses) per label of the `MAX_SALT_LABELS` salts with the most keys looked up."""
+        salts: Iterator[str] | list[str] = iter(self._counts)
+        if len(self._counts) > MAX_SALT_LABELS:
+            salts = heapq.nlargest(MAX_SALT_LABELS, self._counts, key=lambda salt: sum(self._counts[salt]))
+        return {self._labels[salt]: (self._counts[salt][0], self._counts[salt][1]) for salt in salts}
 
 
 class _Collector:
@@ -116,6 +199,31 @@ class _Collector:
         for salt, limit in sorted(s.quotas.items(), key=lambda item: -item[1])[:MAX_SALT_LABELS]:
             quota.add_metric([salt_label(salt)], limit)
         yield quota
+        doc = " (label: salt_label(cache_salt); the 64 salts with the most keys looked up)"
+        salt_hits = CounterMetricFamily(
+            "kvdepot_salt_hits", "Chunk keys found by lookups per cache_salt" + doc, labels=["salt"]
+        )
+        salt_misses = CounterMetricFamily(
+            "kvdepot_salt_misses", "Chunk keys looked up and not found per cache_salt" + doc, labels=["salt"]
+        )
+        for label, (hits, misses) in snap.salt_lookups.items():
+            salt_hits.add_metric([label], hits)
+            salt_misses.add_metric([label], misses)
+        yield salt_hits
+        yield salt_misses
+        latency = HistogramMetricFamily(
+            "kvdepot_request_duration_seconds",
+            "Seconds the server's loop spent on a request, by request type: from the handler's start to its "
+            "reply (a lookup's wait for the tiers below RAM is not in it).",
+            labels=["request"],
+        )
+        for request, (counts, seconds) in snap.latency.items():
+            cumulative, buckets = 0, []
+            for bound, count in zip((*LATENCY_BUCKETS, float("inf")), counts, strict=True):
+                cumulative += count
+                buckets.append((floatToGoString(bound), cumulative))
+            latency.add_metric([request], buckets, seconds)
+        yield latency
         transport = CounterMetricFamily(
             "kvdepot_transport_events", "Transport counters (requests, errors, bad frames, ...).", labels=["event"]
         )
@@ -141,14 +249,63 @@ class _Collector:
         yield tiers
 
 
-class Metrics:
-    """The server's Prometheus registry and, when started, its HTTP endpoint on 127.0.0.1."""
+def _healthy() -> str | None:
+    return None
 
-    def __init__(self) -> None:
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True  # a slow scraper never holds the server's exit
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, health: Callable[[], str | None]):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.registry = registry
+        self.health = health
+        super().__init__(address, _RequestHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.exception("metrics_request_failed", peer=str(client_address))
+
+
+class _RequestHandler(BaseHTTPRequestHandler):
+    """GET /metrics (and /, as prometheus-client served it) and GET /healthz; anything else is 404."""
+
+    server: _HTTPServer
+    timeout = HTTP_REQUEST_TIMEOUT_S
+
+    def do_GET(self) -> None:
+        path = urllib.parse.urlsplit(self.path).path
+        if path in ("/metrics", "/"):
+            self._reply(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
+        elif path == "/healthz":
+            reason = self.server.health()
+            self._reply(200 if reason is None else 503, "text/plain; charset=utf-8", f"{reason or 'ok'}\n".encode())
+        else:
+            self._reply(404, "text/plain; charset=utf-8", b"not found: kvdepot serves /metrics and /healthz\n")
+
+    def _reply(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Not on stderr: a scrape every few seconds is no event."""
+
+
+class Metrics:
+    """The server's Prometheus registry and, when started, its HTTP endpoint on 127.0.0.1.
+
+    ``health`` says why the server is not healthy (None: it is); `/healthz` asks it on every
+    request, from the HTTP thread."""
+
+    def __init__(self, health: Callable[[], str | None] = _healthy) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self._collector = _Collector()
         self.registry.register(self._collector)
-        self._http: Any = None
+        self.health = health
+        self._http: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
@@ -158,19 +315,26 @@ class Metrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> str:
         """Start the HTTP endpoint; port 0 picks a free one. Returns the metrics URL."""
         try:
-            self._http, self._thread = start_http_server(port, addr=host, registry=self.registry)
+            http = _HTTPServer((host, port), self.registry, self.health)
         except OSError as exc:
             raise ServerArgumentError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror}); choose another --metrics-port "
                 "or pass --no-metrics",
                 port=port,
             ) from exc
-        self.url = f"http://{host}:{self._http.server_port}/metrics"
+        self._http = http
+        self._thread = threading.Thread(
+            target=http.serve_forever, args=(HTTP_POLL_INTERVAL_S,), name="kvdepot-metrics", daemon=True
+        )
+        self._thread.start()
+        netloc = f"[{host}]" if ":" in host else host
+        self.url = f"http://{netloc}:{http.server_port}/metrics"
         return self.url
 
     def close(self) -> None:
-        if self._http is not None:
-            with contextlib.suppress(Exception):
-                self._http.shutdown()
-                self._http.server_close()
-            self._http = None
+        http, thread, self._http, self._thread = self._http, self._thread, None, None
+        if http is not None:
+            http.shutdown()
+            http.server_close()
+        if thread is not None:
+            thread.join()

@@ -53,8 +53,12 @@ class Landing:
     deadline.
     """
 
-    def __init__(self, refs: Sequence[ChunkRef], into: Sequence[memoryview], keys: Sequence[str]) -> None:
+    def __init__(
+        self, refs: Sequence[ChunkRef], into: Sequence[memoryview], keys: Sequence[str], fingerprints: Sequence[bytes]
+    ) -> None:
+        """``fingerprints``: what each object's header must hold (the salt tag, then the ref's)."""
         self.refs = refs
+        self.fingerprints = fingerprints
         self.into = into
         self.keys = keys
         self.results = [False] * len(refs)
@@ -83,9 +87,10 @@ class Landing:
     def _check_and_copy(self, i: int, value: bytes) -> bool:
         ref = self.refs[i]
         view = memoryview(value)
-        start = FIXED_HEADER_BYTES + len(ref.fingerprint)
+        fingerprint = self.fingerprints[i]
+        start = FIXED_HEADER_BYTES + len(fingerprint)
         try:
-            verify(view, view[start:], digest=ref.digest, fingerprint=ref.fingerprint, length=ref.length)
+            verify(view, view[start:], digest=ref.digest, fingerprint=fingerprint, length=ref.length)
         except CorruptObjectError as exc:
             self.corrupt.append(self.keys[i])
             log.warning("tier_object_corrupt", tier="remote", name=ref.digest.hex(), reason=exc.fields.get("reason"))

@@ -11,6 +11,9 @@ Each chunk is one string value, ``PREFIX + object_name(salt, key)``, holding the
 STRLEN per chunk), a batch of reads a stream of GETs whose replies are landed one by one
 (`_remote_read`). Values may carry a TTL; the server should run with ``maxmemory-policy allkeys-lru``.
 
+Each header's fingerprint starts with the chunk's salt tag (`salt_tag`), as on the disk tier,
+so that a clear can find a salt's objects (`_remote_clear`).
+
 Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
 
 Failure: every command has short socket timeouts and no client-side retries. The connection
@@ -33,13 +36,15 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._errors import TierConfigError
+from kvdepot.server._errors import TierConfigError, TierError
+from kvdepot.server._remote_clear import clear_objects
 from kvdepot.server._remote_link import CONNECT_TIMEOUT, OP_TIMEOUT, RETRY_INTERVAL, RemoteLink
 from kvdepot.server._remote_quota import charge, quotas_of
 from kvdepot.server._remote_read import Landing, stream_gets
 from kvdepot.server._remote_url import RemoteAddress, parse_remote_url
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, Buffer, encode_header, header_size
 from kvdepot.server._tiers import (
+    SALT_TAG_BYTES,
     ChunkRef,
     ChunkWrite,
     Counters,
@@ -47,6 +52,7 @@ from kvdepot.server._tiers import (
     TierStats,
     check_batch,
     object_name,
+    salt_tag,
 )
 
 log = structlog.get_logger(__name__)
@@ -149,7 +155,7 @@ class RemoteTier:
         for item in items:
             digest = item.digest
             payload = memoryview(item.payload).cast("B")
-            header = encode_header(digest, item.fingerprint, payload)
+            header = encode_header(digest, salt_tag(item.salt) + item.fingerprint, payload)
             # One value per chunk, header then payload, assembled in a buffer this thread reuses:
             # a copy into warm memory costs a tenth of what a fresh allocation's page faults do.
             end = offset + len(header) + payload.nbytes
@@ -210,7 +216,9 @@ class RemoteTier:
 
     def _scratch_for(self, items: Sequence[ChunkWrite]) -> memoryview | None:
         """This thread's reusable buffer, large enough for the batch's values; None past `MAX_SCRATCH_BYTES`."""
-        need = sum(FIXED_HEADER_BYTES + len(i.fingerprint) + memoryview(i.payload).nbytes for i in items)
+        need = sum(
+            FIXED_HEADER_BYTES + SALT_TAG_BYTES + len(i.fingerprint) + memoryview(i.payload).nbytes for i in items
+        )
         if need > MAX_SCRATCH_BYTES:
             return None
         buf: bytearray | None = getattr(self._local, "scratch", None)
@@ -258,7 +266,8 @@ class RemoteTier:
             return [False] * len(refs)
         client, generation = current
         timeout = self.read_timeout if timeout is None else timeout
-        landing = Landing(refs, into, [self._key(ref.digest) for ref in refs])
+        keys = [self._key(ref.digest) for ref in refs]
+        landing = Landing(refs, into, keys, [salt_tag(ref.salt) + ref.fingerprint for ref in refs])
         future = self._reads.submit(self._read_on_thread, client, generation, landing)
         late = False
         try:
@@ -326,7 +335,9 @@ class RemoteTier:
             for ref in refs:
                 pipe.strlen(self._key(ref.digest))
             return [
-                n - header if isinstance(n, int) and n > (header := header_size(ref.fingerprint)) else None
+                n - header
+                if isinstance(n, int) and n > (header := SALT_TAG_BYTES + header_size(ref.fingerprint))
+                else None
                 for ref, n in zip(refs, pipe.execute(False), strict=True)
             ]
         except self._errors as exc:
@@ -340,6 +351,20 @@ class RemoteTier:
         current = self._link.current()
         if current is not None and refs:
             self._delete_keys(current[0], current[1], [self._key(ref.digest) for ref in refs])
+
+    def clear(self, salt: str | None = None) -> int:
+        """Delete every object of ``salt`` under this tier's prefix (None: every object), whichever
+        server wrote it, and its quota accounting (`_remote_clear`); how many objects went."""
+        current = self._link.current()
+        if current is None:
+            raise TierError(f"the remote tier at {self.address.display} is down", url=self.address.display)
+        client, generation = current
+        try:
+            return clear_objects(client, self.prefix, salt)
+        except self._errors as exc:
+            self._link.failed(generation, exc)
+            self._counters.add(errors=1)
+            raise TierError(f"clearing the remote tier failed: {exc!r}", url=self.address.display) from exc
 
     def key_of(self, salt: str, key: bytes) -> str:
         """The key a chunk has on the server (for operators and tests)."""

@@ -25,7 +25,14 @@ from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._kv_publisher import KVEventPublisher
-from kvdepot.server._metrics import MAX_SALT_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
+from kvdepot.server._metrics import (
+    MAX_SALT_LABELS,
+    BadFrameCounter,
+    Metrics,
+    MetricsSnapshot,
+    RequestLatency,
+    SaltLookups,
+)
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
@@ -44,6 +51,9 @@ log = structlog.get_logger(__name__)
 POLL_INTERVAL = 0.05
 # How often the loop publishes figures for the metrics thread (seconds).
 SNAPSHOT_INTERVAL = 0.5
+# /healthz answers 503 once the loop has not turned for this long (seconds). An idle loop turns
+# every POLL_INTERVAL; a full garbage collection or a large request holds it for milliseconds.
+HEALTH_STALL_S = 10.0
 # With more salts than /metrics labels, the largest are worked out (O(salts)) this often (seconds).
 METRIC_SALT_RANKING_S = 5.0
 # The default capacity is this fraction of the memory the kernel says is available ...
@@ -98,6 +108,7 @@ class ServerConfig:
     kv_events: str | None = None  # a ZMQ PUB endpoint for the RAM tier's KV events (None: none)
     kv_events_replay: str | None = None  # ... and a ROUTER endpoint to replay missed batches from
     kv_events_topic: str | None = None  # None: `default_topic()`
+    health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
 
 
 class CacheServer:
@@ -118,8 +129,12 @@ class CacheServer:
                 free=free,
             )
         self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
-        self.metrics = Metrics()
+        self.metrics = Metrics(health=self.health)
         self.bad_frames = BadFrameCounter()
+        self.latency = RequestLatency()
+        self.salt_lookups = SaltLookups()
+        #: When the loop last turned (monotonic; None: not yet), for /healthz.
+        self.heartbeat: float | None = None
         self.started_at = time.monotonic()
         self._stop = threading.Event()
         self._closed = False
@@ -165,6 +180,8 @@ class CacheServer:
                 client_connected=self._client_connected,
                 admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
                 publish=self.kv_events,
+                timed=self.latency.observe,
+                looked_up=self.salt_lookups.add,
             )
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
             if config.peer_timeout is not None:
@@ -229,7 +246,7 @@ class CacheServer:
                     self.failure = f"the pool file {self.pool.path} was truncated under the server"
                     log.error("pool_truncated", path=str(self.pool.path), reason="stopping: its slots are gone")
                     break
-                now = time.monotonic()
+                now = self.heartbeat = time.monotonic()
                 gone = self.index.expire(now)
                 if gone.leases or gone.reservations:
                     log.info("expired", leases=gone.leases, reservations=gone.reservations, chunks=gone.chunks)
@@ -239,6 +256,25 @@ class CacheServer:
                 self.collector.run(now)
         finally:
             self.close()
+
+    def health(self) -> str | None:
+        """Why the server is not serving now, or None while it is: its loop turned in the last
+        `config.health_stall` seconds and its pool is mapped and whole (any thread: /healthz)."""
+        if self.failure is not None:
+            return self.failure
+        if self._stop.is_set():
+            return "the server is stopping"
+        try:
+            intact = self.pool.intact()
+        except OSError:  # unmapped by close() meanwhile
+            intact = False
+        if not intact:
+            return f"the pool {self.pool.path} is unmapped or truncated"
+        if self.heartbeat is None:
+            return "the loop has not started"
+        if (idle := time.monotonic() - self.heartbeat) > self.config.health_stall:
+            return f"the loop has not turned for {idle:.1f} s"
+        return None
 
     def stop(self) -> None:
         """Ask `serve_forever` to return soon; safe from signal handlers and other threads."""
@@ -318,5 +354,12 @@ class CacheServer:
     def _publish(self) -> None:
         tiers = {k: v for k, v in self.tiers.stats().items() if k.startswith("tier:")} if self.tiers else {}
         listed = self._metric_salts.listed(MAX_SALT_LABELS, time.monotonic())
-        snapshot = MetricsSnapshot(self.index.stats(listed), self.endpoint.counters, self.bad_frames.snapshot(), tiers)
+        snapshot = MetricsSnapshot(
+            self.index.stats(listed),
+            self.endpoint.counters,
+            self.bad_frames.snapshot(),
+            tiers,
+            self.latency.snapshot(),
+            self.salt_lookups.snapshot(),
+        )
         self.metrics.publish(snapshot)

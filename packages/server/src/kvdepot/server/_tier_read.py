@@ -100,6 +100,7 @@ class TierRead:
     per_chunk: float | None = None  # the engine's seconds to compute a chunk (Lookup.prefill_s_per_chunk)
     prefix_leases: list[int] = attrs.field(factory=list)  # the tiers' leases on the RAM prefixes
     keys: int = 0  # the keys it asked for, counted against its client's bound
+    epoch: int = 0  # the tiers' clears started before it (`TierSet.clear`): a later one voids its fill
     #: A Query's read: probed only, never placed or filled; answered with what the tiers hold
     #: past these RAM prefixes (per item).
     query_prefixes: list[int] | None = None

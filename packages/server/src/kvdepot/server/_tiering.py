@@ -31,6 +31,7 @@ Read-through (a lookup that misses RAM), one `TierRead` moved by the table in `_
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,7 +39,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import structlog
 
-from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
+from kvdepot.core import SLOT_HEADER_BYTES, salt_label, slot_digest, slot_header_holds
 from kvdepot.server._errors import ServerError, TooManyError
 from kvdepot.server._events import Committed, IndexEvent
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
@@ -92,6 +93,21 @@ class Answer:
     held: list[tuple[int, int, dict[str, int]]] | None = None
     #: For a lookup: per item, the keys (by position) that were just read back, and from which tier.
     read_back: list[dict[int, str]] | None = None
+    #: For a Clear: what the tiers did.
+    cleared: TierClear | None = None
+
+
+@attrs.define(eq=False)
+class TierClear:
+    """A Clear the tiers are working on: answered once every tier has cleared (or failed to)."""
+
+    deferred: Deferred
+    salt: str | None
+    removed: int  # chunks the request removed from RAM
+    waiting: int  # tiers not done yet
+    discarded: int = 0  # queued writes dropped
+    tiers: dict[str, int] = attrs.field(factory=dict)  # objects deleted per tier
+    errors: dict[str, str] = attrs.field(factory=dict)  # tiers that could not be cleared, and why
 
 
 @attrs.define(eq=False)
@@ -130,6 +146,12 @@ class _Copy:
         if not self._done:
             self._done = True
             self.tiers._post(lambda: self.tiers._unpin(self.name, self.pin))
+
+    def cancel(self) -> None:
+        """Never to be copied: unpin now (loop thread)."""
+        if not self._done:
+            self._done = True
+            self.tiers._unpin(self.name, self.pin)
 
 
 class TierSet:
@@ -174,6 +196,8 @@ class TierSet:
         self._answers: list[Answer] = []  # lookups to answer, handed out by `run`
         self._warn = WarnLimiter(log)
         self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
+        self._clears = 0  # clears started
+        self._cleared: dict[str | None, int] = {}  # per salt (None: all), the number of its last clear
         self._closed = False
         index.touch(TIER_CLIENT, 0.0, "tiers")
 
@@ -258,6 +282,7 @@ class TierSet:
         started = time.monotonic()
         read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait(), per_chunk)
         read.prefix_leases = leases
+        read.epoch = self._clears
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
         return self._start(read, count)
@@ -361,6 +386,8 @@ class TierSet:
         read.filled = filled
         for item, (reservation_id, _slots) in enumerate(read.targets):
             done = set(filled[item]) if item < len(filled) else set()
+            if done and self._cleared_since(read.missing[item][0], read.epoch):
+                done = set()  # read before a clear of its salt: those bytes were deleted
             self.counters["read_hits"] += len(done)
             self.counters["read_misses"] += len(read.missing[item][1]) - len(done)
             if not reservation_id:
@@ -381,6 +408,52 @@ class TierSet:
             self._keys_of[read.client] = left
         else:
             del self._keys_of[read.client]
+
+    def _cleared_since(self, salt: str, epoch: int) -> bool:
+        return max(self._cleared.get(salt, 0), self._cleared.get(None, 0)) > epoch
+
+    def clear(self, deferred: Deferred, salt: str | None, removed: int) -> TierClear:
+        """Drop the queued writes of ``salt`` (None: all), and have every tier delete its objects
+        (loop thread). ``removed``: what the request removed from RAM. Answered through `run`."""
+        self._clears += 1
+        self._cleared[salt] = self._clears
+        job = TierClear(deferred, salt, removed, waiting=len(self.tiers), discarded=self.discard(salt))
+        for tier, writer in zip(self.tiers, self._writers, strict=True):
+            if not writer.call(functools.partial(self._clear_on_writer, job, tier)):
+                self._clear_done(job, tier.kind, "the server is closing")()
+        if not self.tiers:
+            self._answers.append(Answer(deferred, "", [], cleared=job))
+        log.info("tiers_clearing", salt=_label(salt), discarded=job.discarded)
+        return job
+
+    def discard(self, salt: str | None) -> int:
+        """Take the writes of ``salt`` (None: all) off every queue and unpin their chunks, so that
+        a clear of RAM can remove them (loop thread); how many were queued."""
+        count = 0
+        for writer in self._writers:
+            for item in writer.discard(salt):
+                count += 1
+                if isinstance(item, DeferredWrite) and isinstance(item.load, _Copy):
+                    item.load.cancel()
+        return count
+
+    def _clear_on_writer(self, job: TierClear, tier: Tier) -> None:
+        self._post(self._clear_done(job, tier.kind, _clear_tier(tier, job.salt)))
+
+    def _clear_done(self, job: TierClear, kind: str, outcome: int | str) -> Callable[[], None]:
+        """What the loop runs once a tier is done clearing: count it, answer after the last one."""
+
+        def done() -> None:
+            if isinstance(outcome, int):
+                job.tiers[kind] = outcome
+            else:
+                job.errors[kind] = outcome
+            job.waiting -= 1
+            if job.waiting == 0:
+                log.info("tiers_cleared", salt=_label(job.salt), deleted=job.tiers, errors=job.errors)
+                self._answers.append(Answer(job.deferred, "", [], cleared=job))
+
+        return done
 
     def _held(self, read: TierRead) -> Answer:
         """The answer to a Query: per item, its RAM prefix and what the tiers hold past it."""
@@ -436,3 +509,17 @@ class TierSet:
         """A writer is done with an item: unpin it if its bytes were never copied (dropped at close)."""
         if isinstance(item, DeferredWrite) and isinstance(item.load, _Copy):
             item.load.done()
+
+
+def _clear_tier(tier: Tier, salt: str | None) -> int | str:
+    """Clear ``tier`` of ``salt`` (a writer thread); the objects deleted, or why it failed."""
+    try:
+        return tier.clear(salt)
+    except Exception as exc:  # a tier down, or a bug: the operator is told, the server goes on
+        log.warning("tier_clear_failed", tier=tier.kind, salt=_label(salt), error=str(exc))
+        return getattr(exc, "message", None) or str(exc)
+
+
+def _label(salt: str | None) -> str:
+    """How logs name a salt (never the salt itself: it may be a tenant's secret)."""
+    return "*" if salt is None else salt_label(salt)

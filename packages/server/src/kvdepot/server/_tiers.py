@@ -154,6 +154,12 @@ class Tier(Protocol):
         """The tier's figures now."""
         ...
 
+    def clear(self, salt: str | None = None) -> int:
+        """Delete every chunk of ``salt`` the tier holds (None: every chunk, of every salt), as
+        found by the salt tag in each object's header, whichever server wrote it; how many went.
+        Raises `TierError` when the tier could not be cleared (e.g. it is down)."""
+        ...
+
     def close(self) -> None:
         """Let go of files, connections and threads; later calls miss or fail."""
         ...

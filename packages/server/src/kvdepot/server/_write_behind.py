@@ -9,6 +9,10 @@ to get them (`DeferredWrite.load`, called on the worker thread just before the w
 return None when the chunk is gone, and the item is skipped). ``on_done(item, ok)`` runs on
 the worker thread once per accepted item, after the tier wrote it (ok) or did not (dropped
 at close, skipped, failed): the place to unpin a slot or tell the loop the chunk is safe below.
+
+A clear takes a salt's items off the queue (`discard`), then has the worker run the tier's
+clear (`call`) before its next batch: after the batch under way, so that no write the server
+queued before the clear lands after it.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ class WriteBehindStats:
     failed: int  # accepted, then not written (tier down or failing, or dropped at close)
     skipped: int  # `DeferredWrite.load` returned None
     dropped: int  # refused by `submit`: the queue was full
+    discarded: int = 0  # taken off the queue unwritten by a clear
 
 
 class WriteBehind:
@@ -82,13 +87,14 @@ class WriteBehind:
         self.batch_bytes = batch_bytes
         self._on_done = on_done
         self._queue: deque[QueuedWrite] = deque()
+        self._jobs: deque[Callable[[], None]] = deque()  # run by the worker before its next batch
         self._queued_bytes = 0
         self._salt_items: dict[str, int] = {}  # per salt: items queued
         self._salt_bytes: dict[str, int] = {}  # per salt: bytes queued
         self._in_flight = 0
         self._cond = threading.Condition()
         self._closing = False
-        self._submitted = self._written = self._failed = self._skipped = self._dropped = 0
+        self._submitted = self._written = self._failed = self._skipped = self._dropped = self._discarded = 0
         self._warn = WarnLimiter(log)
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-write-behind-{tier.kind}", daemon=True)
         self._thread.start()
@@ -120,6 +126,29 @@ class WriteBehind:
                 self._cond.notify()
         return accepted
 
+    def discard(self, salt: str | None) -> list[QueuedWrite]:
+        """Take the queued writes of ``salt`` (None: all) off the queue, unwritten; they are the
+        caller's to finish (``on_done`` is not called for them). The batch under way is not touched."""
+        with self._cond:
+            gone = [item for item in self._queue if salt is None or item.salt == salt]
+            if gone:
+                self._queue = deque(item for item in self._queue if salt is not None and item.salt != salt)
+                for item in gone:
+                    self._unqueued(item)
+                    self._queued_bytes -= item.length
+                self._discarded += len(gone)
+        return gone
+
+    def call(self, job: Callable[[], None]) -> bool:
+        """Have the worker run ``job`` before its next batch (after the one under way); False
+        once closing (the job never runs). An exception in it is logged."""
+        with self._cond:
+            if self._closing:
+                return False
+            self._jobs.append(job)
+            self._cond.notify()
+        return True
+
     @property
     def depth(self) -> int:
         return len(self._queue)
@@ -134,12 +163,13 @@ class WriteBehind:
                 failed=self._failed,
                 skipped=self._skipped,
                 dropped=self._dropped,
+                discarded=self._discarded,
             )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything queued so far is written (or failed); False at the timeout."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._queue and not self._in_flight, timeout)
+            return self._cond.wait_for(lambda: not self._queue and not self._jobs and not self._in_flight, timeout)
 
     def close(self, *, drain: bool = False, timeout: float = 5.0) -> None:
         """Stop the worker: after writing what is queued if ``drain``, else failing it (``on_done(item, False)``)."""
@@ -161,9 +191,13 @@ class WriteBehind:
             self._done(item, ok=False)
         self._thread.join(timeout)
 
-    def _take_batch(self) -> list[QueuedWrite] | None:
+    def _take_batch(self) -> list[QueuedWrite] | Callable[[], None] | None:
+        """The next job, else the next batch; None once closing and drained."""
         with self._cond:
-            self._cond.wait_for(lambda: self._queue or self._closing)
+            self._cond.wait_for(lambda: self._queue or self._jobs or self._closing)
+            if self._jobs:
+                self._in_flight = 1
+                return self._jobs.popleft()
             if not self._queue:
                 return None  # closing and drained
             batch: list[QueuedWrite] = []
@@ -191,6 +225,9 @@ class WriteBehind:
 
     def _run(self) -> None:
         while (batch := self._take_batch()) is not None:
+            if not isinstance(batch, list):
+                self._run_job(batch)
+                continue
             writes: list[ChunkWrite] = []
             sources: list[QueuedWrite] = []
             skipped: list[QueuedWrite] = []
@@ -213,6 +250,15 @@ class WriteBehind:
             with self._cond:
                 self._in_flight = 0
                 self._cond.notify_all()
+
+    def _run_job(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except Exception as exc:
+            self._warn("write_behind_job_failed", tier=self.tier.kind, error=repr(exc))
+        with self._cond:
+            self._in_flight = 0
+            self._cond.notify_all()
 
     def _resolve(self, item: QueuedWrite) -> ChunkWrite | None:
         if isinstance(item, ChunkWrite):

@@ -162,10 +162,11 @@ class _Operations:
         """The server's counters."""
         return self._call(Stats())
 
-    def clear(self, salt: str | None = None) -> Future[ClearReply]:
+    def clear(self, salt: str | None = None, *, tiers: bool = False) -> Future[ClearReply]:
         """Removes chunks of one salt, or of all: a slice of them, `more` says whether some are
-        left (`CacheClient.clear_all` repeats it until none are)."""
-        return self._call(Clear(salt))
+        left (`CacheClient.clear_all` repeats it until none are). With ``tiers``, the last slice
+        also clears the write-behind queues and every tier below RAM (see `Clear`)."""
+        return self._call(Clear(salt, tiers))
 
     def ping(self) -> Future[Pong]:
         """A round trip that does nothing."""

@@ -20,8 +20,8 @@ import msgspec
 from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
-PROTOCOL_VERSION = 6  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
-# 4: RegisterReply.reservation_ttl_s; 5: Query; 6: Changes
+PROTOCOL_VERSION = 7  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
+# 4: RegisterReply.reservation_ttl_s; 5: Query; 6: Changes; 7: Clear.tiers, ClearReply.left/tiers/tier_errors
 
 #: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
 #: under one is refused, so no peer can take over or end such a session.
@@ -155,9 +155,14 @@ class Stats(_Body, frozen=True, tag="stats"):
 
 
 class Clear(_Body, frozen=True, tag="clear"):
-    """Removes the stored chunks of one salt, or of every salt when `salt` is None."""
+    """Removes the stored chunks of one salt, or of every salt when `salt` is None.
+
+    With `tiers`, once RAM holds none left to remove, the server also drops them from its
+    write-behind queues and deletes them from every tier below RAM (its disk, and the remote
+    tier it shares with other servers), then answers: that reply may take seconds."""
 
     salt: Name | None = None
+    tiers: bool = False
 
 
 class Ping(_Body, frozen=True, tag="ping"):
@@ -346,6 +351,13 @@ class ClearReply(_Body, frozen=True, tag="clear_reply"):
 
     removed: Count
     more: bool = False
+    #: Chunks of the salt (or of all, for a clear of all) still in RAM because a client or the
+    #: write-behind holds them right now; a later Clear removes them once let go.
+    left: Count = 0
+    #: For a Clear with `tiers`: objects deleted per tier below RAM...
+    tiers: dict[str, int] = msgspec.field(default_factory=dict)
+    #: ... and the tiers that could not be cleared, with why (e.g. the remote tier is down).
+    tier_errors: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class Pong(_Body, frozen=True, tag="pong"):
