@@ -31,11 +31,14 @@ The spec (JSON object):
                       NAME.paused in the working directory and wait (at most `MAX_PAUSE_S`) until the
                       test creates NAME.go: the test acts on the server between two prompts
   engine_kwargs.kv_events_config  a dict for vLLM's KVEventsConfig
+  kv_transfer_params  optional list (one per prompt) of dicts or null: each prompt's
+                      `kv_transfer_params` (as a proxy passes a prefill's into the decode request)
 
 The result (JSON object): outputs (generated token ids per prompt), num_cached_tokens (per
 prompt), finish_reasons, ttft_s (seconds from adding a prompt to its first token, null when none
-came), engine_start_s, run_s, drain_steps, metrics, resets (what each reset returned), error (a
-traceback string, or null). Greedy sampling, with `ignore_eos`, so every finished prompt yields
+came), engine_start_s, run_s, drain_steps, metrics, resets (what each reset returned),
+kv_transfer_params (per prompt, what its finished output carried), error (a traceback string, or
+null). Greedy sampling, with `ignore_eos`, so every finished prompt yields
 exactly max_tokens tokens.
 """
 
@@ -125,6 +128,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     sleeps = {int(k): int(v) for k, v in (spec.get("sleep_after") or {}).items()}
     pauses = {int(k): str(v) for k, v in (spec.get("pause_after") or {}).items()}
     use_generate = bool(spec.get("use_generate", False))
+    transfer: list[dict[str, Any] | None] = spec.get("kv_transfer_params") or [None] * len(prompts)
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
@@ -148,6 +152,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             "drain_steps": 0,
             "metrics": None,
             "resets": [],
+            "kv_transfer_params": [None for _ in prompts],
             "error": None,
         }
     )
@@ -156,7 +161,12 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     llm = LLM(model=spec["model"], **kwargs)
     result["engine_start_s"] = time.perf_counter() - started
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+
+    def params_for(index: int) -> Any:
+        extra = {"kv_transfer_params": transfer[index]} if transfer[index] is not None else None
+        return SamplingParams(
+            temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False, extra_args=extra
+        )
 
     def make_prompt(index: int) -> Any:
         prompt = TokensPrompt(prompt_token_ids=list(prompts[index]))
@@ -173,7 +183,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         index_of[request_id] = index
         added_at[request_id] = time.perf_counter()
         steps_since_added[request_id] = 0
-        engine.add_request(request_id, make_prompt(index), params)
+        engine.add_request(request_id, make_prompt(index), params_for(index))
         if aborts.get(index) == 0:
             engine.abort_request([request_id])
 
@@ -199,6 +209,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                 result["num_cached_tokens"][index] = output.num_cached_tokens
                 if output.finished and output.outputs:
                     result["finish_reasons"][index] = output.outputs[0].finish_reason
+                if output.finished:
+                    result["kv_transfer_params"][index] = getattr(output, "kv_transfer_params", None)
             for request_id in list(steps_since_added):
                 steps_since_added[request_id] += 1
                 index = index_of[request_id]
@@ -227,7 +239,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
     def generate(index: int) -> None:
         added_at = time.perf_counter()
-        (output,) = llm.generate([make_prompt(index)], params, use_tqdm=False)
+        (output,) = llm.generate([make_prompt(index)], params_for(index), use_tqdm=False)
         result["ttft_s"][index] = time.perf_counter() - added_at  # the whole request: max_tokens=1 runs only
         result["outputs"][index] = list(output.outputs[0].token_ids)
         result["num_cached_tokens"][index] = output.num_cached_tokens

@@ -58,6 +58,7 @@ class EngineResult:
     drain_steps: int = 0
     metrics: dict[str, float] | None = None
     resets: list[bool] = field(default_factory=list)
+    kv_transfer_params: list[dict[str, Any] | None] = field(default_factory=list)
     error: str | None = None
     returncode: int | None = None
     wall_s: float = 0.0
@@ -100,6 +101,7 @@ def _run_engine(
     use_generate: bool = False,
     sleep_after: dict[int, int] | None = None,
     pause_after: dict[int, str] | None = None,
+    kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
 ) -> EngineResult:
@@ -123,6 +125,7 @@ def _run_engine(
         "use_generate": use_generate,
         "sleep_after": {str(k): v for k, v in (sleep_after or {}).items()},
         "pause_after": {str(k): v for k, v in (pause_after or {}).items()},
+        "kv_transfer_params": list(kv_transfer_params) if kv_transfer_params is not None else None,
     }
     plain = not (
         kv_transfer_config
@@ -133,6 +136,7 @@ def _run_engine(
         or sleep_after
         or pause_after
         or collect_metrics
+        or kv_transfer_params
     )
     cache_key = json.dumps(spec, sort_keys=True) if plain else None
     if fresh:
@@ -184,6 +188,7 @@ def _run_engine(
         drain_steps=data.get("drain_steps") or 0,
         metrics=data.get("metrics"),
         resets=data.get("resets") or [],
+        kv_transfer_params=data.get("kv_transfer_params") or [],
         error=data.get("error"),
         returncode=returncode,
         wall_s=wall_s,

@@ -547,3 +547,113 @@ def test_hits_are_counted_by_the_source_the_server_had_them_in(read_back, local_
     assert loaded == 4 * CHUNK - 1 - local_hit
     assert s.hit_sources(req, loaded) == expected
     assert sum(expected.values()) == loaded
+
+
+# -- prefill/decode roles and the handoff (`_handoff.py`) ---------------------------------------
+
+
+def role_side(client: FakeClient, **kw) -> SchedulerSide:
+    return SchedulerSide(
+        Namespace(model="m"),
+        block_size=BLOCK,
+        chunk_size=CHUNK,
+        client=client,
+        lookup_timeout=5.0,
+        health=ServerHealth(client, probe_interval=0.0),
+        **kw,
+    )
+
+
+def produced(n: int = 20) -> tuple[dict, FakeClient]:
+    """A prefill engine's run of one request of ``n`` tokens: its kv_transfer_params, and its client."""
+    client = FakeClient()
+    producer = role_side(client, loads=False, producer=True)
+    a = request("a", n)
+    producer.on_new_request(a)
+    assert producer.get_num_new_matched_tokens(a, 0) == (0, False)
+    producer.update_state_after_alloc(a, (list(range(6)),), 0)
+    meta = producer.build_connector_meta(output(new=[("a", list(range(6)))], scheduled={"a": n}))
+    assert [len(op.keys[0]) for op in meta.stores] == [n // CHUNK]
+    hold, params = producer.request_finished(a)
+    assert hold
+    return params, client
+
+
+def test_a_producer_looks_nothing_up_stores_every_full_chunk_and_names_them_for_the_consumer():
+    params, client = produced(20)
+    assert client.lookups == []
+    assert params["kvdepot"]["chunks"] == 2
+    assert params["kvdepot"]["version"] == 1
+
+
+def test_a_consumer_waits_for_the_named_chunks_and_looks_again_until_they_are_there():
+    """The server holds one of the two chunks the producer stored: "not yet" (None), and a new
+    lookup after the poll interval; once both are there, both load. The consumer stores nothing."""
+    params, _ = produced(20)
+    client = FakeClient()
+    consumer = role_side(client, stores=False)
+    d = request("a", 20)
+    d.kv_transfer_params = params
+    consumer.on_new_request(d)
+    assert consumer.get_num_new_matched_tokens(d, 0) == (None, False)
+    client.lookups[-1][1].set_result(reply((1, 5)))
+    assert consumer.get_num_new_matched_tokens(d, 0) == (None, False)  # one chunk of two: wait
+    time.sleep(0.03)
+    assert consumer.get_num_new_matched_tokens(d, 0) == (None, False)  # and look again
+    assert len(client.lookups) == 2
+    assert client.released == [5]  # the first lookup's lease goes back
+    client.lookups[-1][1].set_result(reply((2, 6)))
+    assert consumer.get_num_new_matched_tokens(d, 0) == (16, True)
+    consumer.update_state_after_alloc(d, (list(range(6)),), 16)
+    meta = consumer.build_connector_meta(output(new=[("a", list(range(6)))], scheduled={"a": 4}))
+    assert [op.req_id for op in meta.loads] == ["a"]
+    assert meta.stores == []
+    assert consumer.stats.data["handoff_polls"] == 1
+
+
+def test_a_consumer_stops_waiting_at_its_deadline_and_computes_the_rest():
+    params, _ = produced(20)
+    client = FakeClient(answer=lambda items: reply(*[(1, 7) for _ in items]))
+    consumer = role_side(client, stores=False, handoff_timeout=0.05)
+    d = request("a", 20)
+    d.kv_transfer_params = params
+    consumer.on_new_request(d)
+    deadline = time.monotonic() + 5
+    while (answer := consumer.get_num_new_matched_tokens(d, 0)) == (None, False):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert answer == (8, True)  # the chunk that is there; vLLM computes the second
+    assert consumer.stats.data["handoff_timeouts"] == 1
+
+
+def test_a_handoff_under_another_namespace_or_malformed_is_not_waited_for():
+    params, _ = produced(20)
+    for bad in (
+        {"kvdepot": {**params["kvdepot"], "namespace": "0" * 32}},
+        {"kvdepot": {**params["kvdepot"], "version": 99}},
+        {"kvdepot": {**params["kvdepot"], "chunks": "two"}},
+        {"kvdepot": "nonsense"},
+    ):
+        client = FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items]))
+        consumer = role_side(client, stores=False)
+        d = request("a", 20)
+        d.kv_transfer_params = bad
+        consumer.on_new_request(d)
+        assert consumer.get_num_new_matched_tokens(d, 0) == (0, False), bad
+
+
+def test_a_kv_both_engine_names_its_chunks_only_when_asked_and_an_aborted_request_names_none():
+    client = FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items]))
+    both = role_side(client)
+    plain, asked = request("plain", 20), request("asked", 20)
+    asked.kv_transfer_params = {"do_remote_decode": True}
+    for r in (plain, asked):
+        both.on_new_request(r)
+        both.get_num_new_matched_tokens(r, 0)
+    assert both.request_finished(plain)[1] is None
+    assert both.request_finished(asked)[1]["kvdepot"]["chunks"] == 0  # nothing was scheduled
+    producer = role_side(FakeClient(), loads=False, producer=True)
+    gone = request("gone", 20, status=None)
+    gone.status = RequestStatus.FINISHED_ABORTED
+    producer.on_new_request(gone)
+    assert producer.request_finished(gone)[1] is None

@@ -13,6 +13,7 @@ import attrs
 import msgspec
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE, InvalidArgumentError
+from kvdepot.vllm_connector._handoff import DEFAULT_HANDOFF_TIMEOUT
 
 #: How long one request to the server may take before it counts as failed (seconds).
 DEFAULT_TIMEOUT = 5.0
@@ -40,6 +41,11 @@ KEYS = {
         "CPU engines: the share of a computing step's time that may go to copying hits in, at least one chunk a step "
         f"(default {DEFAULT_LOAD_STEP_SHARE}; 1 copies each hit whole in the step that starts it)"
     ),
+    "kvdepot.handoff_timeout": (
+        "kv_consumer: seconds a handed-over request waits at most for the chunks its prefill engine stored "
+        f"(default {DEFAULT_HANDOFF_TIMEOUT:g}); then it computes what is missing"
+    ),
+    "kvdepot.consumer_stores": "kv_consumer: also store the chunks it computes, e.g. what it decodes (default false)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
@@ -62,6 +68,8 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "kvdepot.start_server": (bool | None, _BOOL),  # None: the default
     "kvdepot.prefault_pool": (bool, _BOOL),
     "kvdepot.load_step_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
+    "kvdepot.handoff_timeout": _SECONDS,
+    "kvdepot.consumer_stores": (bool, _BOOL),
     "kvdepot.test.fail_loads": (bool, _BOOL),
     "kvdepot.test.load_delay": _SECONDS,
     "lmcache.mp.port": (Annotated[int, msgspec.Meta(ge=1, le=65535)], "a port number (1 to 65535)"),
@@ -97,6 +105,8 @@ class ConnectorConfig:
     auth: str = ""
     prefault_pool: bool = True
     load_step_share: float = DEFAULT_LOAD_STEP_SHARE
+    handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT
+    consumer_stores: bool = False
     fail_loads: bool = False
     load_delay: float = 0.0
 
@@ -134,6 +144,8 @@ class ConnectorConfig:
             auth=str(extra.get("kvdepot.auth") or ""),  # null: no secret, never the secret "None"
             prefault_pool=got.get("kvdepot.prefault_pool", True),
             load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
+            handoff_timeout=got.get("kvdepot.handoff_timeout", DEFAULT_HANDOFF_TIMEOUT),
+            consumer_stores=got.get("kvdepot.consumer_stores", False),
             fail_loads=got.get("kvdepot.test.fail_loads", False),
             load_delay=got.get("kvdepot.test.load_delay", 0.0),
         )

@@ -239,6 +239,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.groups,
                 hold_finished=_writes_blocks_before_the_connector(vllm_config),
                 events=self._event_announcer(vllm_config, block_size),
+                loads=ktc.kv_role != "kv_producer",
+                stores=ktc.kv_role != "kv_consumer" or self.config.consumer_stores,
+                producer=ktc.kv_role == "kv_producer",
+                handoff_timeout=self.config.handoff_timeout,
             )
         else:
             self._worker = WorkerSide(
@@ -258,8 +262,9 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks,
             )
         log.info(
-            "kvdepot connector (%s) using server %s, chunk size %d tokens, KV-cache groups: %s",
+            "kvdepot connector (%s, %s) using server %s, chunk size %d tokens, KV-cache groups: %s",
             role.name.lower(),
+            ktc.kv_role,
             address,
             self.config.chunk_size,
             ", ".join(group.describe() for group in self.groups),

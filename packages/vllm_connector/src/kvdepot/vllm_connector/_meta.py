@@ -96,6 +96,8 @@ STAT_COUNTERS = (
     "stored_bytes",
     "store_skipped",
     "store_late",
+    "handoff_polls",
+    "handoff_timeouts",
 )
 
 

@@ -20,6 +20,9 @@ planner events and never waits on the server beyond one bounded moment per step:
   wait) the request keeps its blocks until every worker's copy of them is done
   (`request_finished` returns True; the workers report it in `get_finished`).
 - While the server is down or stuck, lookups are misses at once (`ServerHealth`).
+- Roles (vLLM's ``kv_role``): a ``kv_producer`` stores and loads nothing, and names what it
+  stored in its finished requests' ``kv_transfer_params``; a ``kv_consumer`` loads and stores
+  nothing, and waits for the chunks a request's parameters name (`_handoff.py`).
 - With several KV-cache groups (a hybrid or sliding-window model) the planner accounts
   for the request's positions; a chunk is loaded into, and stored from, the blocks of every
   group at those positions (`_groups.py` says what is done with blocks outside a window).
@@ -46,6 +49,13 @@ import attrs
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
+from kvdepot.vllm_connector._handoff import (
+    DEFAULT_HANDOFF_TIMEOUT,
+    HANDOFF_POLL_S,
+    expected_chunks,
+    handoff_params,
+    namespace_digest,
+)
 from kvdepot.vllm_connector._identity import lora_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._prefill import PrefillRate
@@ -114,6 +124,11 @@ class _Record:
     read_back: tuple[int, dict[str, int]] = (0, {})
     #: The keys of its last lookup, one list per KV rank (for its KV events).
     keys: list[list[bytes]] = attrs.Factory(list)
+    #: A handed-over request (prefill elsewhere): the tokens its producer stored that it may
+    #: load, and until when (monotonic) it waits for them; `handoff_late` once it stopped waiting.
+    handoff_tokens: int = 0
+    handoff_deadline: float = 0.0
+    handoff_late: bool = False
 
 
 class SchedulerSide:
@@ -131,12 +146,22 @@ class SchedulerSide:
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
         hold_finished: bool = True,
         events: EventAnnouncer | None = None,
+        loads: bool = True,
+        stores: bool = True,
+        producer: bool = False,
+        handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT,
     ) -> None:
         """``hold_finished``: a finished request keeps its blocks in vLLM until its stores are done;
         else they go back at once, and the workers wait for the stores when vLLM hands a block on
         (only where vLLM writes no block it hands out before the workers' `handle_preemptions`).
-        ``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`)."""
+        ``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
+        ``loads``, ``stores``: what the engine's ``kv_role`` lets it do; ``producer``: a prefill
+        engine, whose finished requests name their chunks for a decode engine (`_handoff.py`);
+        ``handoff_timeout``: how long a handed-over request waits at most for those chunks."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
+        self.loads, self.stores, self.producer = loads, stores, producer
+        self.handoff_timeout = handoff_timeout
+        self._handoff_digest = namespace_digest(namespace, chunk_size)
         self.groups = groups
         self.hold_finished = hold_finished
         self.events = events
@@ -176,7 +201,7 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         """vLLM admitted the request: key it and queue its lookup."""
         record = self._track(request)
-        if record is not None and not getattr(request, "skip_reading_prefix_cache", False):
+        if record is not None and self.loads and not getattr(request, "skip_reading_prefix_cache", False):
             self._start_lookup(record, self._local_hit_tokens(request))
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -190,7 +215,7 @@ class SchedulerSide:
             self._flush_releases()
         # Whatever kvdepot adds, the engine's own hit counts as computed for store planning.
         self.planner.on_engine_hit(req_id, num_computed_tokens)
-        if record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
+        if not self.loads or record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # a request that skips reading is still stored
         stale = tracker.state is RequestState.LOOKED_UP and time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
         if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale) and not self._start_lookup(
@@ -202,7 +227,34 @@ class SchedulerSide:
             if not self._poll_lookup(record):
                 return None, False
         num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
+        if record.handoff_tokens and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
+            return None, False
         return num, num > 0
+
+    def _handoff_pending(self, record: _Record, num_computed_tokens: int, have: int) -> bool:
+        """True while a handed-over request should wait: the server holds fewer of its chunks
+        than the producer stored, and its deadline has not passed (a new lookup is then on its way)."""
+        if have >= record.handoff_tokens or record.handoff_late:
+            return False
+        now = time.monotonic()
+        if now >= record.handoff_deadline:
+            record.handoff_late = True
+            self.stats.add("handoff_timeouts")
+            log.warning(
+                "kvdepot: request %s waited %.1f s for the %d tokens its prefill engine stored and found %d; "
+                "it computes the rest (kv_load_failure_policy=recompute)",
+                record.request.request_id,
+                self.handoff_timeout,
+                record.handoff_tokens,
+                have,
+            )
+            return False
+        if now - record.sent_at >= HANDOFF_POLL_S:  # look again: the producer's store may have landed
+            self.stats.add("handoff_polls")
+            if not self._start_lookup(record, num_computed_tokens):
+                return False
+            self._send_lookups()
+        return True
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -303,6 +355,7 @@ class SchedulerSide:
         record = self._records.pop(req_id, None)
         if record is None:
             return False, None
+        params = self._handoff_of(request)
         prefetching = self.planner.get(req_id).state is RequestState.PREFETCHING
         self._queued = [item for item in self._queued if item[0] != req_id]
         if _was_aborted(request):
@@ -323,7 +376,16 @@ class SchedulerSide:
             hold = False
         if hold:
             self._held.add(req_id)
-        return hold, None
+        return hold, params
+
+    def _handoff_of(self, request: Request) -> dict[str, Any] | None:
+        """A producer's parameters for the decode engine: the chunks of the request it stored (or
+        found stored), under its namespace. Also for a ``kv_both`` engine's request that asks for
+        them (``do_remote_decode``, as vLLM's proxies send the prefill request)."""
+        asked = (getattr(request, "kv_transfer_params", None) or {}).get("do_remote_decode")
+        if not self.stores or not (self.producer or asked) or _was_aborted(request):
+            return None
+        return handoff_params(self._handoff_digest, self.planner.get(request.request_id).next_store_chunk)
 
     def reset(self) -> bool:
         """Make everything stored before unreachable from this engine (new weights): a fresh epoch."""
@@ -360,6 +422,13 @@ class SchedulerSide:
             return None
         self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), marks=marks)
         record = self._records[req_id] = _Record(request)
+        if self.loads:
+            chunks, why_not = expected_chunks(getattr(request, "kv_transfer_params", None), self._handoff_digest)
+            if why_not is not None:
+                log.warning("kvdepot: request %s is not waited for as a handoff: %s", req_id, why_not)
+            if chunks:
+                record.handoff_tokens = min(chunks * self.planner.chunk_size, request.num_tokens - 1)
+                record.handoff_deadline = time.monotonic() + self.handoff_timeout
         return record
 
     def _local_hit_tokens(self, request: Request) -> int:
@@ -390,7 +459,7 @@ class SchedulerSide:
         self, meta: KVDepotMetadata, req_id: str, num_tokens: int, block_ids: list[int], *, replace: bool
     ) -> None:
         record = self._records.get(req_id)
-        if record is None or self.planner.get(req_id).state not in _RUNNING:
+        if not self.stores or record is None or self.planner.get(req_id).state not in _RUNNING:
             return
         if len(getattr(record.request, "mm_features", None) or ()) != len(self.planner.get(req_id).marks):
             return  # a streaming session got media after it was keyed: its keys no longer describe its KV

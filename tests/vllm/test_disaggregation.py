@@ -1,0 +1,121 @@
+"""Prefill on one engine, decode on another, through kvdepot (issue 35), on real vLLM engines.
+
+As vLLM's proxies run it: the prompt goes to the prefill engine (`kv_role: kv_producer`) with
+`max_tokens=1`, and the `kv_transfer_params` of that response go with the same prompt to the
+decode engine (`kv_role: kv_consumer`). Every decode output is compared with the same prompt run
+whole by an engine without kvdepot. Engines run with vLLM's defaults (prefix caching on).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kvdepot.server
+
+pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration]
+
+CHUNK = 256  # tokens per chunk (two CPU blocks of 128)
+LENGTHS = (700, 530)  # two full chunks and a tail each
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(length)]
+
+
+PROMPTS = [prompt(length, seed) for seed, length in enumerate(LENGTHS, start=50)]
+
+
+class Server(kvdepot.server.ServerProcess):
+    def __init__(self, workdir: Path, *args: str) -> None:
+        workdir.mkdir(mode=0o700, exist_ok=True)
+        super().__init__(
+            f"ipc://{workdir}/kvdepot.sock", capacity="512MiB", args=["--no-metrics", *args], log_path=workdir / "log"
+        )
+
+    def config(self, role: str, **extra: object) -> dict[str, object]:
+        return {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": role,
+            "kv_connector_extra_config": {"kvdepot.address": self.address, **extra},
+        }
+
+
+@pytest.fixture
+def server(short_tmp: Path) -> Iterator[Server]:
+    with Server(short_tmp / "one") as one:
+        yield one
+
+
+def test_decode_engine_loads_what_the_prefill_engine_stored_and_computes_only_the_tail(tiny_llama, vllm_engine, server):
+    """The decode engine's greedy output equals a single engine's; it computes only each prompt's
+    last partial chunk; the server moved no chunk between the engines (the decode side stored
+    nothing: it read the prefill engine's chunks from the same shared memory); a prefill whose
+    decode never comes leaves no lease behind."""
+    whole = vllm_engine(tiny_llama, PROMPTS).check()
+    prefill = vllm_engine(tiny_llama, PROMPTS, max_tokens=1, kv_transfer_config=server.config("kv_producer")).check()
+    assert [out[0] for out in whole.outputs] == [out[0] for out in prefill.outputs]
+    params = prefill.kv_transfer_params
+    assert [p["kvdepot"]["chunks"] for p in params] == [n // CHUNK for n in LENGTHS]
+    after_prefill = server.stats()
+    assert after_prefill.leases == 0  # nothing pinned for a decode that may never come
+    assert after_prefill.chunks == sum(n // CHUNK for n in LENGTHS)
+    decode = vllm_engine(
+        tiny_llama, PROMPTS, kv_transfer_config=server.config("kv_consumer"), kv_transfer_params=params
+    ).check()
+    assert decode.outputs == whole.outputs
+    assert decode.num_cached_tokens == [(n // CHUNK) * CHUNK for n in LENGTHS]
+    after_decode = server.stats()
+    assert after_decode.bytes_stored == after_prefill.bytes_stored  # the decode engine stored nothing
+    assert after_decode.chunks == after_prefill.chunks
+    assert after_decode.bytes_loaded > 0
+    assert (after_decode.leases, after_decode.reservations) == (0, 0)
+
+
+def test_a_handoff_whose_chunks_are_gone_is_waited_for_until_the_deadline_then_recomputed(
+    tiny_llama, vllm_engine, server
+):
+    """The server restarted between prefill and decode (its RAM is empty): the decode engine
+    waits for the named chunks until `kvdepot.handoff_timeout`, says so, and computes the whole
+    prompt, with the same output."""
+    whole = vllm_engine(tiny_llama, PROMPTS[:1]).check()
+    prefill = vllm_engine(
+        tiny_llama, PROMPTS[:1], max_tokens=1, kv_transfer_config=server.config("kv_producer")
+    ).check()
+    server.kill()
+    server.start()
+    decode = vllm_engine(
+        tiny_llama,
+        PROMPTS[:1],
+        kv_transfer_config=server.config("kv_consumer", **{"kvdepot.handoff_timeout": 1.0}),
+        kv_transfer_params=prefill.kv_transfer_params,
+    ).check()
+    assert decode.outputs == whole.outputs
+    assert decode.num_cached_tokens == [0]
+    assert decode.log_path is not None
+    assert "it computes the rest" in decode.log_path.read_text(errors="replace")
+
+
+def test_across_two_servers_sharing_valkey_the_decode_engine_reads_the_handoff_through(
+    tiny_llama, vllm_engine, short_tmp, valkey_server
+):
+    """Prefill on server 1, decode on server 2; they share only a Valkey. The decode engine's
+    server reads the chunks through from Valkey (waiting for the write-behind if it has not
+    landed yet), with the same output as a single engine."""
+    whole = vllm_engine(tiny_llama, PROMPTS).check()
+    with (
+        Server(short_tmp / "p", "--remote", valkey_server.url) as one,
+        Server(short_tmp / "d", "--remote", valkey_server.url) as two,
+    ):
+        prefill = vllm_engine(tiny_llama, PROMPTS, max_tokens=1, kv_transfer_config=one.config("kv_producer")).check()
+        params = prefill.kv_transfer_params
+        decode = vllm_engine(
+            tiny_llama, PROMPTS, kv_transfer_config=two.config("kv_consumer"), kv_transfer_params=params
+        ).check()
+        assert decode.outputs == whole.outputs
+        assert decode.num_cached_tokens == [(n // CHUNK) * CHUNK for n in LENGTHS]
+        assert two.stats().extra["tier_read_hits"] == sum(n // CHUNK for n in LENGTHS)
