@@ -581,3 +581,26 @@ def test_a_reserve_of_another_chunk_size_than_registered_is_refused():
     index = make_index()
     with pytest.raises(ServerArgumentError, match="registered with"):
         index.reserve("a", "", [k(1)], CHUNK - 1, 0.0)
+
+
+def test_a_commit_with_a_pin_keeps_its_chunks_until_the_pin_ends_and_no_longer_than_the_bound():
+    """Chunks committed with `pin_s` are not evicted nor cleared until that many seconds have
+    passed (the pin is a lease of the server's own session); a pin past `MAX_PIN_S` is cut to it."""
+    from kvdepot.server._index import MAX_PIN_S, PIN_CLIENT
+
+    index = make_index()
+    out = index.reserve("a", "s", [k(1), k(2)], CHUNK, 0.0)
+    assert index.commit("a", out.reservation_id, None, 0.0, pin_s=5.0) == 2
+    out = index.reserve("a", "s", [k(3)], CHUNK, 0.0)
+    assert index.commit("a", out.reservation_id, None, 0.0, pin_s=10 * MAX_PIN_S) == 1
+    assert index.clear("s") == (0, False)
+    assert index.stats().leases == 2
+    index.expire(4.9)
+    assert index.clear("s") == (0, False)
+    index.expire(5.0)
+    assert index.clear("s") == (2, False)  # the first pin ended; the second holds
+    index.expire(MAX_PIN_S)
+    assert index.clear("s") == (1, False)
+    assert index.stats().leases == 0
+    assert PIN_CLIENT.startswith("kvdepot/")
+    index.check()

@@ -294,7 +294,8 @@ class CacheHandler:
 
     def _commit(self, client: str, body: Commit, now: float) -> ReplyBody:
         self._same_instance(body)
-        return CommitReply(committed=self.index.commit(client, body.reservation_id, body.indices, now))
+        committed = self.index.commit(client, body.reservation_id, body.indices, now, pin_s=body.pin_s)
+        return CommitReply(committed=committed)
 
     def _abort(self, client: str, body: Abort, now: float) -> ReplyBody:
         self._same_instance(body)
@@ -394,6 +395,7 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         "expired_leases": stats.expired_leases,
         "expired_reservations": stats.expired_reservations,
         "full_reserves": stats.full_reserves,
+        "pins_refused": stats.pins_refused,
     }
     # The salts holding the most bytes, so a reply stays small however many salts there are.
     listed = stats.largest_salts(MAX_STATS_SALTS)

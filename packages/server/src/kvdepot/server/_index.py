@@ -65,6 +65,11 @@ MAX_KEYS_PER_REQUEST = 1 << 16
 #: The server's own session that holds, for one more reservation TTL, the slots of reservations
 #: that expired or whose client left (`ChunkIndex._quarantine`).
 QUARANTINE_CLIENT = f"{RESERVED_CLIENT_PREFIX}quarantine"
+#: The server's own session whose leases pin chunks committed with a pin (`Commit.pin_s`: a
+#: prefill engine's handoff, until the decode engine has looked them up), each for a bounded time.
+PIN_CLIENT = f"{RESERVED_CLIENT_PREFIX}pins"
+#: The longest a commit may pin its chunks (seconds), whatever it asks.
+MAX_PIN_S = 60.0
 
 EntryKey = tuple[str, bytes]
 S, E = ChunkState, ChunkEvent
@@ -114,6 +119,7 @@ class ChunkIndex:
         self._quotas: dict[str, int] = {}
         self.hits = self.misses = self.bytes_stored = self.bytes_loaded = 0
         self.evictions = self.expired_leases = self.expired_reservations = self.full_reserves = 0
+        self.pins_refused = 0  # commits whose pin found no lease room (the chunks are committed unpinned)
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -206,11 +212,14 @@ class ChunkIndex:
         self.sessions.hold(session, reservation)
         return ReserveOutcome(reservation.id, slots, present, full)
 
-    def commit(self, client: str, reservation_id: int, indices: Iterable[int] | None, now: float) -> int:
+    def commit(
+        self, client: str, reservation_id: int, indices: Iterable[int] | None, now: float, *, pin_s: float = 0.0
+    ) -> int:
         """Make the reservation's chunks at `indices` (None = all) visible; returns how many.
 
         Indices that are not pending in this reservation are ignored. The reservation ends
-        when nothing in it is pending any more.
+        when nothing in it is pending any more. With `pin_s`, the chunks committed stay
+        unevictable for that long (at most `MAX_PIN_S`), leased to `PIN_CLIENT`.
         """
         session = self.sessions.active(client, now)
         reservation = self.sessions.reservation(client, reservation_id)
@@ -220,7 +229,7 @@ class ChunkIndex:
                 reservation_id=reservation_id,
             )
         chosen = list(reservation.pending) if indices is None else list(indices)
-        committed = 0
+        done: list[Entry] = []
         events = self._events
         for index in chosen:
             entry = reservation.pending.pop(index, None)
@@ -230,12 +239,29 @@ class ChunkIndex:
             self.headers.published(entry.offset)
             self.sessions.pend(session, -entry.slot_size)
             self.bytes_stored += entry.length
-            committed += 1
+            done.append(entry)
             if events is not None:
                 events.append(Committed(entry.salt, entry.key, entry.length, client))
         if not reservation.pending:
             self.sessions.end_reservation(reservation)
-        return committed
+        if pin_s > 0 and done:
+            self._pin(done, now, min(pin_s, MAX_PIN_S))
+        return len(done)
+
+    def _pin(self, entries: list[Entry], now: float, seconds: float) -> None:
+        """Lease `entries` to `PIN_CLIENT` for `seconds`; where it holds its share of leases, they stay unpinned."""
+        self.touch(PIN_CLIENT, now, "pins")
+        session = self.sessions.active(PIN_CLIENT, now, need_layout=False)
+        try:
+            self.sessions.check_lease_room(session, 1)
+        except ServerError:
+            self.pins_refused += 1
+            return
+        for entry in entries:
+            entry.leases += 1
+            if entry.leases == 1:
+                self._step(entry, _LEASE)
+        self.sessions.new_lease(session, entries, now, ttl=seconds)
 
     def abort(self, client: str, reservation_id: int) -> int:
         """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""
@@ -397,6 +423,7 @@ class ChunkIndex:
             expired_reservations=self.expired_reservations,
             clients=self.sessions.outside_clients(),
             full_reserves=self.full_reserves,
+            pins_refused=self.pins_refused,
             salt_bytes=salt_bytes,
             salt_chunks=salt_chunks,
             quotas=dict(self._quotas),

@@ -64,6 +64,7 @@ class IndexStats:
     expired_reservations: int
     clients: int
     full_reserves: int
+    pins_refused: int
     salt_bytes: dict[str, int]  # bytes per salt holding any (a plain copy: cheap with many salts)
     salt_chunks: dict[str, int]  # committed chunks per salt
     quotas: dict[str, int]

@@ -199,8 +199,9 @@ class Sessions:
                 f"client holds {len(session.leases)} leases; release some first", limit=MAX_LEASES_PER_CLIENT
             )
 
-    def new_lease(self, session: Session, entries: list[Entry], now: float) -> Lease:
-        lease = Lease(self._new_id(), session.client, now + self.lease_ttl, entries)
+    def new_lease(self, session: Session, entries: list[Entry], now: float, ttl: float | None = None) -> Lease:
+        """A lease of `entries` for `ttl` seconds (the lease TTL when None)."""
+        lease = Lease(self._new_id(), session.client, now + (self.lease_ttl if ttl is None else ttl), entries)
         self.leases[lease.id] = lease
         session.leases.add(lease.id)
         heapq.heappush(self._deadlines, (lease.deadline, _LEASE, lease.id))

@@ -137,14 +137,15 @@ class _Operations:
         return self._call(Reserve(salt, keys if isinstance(keys, list) else list(keys), chunk_bytes, server_id))
 
     def commit(
-        self, reservation_id: int, indices: Sequence[int] | None = None, *, server_id: str = ""
+        self, reservation_id: int, indices: Sequence[int] | None = None, *, server_id: str = "", pin_s: float = 0.0
     ) -> Future[CommitReply]:
         """Makes the reserved chunks (or only `indices` of them) visible to lookups.
 
         With `server_id` (the instance that granted the reservation), another instance refuses
-        with `StalePoolError`; so do `abort` and `release`.
+        with `StalePoolError`; so do `abort` and `release`. With `pin_s`, the server keeps them
+        from eviction for that long (at most 60 s).
         """
-        return self._call(Commit(reservation_id, None if indices is None else list(indices), server_id))
+        return self._call(Commit(reservation_id, None if indices is None else list(indices), server_id, pin_s))
 
     def abort(self, reservation_id: int, *, server_id: str = "") -> Future[AbortReply]:
         """Gives back the uncommitted slots of a reservation."""

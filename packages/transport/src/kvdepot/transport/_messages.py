@@ -21,7 +21,8 @@ from kvdepot.core import KEY_SIZE
 
 #: Bumped on any incompatible change of a message other than Hello/HelloReply/ErrorReply.
 PROTOCOL_VERSION = 7  # 2: Register.fingerprint; server_id on Commit, Abort and Release; 3: Lookup.prefill_s_per_chunk;
-# 4: RegisterReply.reservation_ttl_s; 5: Query; 6: Changes; 7: Clear.tiers, ClearReply.left/tiers/tier_errors
+# 4: RegisterReply.reservation_ttl_s; 5: Query; 6: Changes; 7: Clear.tiers, ClearReply.left/tiers/tier_errors,
+# Commit.pin_s
 
 #: Client ids the server keeps for itself (its tiers' session is `kvdepot/tiers`): a Hello
 #: under one is refused, so no peer can take over or end such a session.
@@ -130,6 +131,9 @@ class Commit(_Body, frozen=True, tag="commit"):
     reservation_id: Id
     indices: Indices | None = None
     server_id: Name = ""
+    #: Keep the chunks committed from being evicted for this many seconds (the server bounds
+    #: it, 60 s): a prefill engine's handoff, until the decode engine has looked them up.
+    pin_s: Annotated[float, msgspec.Meta(ge=0, le=86400)] = 0.0
 
 
 class Abort(_Body, frozen=True, tag="abort"):

@@ -13,7 +13,7 @@ import attrs
 import msgspec
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE, InvalidArgumentError
-from kvdepot.vllm_connector._handoff import DEFAULT_HANDOFF_TIMEOUT
+from kvdepot.vllm_connector._handoff import DEFAULT_HANDOFF_PIN, DEFAULT_HANDOFF_TIMEOUT
 
 #: How long one request to the server may take before it counts as failed (seconds).
 DEFAULT_TIMEOUT = 5.0
@@ -45,6 +45,10 @@ KEYS = {
         "kv_consumer: seconds a handed-over request waits at most for the chunks its prefill engine stored "
         f"(default {DEFAULT_HANDOFF_TIMEOUT:g}); then it computes what is missing"
     ),
+    "kvdepot.handoff_pin": (
+        "kv_producer: seconds the server keeps the chunks it stores from eviction, until a decode engine looks them "
+        f"up (default {DEFAULT_HANDOFF_PIN:g}; the server bounds it at 60)"
+    ),
     "kvdepot.consumer_stores": "kv_consumer: also store the chunks it computes, e.g. what it decodes (default false)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
@@ -69,6 +73,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "kvdepot.prefault_pool": (bool, _BOOL),
     "kvdepot.load_step_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
     "kvdepot.handoff_timeout": _SECONDS,
+    "kvdepot.handoff_pin": (Annotated[float, msgspec.Meta(ge=0)], "a number of seconds, 0 or more"),
     "kvdepot.consumer_stores": (bool, _BOOL),
     "kvdepot.test.fail_loads": (bool, _BOOL),
     "kvdepot.test.load_delay": _SECONDS,
@@ -106,6 +111,7 @@ class ConnectorConfig:
     prefault_pool: bool = True
     load_step_share: float = DEFAULT_LOAD_STEP_SHARE
     handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT
+    handoff_pin: float = DEFAULT_HANDOFF_PIN
     consumer_stores: bool = False
     fail_loads: bool = False
     load_delay: float = 0.0
@@ -145,6 +151,7 @@ class ConnectorConfig:
             prefault_pool=got.get("kvdepot.prefault_pool", True),
             load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
             handoff_timeout=got.get("kvdepot.handoff_timeout", DEFAULT_HANDOFF_TIMEOUT),
+            handoff_pin=got.get("kvdepot.handoff_pin", DEFAULT_HANDOFF_PIN),
             consumer_stores=got.get("kvdepot.consumer_stores", False),
             fail_loads=got.get("kvdepot.test.fail_loads", False),
             load_delay=got.get("kvdepot.test.load_delay", 0.0),

@@ -13,6 +13,11 @@ computes the rest (a recompute, never a failed request). The chunks themselves n
 between the engines: on one node the decode engine copies them out of the same shared memory
 the prefill engine copied them into.
 
+The producer commits its chunks with a pin (``kvdepot.handoff_pin``): the server keeps them
+from eviction for that long, so memory pressure between the prefill and the decode engine's
+lookup cannot evict them; from the lookup on, the consumer's own lease holds them until loaded.
+A decode that never comes costs the pinned bytes for that long, no more.
+
 The last partial chunk of a prompt (its tokens past the last multiple of the chunk size) is
 never stored, so the decode engine computes it: at most ``chunk_size - 1`` tokens of prefill.
 """
@@ -31,6 +36,9 @@ PARAMS_KEY = "kvdepot"
 HANDOFF_VERSION = 1
 #: Seconds a decode engine waits at most for a handoff's chunks (``kvdepot.handoff_timeout``).
 DEFAULT_HANDOFF_TIMEOUT = 10.0
+#: Seconds a prefill engine's stored chunks are kept from eviction (``kvdepot.handoff_pin``):
+#: the time a decode engine may take to look them up; its own lookup's lease holds them after.
+DEFAULT_HANDOFF_PIN = 30.0
 #: Seconds between two lookups of a handoff whose chunks are not all there yet.
 HANDOFF_POLL_S = 0.02
 

@@ -83,13 +83,17 @@ class WorkerSide:
         num_blocks: int | None = None,
         load_step_share: float = DEFAULT_LOAD_STEP_SHARE,
         engine_thread_loads: bool | None = None,
+        pin_s: float = 0.0,
     ) -> None:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
         group's layout must have; None leaves that unchecked. ``load_step_share``: see
         `DEFAULT_LOAD_STEP_SHARE` (1 copies every load whole in the step that starts it).
         ``engine_thread_loads``: loads are copied by the engine's thread (`_copy_paced`) rather
-        than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight."""
+        than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight.
+        ``pin_s``: the server keeps each store's chunks from eviction that long (a prefill
+        engine's, until the decode engine has looked them up)."""
         self.client = client
+        self.pin_s = pin_s
         self.health = health
         self.strategy = strategy
         self.chunk_size = chunk_size
@@ -547,7 +551,7 @@ class WorkerSide:
             return self.client.abort(reply.reservation_id, server_id=pool.server_id)
         self._add("stored_chunks", len(reply.slots))
         self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
-        return self.client.commit(reply.reservation_id, server_id=pool.server_id)
+        return self.client.commit(reply.reservation_id, server_id=pool.server_id, pin_s=self.pin_s)
 
     def _server_failed(self, exc: BaseException) -> None:
         if isinstance(exc, DeadlineExceededError):
