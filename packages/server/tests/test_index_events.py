@@ -60,7 +60,8 @@ def test_events_name_chunks_per_salt_and_never_their_slots():
     store(index, [k(1)], salt="tenant-b")
     events = index.take_events()
     assert [(e.salt, e.key) for e in events] == [("tenant-a", k(1)), ("tenant-b", k(1))]
-    assert all({f.name for f in attrs.fields(type(e))} == {"salt", "key", "length", "client", "tier"} for e in events)
+    fields = {"salt", "key", "length", "client", "tier", "pinned"}
+    assert all({f.name for f in attrs.fields(type(e))} == fields for e in events)
 
 
 def test_an_index_made_without_events_queues_none():

@@ -212,3 +212,25 @@ def test_a_clear_takes_its_salts_writes_off_the_queue_and_runs_after_the_batch_u
     finally:
         wb.close()
     assert not wb.call(lambda: None)
+
+
+def test_writes_submitted_first_go_ahead_of_the_queue_in_their_own_order(fake):
+    """A handoff's chunks (submitted `first`) are written before what was queued earlier, in the
+    order they came; a clear of their salt keeps the rest's order."""
+    fake.gate.clear()
+    order: list[bytes] = []
+    wb = WriteBehind(fake, batch_items=1, on_done=lambda item, ok: order.append(item.key))
+    try:
+        assert wb.submit([item(0)]) == 1  # taken by the worker at once, then held at the gate
+        time.sleep(0.05)
+        assert wb.submit([item(1), item(2)]) == 2
+        for i in (3, 4):
+            assert wb.submit([ChunkWrite("h", b"k%d" % i, b"x" * 10)], first=True) == 1
+        assert wb.submit([item(5)], first=True) == 1
+        assert [g.key for g in wb.discard("h")] == [b"k3", b"k4"]
+        assert wb.submit([ChunkWrite("h", b"k6", b"x")], first=True) == 1
+        fake.gate.set()
+        assert wb.flush(10)
+        assert order == [b"k0", b"k5", b"k6", b"k1", b"k2"]
+    finally:
+        wb.close()

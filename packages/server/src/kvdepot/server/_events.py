@@ -30,9 +30,11 @@ class ChunkChange:
 
 @attrs.frozen(slots=True)
 class Committed(ChunkChange):
-    """The chunk became visible: ``client`` committed it (the tiers' own session for one read back)."""
+    """The chunk became visible: ``client`` committed it (the tiers' own session for one read back).
+    ``pinned``: with a pin (a prefill engine's handoff): the tiers write it ahead of the others."""
 
     client: str
+    pinned: bool = False
 
 
 @attrs.frozen(slots=True)

@@ -241,7 +241,7 @@ class ChunkIndex:
             self.bytes_stored += entry.length
             done.append(entry)
             if events is not None:
-                events.append(Committed(entry.salt, entry.key, entry.length, client))
+                events.append(Committed(entry.salt, entry.key, entry.length, client, pin_s > 0))
         if not reservation.pending:
             self.sessions.end_reservation(reservation)
         if pin_s > 0 and done:

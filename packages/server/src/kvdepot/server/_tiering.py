@@ -9,7 +9,9 @@ Write-behind (every committed chunk, written to every tier):
            queue of each tier --> worker: copy the slot out (checked against the slot's header
            before and after, as a reader would) --> post: unpin --> write below.
     A chunk therefore leaves RAM only once it was copied for every tier, or deliberately
-    dropped: the tier's queue was full, or the tier is down (both counted).
+    dropped: the tier's queue was full, or the tier is down (both counted). A chunk committed
+    with a pin (a prefill engine's handoff, which a decode engine on another node waits for)
+    goes ahead of the queue.
 
 Read-through (a lookup that misses RAM), one `TierRead` moved by the table in `_tier_read.py`:
     loop (`lookup`): lease the RAM prefixes, defer the reply --> reader: `probe` which keys past
@@ -253,7 +255,7 @@ class TierSet:
             pin = self._pins[name] = _Pin(outcome.lease_id, len(self._writers))
             for writer in self._writers:
                 item = DeferredWrite(event.salt, event.key, event.length, _Copy(self, name, outcome.slots[0], pin))
-                if not writer.submit([item]):
+                if not writer.submit([item], first=event.pinned):
                     self._unpin(name, pin)  # the queue is full: dropped, and counted by the writer
 
     def _unpin(self, name: tuple[str, bytes], pin: _Pin) -> None:

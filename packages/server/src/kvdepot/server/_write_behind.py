@@ -17,6 +17,7 @@ queued before the clear lands after it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -88,6 +89,7 @@ class WriteBehind:
         self._on_done = on_done
         self._queue: deque[QueuedWrite] = deque()
         self._jobs: deque[Callable[[], None]] = deque()  # run by the worker before its next batch
+        self._ahead = 0  # items at the queue's front that were submitted `first`
         self._queued_bytes = 0
         self._salt_items: dict[str, int] = {}  # per salt: items queued
         self._salt_bytes: dict[str, int] = {}  # per salt: bytes queued
@@ -99,8 +101,9 @@ class WriteBehind:
         self._thread = threading.Thread(target=self._run, name=f"kvdepot-write-behind-{tier.kind}", daemon=True)
         self._thread.start()
 
-    def submit(self, items: Sequence[QueuedWrite]) -> int:
-        """Queue ``items`` without blocking; how many were accepted (the others were dropped)."""
+    def submit(self, items: Sequence[QueuedWrite], *, first: bool = False) -> int:
+        """Queue ``items`` without blocking; how many were accepted (the others were dropped).
+        ``first``: ahead of everything queued (a handoff another node waits for)."""
         accepted = 0
         with self._cond:
             for item in items:
@@ -116,7 +119,11 @@ class WriteBehind:
                 ):
                     self._dropped += 1
                     continue
-                self._queue.append(item)
+                if first:  # behind the earlier ones ahead, in their order
+                    self._queue.insert(self._ahead, item)
+                    self._ahead += 1
+                else:
+                    self._queue.append(item)
                 self._queued_bytes += size
                 self._salt_items[item.salt] = own_items + 1
                 self._salt_bytes[item.salt] = own_bytes + size
@@ -132,6 +139,8 @@ class WriteBehind:
         with self._cond:
             gone = [item for item in self._queue if salt is None or item.salt == salt]
             if gone:
+                ahead = list(itertools.islice(self._queue, self._ahead))
+                self._ahead -= sum(1 for item in ahead if salt is None or item.salt == salt)
                 self._queue = deque(item for item in self._queue if salt is not None and item.salt != salt)
                 for item in gone:
                     self._unqueued(item)
@@ -180,6 +189,7 @@ class WriteBehind:
             if not drain:
                 abandoned = list(self._queue)
                 self._queue.clear()
+                self._ahead = 0
                 self._queued_bytes = 0
                 self._salt_items.clear()
                 self._salt_bytes.clear()
@@ -207,6 +217,7 @@ class WriteBehind:
                 if batch and size + item.length > self.batch_bytes:
                     break
                 self._queue.popleft()
+                self._ahead = max(0, self._ahead - 1)
                 size += item.length
                 batch.append(item)
                 self._unqueued(item)
