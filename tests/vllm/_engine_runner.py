@@ -29,7 +29,8 @@ The spec (JSON object):
                       does (the weights an RL trainer syncs while the engine sleeps)
   pause_after         {prompt index (as a string): name}: after that prompt (sequential runs), write
                       NAME.paused in the working directory and wait (at most `MAX_PAUSE_S`) until the
-                      test creates NAME.go: the test acts on the server between two prompts
+                      test creates NAME.go: the test acts on the server between two prompts (the
+                      file holds the prompts' kv_transfer_params so far, as JSON)
   engine_kwargs.kv_events_config  a dict for vLLM's KVEventsConfig
   kv_transfer_params  optional list (one per prompt) of dicts or null: each prompt's
                       `kv_transfer_params` (as a proxy passes a prefill's into the decode request)
@@ -102,8 +103,9 @@ def _metrics_snapshot(llm: Any) -> dict[str, float]:
     return snapshot
 
 
-def _pause(name: str) -> None:
-    Path(f"{name}.paused").touch()
+def _pause(name: str, result: dict[str, Any]) -> None:
+    """Write NAME.paused (holding the prompts' `kv_transfer_params` so far, as JSON) and wait for NAME.go."""
+    Path(f"{name}.paused").write_text(json.dumps(result["kv_transfer_params"]))
     go, deadline = Path(f"{name}.go"), time.monotonic() + MAX_PAUSE_S
     while not go.exists():
         if time.monotonic() > deadline:
@@ -262,7 +264,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                     llm.apply_model(_perturb)
                 result["resets"].append(llm.reset_prefix_cache(reset_connector=True))
             if index in pauses:
-                _pause(pauses[index])
+                _pause(pauses[index], result)
     else:
         for index in range(len(prompts)):
             add(index)

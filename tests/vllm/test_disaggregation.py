@@ -8,8 +8,11 @@ whole by an engine without kvdepot. Engines run with vLLM's defaults (prefix cac
 
 from __future__ import annotations
 
+import json
 import random
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,59 @@ def test_across_two_servers_sharing_valkey_the_decode_engine_reads_the_handoff_t
         assert decode.outputs == whole.outputs
         assert decode.num_cached_tokens == [(n // CHUNK) * CHUNK for n in LENGTHS]
         assert two.stats().extra["tier_read_hits"] == sum(n // CHUNK for n in LENGTHS)
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_decode_engine_waits_for_a_prefill_whose_stores_have_not_landed_yet(
+    tiny_llama, vllm_engine, server, tmp_path
+):
+    """The prefill engine has answered, but its stores are held back (a test gate on its copy
+    thread), as a slow store would be. The decode engine, started meanwhile, is told "not yet"
+    and keeps looking (the server counts its lookups' misses) instead of recomputing; once the
+    stores land it loads every chunk, and its output equals a single engine's."""
+    whole = vllm_engine(tiny_llama, PROMPTS[:1]).check()
+    engines = tmp_path / "engines"  # where the vllm_engine fixture runs its engines
+    gate = tmp_path / "stores.go"
+    ran: dict[str, object] = {}
+
+    def run(name: str, **kwargs: object) -> None:
+        ran[name] = vllm_engine(tiny_llama, PROMPTS[:1], **kwargs)
+
+    producer = server.config("kv_producer", **{"kvdepot.test.store_gate": str(gate)})
+    prefill = threading.Thread(
+        target=run, args=("prefill",), kwargs={"max_tokens": 1, "kv_transfer_config": producer,
+                                               "pause_after": {0: "prefilled"}},
+    )  # fmt: skip
+    prefill.start()
+    try:
+        paused = engines / "prefilled.paused"
+        wait_until(lambda: paused.exists() or not prefill.is_alive(), "the prefill engine's answer")
+        assert paused.exists(), ran["prefill"]
+        params = json.loads(paused.read_text())
+        assert params[0]["kvdepot"]["chunks"] == LENGTHS[0] // CHUNK
+        assert server.stats().chunks == 0  # its stores wait at the gate
+        misses = server.stats().misses
+        consumer = server.config("kv_consumer", **{"kvdepot.handoff_timeout": 300.0})
+        decode = threading.Thread(
+            target=run, args=("decode",), kwargs={"kv_transfer_config": consumer, "kv_transfer_params": params}
+        )
+        decode.start()
+        # The decode engine looks again and again while the chunks are missing.
+        wait_until(lambda: server.stats().misses >= misses + 10 or not decode.is_alive(), "the decode engine's polls")
+        assert decode.is_alive()
+        gate.touch()
+        decode.join(600)
+        result = ran["decode"].check()  # type: ignore[attr-defined]
+        assert result.outputs == whole.outputs
+        assert result.num_cached_tokens == [(LENGTHS[0] // CHUNK) * CHUNK]
+    finally:
+        gate.touch()
+        (engines / "prefilled.go").touch()
+        prefill.join(600)
+    ran["prefill"].check()  # type: ignore[attr-defined]

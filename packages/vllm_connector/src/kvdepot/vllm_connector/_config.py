@@ -52,6 +52,7 @@ KEYS = {
     "kvdepot.consumer_stores": "kv_consumer: also store the chunks it computes, e.g. what it decodes (default false)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
+    "kvdepot.test.store_gate": "testing only: a path; each store waits on the copy thread until it exists",
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
     "lmcache.mp.port": "LMCache MP compatible: server port",
     "lmcache.mp.mq_timeout": "LMCache MP compatible: same as kvdepot.timeout",
@@ -115,6 +116,7 @@ class ConnectorConfig:
     consumer_stores: bool = False
     fail_loads: bool = False
     load_delay: float = 0.0
+    store_gate: str | None = None
 
     @classmethod
     def from_extra_config(
@@ -155,4 +157,5 @@ class ConnectorConfig:
             consumer_stores=got.get("kvdepot.consumer_stores", False),
             fail_loads=got.get("kvdepot.test.fail_loads", False),
             load_delay=got.get("kvdepot.test.load_delay", 0.0),
+            store_gate=str(extra["kvdepot.test.store_gate"]) if extra.get("kvdepot.test.store_gate") else None,
         )

@@ -261,6 +261,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.groups,
                 num_blocks=kv_cache_config.num_blocks,
                 pin_s=self.config.handoff_pin if ktc.kv_role == "kv_producer" else 0.0,
+                store_gate=self.config.store_gate,
             )
         log.info(
             "kvdepot connector (%s, %s) using server %s, chunk size %d tokens, KV-cache groups: %s",

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -84,6 +85,7 @@ class WorkerSide:
         load_step_share: float = DEFAULT_LOAD_STEP_SHARE,
         engine_thread_loads: bool | None = None,
         pin_s: float = 0.0,
+        store_gate: str | None = None,
     ) -> None:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
         group's layout must have; None leaves that unchecked. ``load_step_share``: see
@@ -94,6 +96,7 @@ class WorkerSide:
         engine's, until the decode engine has looked them up)."""
         self.client = client
         self.pin_s = pin_s
+        self.store_gate = store_gate
         self.health = health
         self.strategy = strategy
         self.chunk_size = chunk_size
@@ -495,6 +498,8 @@ class WorkerSide:
         Returns once the commits are answered, so a store reported done (`get_finished`) is
         visible to lookups; only the copy thread waits for that.
         """
+        if self.store_gate is not None:
+            _wait_for_path(self.store_gate)
         pool = self._current_pool()
         if self.layout is None or pool is None or self.client.server_id != pool.server_id or not self.health.usable():
             self._add("store_skipped", len(ops))
@@ -585,3 +590,14 @@ class WorkerSide:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
+
+
+#: Seconds a store waits at most for `kvdepot.test.store_gate`.
+STORE_GATE_MAX_S = 300.0
+
+
+def _wait_for_path(path: str) -> None:
+    """Testing only (`kvdepot.test.store_gate`): hold the copy thread until ``path`` exists."""
+    deadline = time.monotonic() + STORE_GATE_MAX_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
