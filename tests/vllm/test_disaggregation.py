@@ -9,7 +9,9 @@ whole by an engine without kvdepot. Engines run with vLLM's defaults (prefix cac
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -181,3 +183,48 @@ def test_the_decode_engine_waits_for_a_prefill_whose_stores_have_not_landed_yet(
         (engines / "prefilled.go").touch()
         prefill.join(600)
     ran["prefill"].check()  # type: ignore[attr-defined]
+
+
+def kill_engines_in(workdir: Path) -> int:
+    """SIGKILL every engine the vllm_engine fixture runs in ``workdir`` (each leads a process
+    group of its own, with its engine core and workers); how many there were."""
+    killed = 0
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"_engine_runner.py") for a in args) and any(str(workdir).encode() in a for a in args):
+            os.killpg(int(cmdline.parent.name), signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+def test_a_prefill_engine_killed_mid_store_costs_the_decode_a_recompute_and_leaves_nothing_held(
+    tiny_llama, vllm_engine, server, tmp_path
+):
+    """The prefill engine answered, reserved and copied its chunks, and is SIGKILLed before it
+    commits them. The decode engine waits for them until its deadline, then computes the whole
+    prompt with the same output; the dead engine's reservation is reclaimed by the server."""
+    whole = vllm_engine(tiny_llama, PROMPTS[:1]).check()
+    engines = tmp_path / "engines"
+    producer = server.config("kv_producer", **{"kvdepot.test.store_gate": str(tmp_path / "never")})
+    prefill = threading.Thread(
+        target=vllm_engine, args=(tiny_llama, PROMPTS[:1]),
+        kwargs={"max_tokens": 1, "kv_transfer_config": producer, "pause_after": {0: "prefilled"}},
+    )  # fmt: skip
+    prefill.start()
+    try:
+        paused = engines / "prefilled.paused"
+        wait_until(lambda: paused.exists() or not prefill.is_alive(), "the prefill engine's answer")
+        params = json.loads(paused.read_text())
+        wait_until(lambda: server.stats().reservations == 1, "the prefill's reservation")
+        assert kill_engines_in(engines) == 1
+    finally:
+        prefill.join(600)
+    consumer = server.config("kv_consumer", **{"kvdepot.handoff_timeout": 3.0})
+    decode = vllm_engine(tiny_llama, PROMPTS[:1], kv_transfer_config=consumer, kv_transfer_params=params).check()
+    assert decode.outputs == whole.outputs
+    assert decode.num_cached_tokens == [0]
+    stats = server.stats()
+    assert (stats.chunks, stats.reservations, stats.leases) == (0, 0, 0)

@@ -52,7 +52,9 @@ KEYS = {
     "kvdepot.consumer_stores": "kv_consumer: also store the chunks it computes, e.g. what it decodes (default false)",
     "kvdepot.test.fail_loads": "testing only: report every load as failed (exercises recovery)",
     "kvdepot.test.load_delay": "testing only: seconds each load waits before it copies (keeps loads in flight)",
-    "kvdepot.test.store_gate": "testing only: a path; each store waits on the copy thread until it exists",
+    "kvdepot.test.store_gate": (
+        "testing only: a path; each store waits before its commit, on the copy thread, until it exists"
+    ),
     "lmcache.mp.host": "LMCache MP compatible: server host, e.g. tcp://localhost",
     "lmcache.mp.port": "LMCache MP compatible: server port",
     "lmcache.mp.mq_timeout": "LMCache MP compatible: same as kvdepot.timeout",

@@ -498,8 +498,6 @@ class WorkerSide:
         Returns once the commits are answered, so a store reported done (`get_finished`) is
         visible to lookups; only the copy thread waits for that.
         """
-        if self.store_gate is not None:
-            _wait_for_path(self.store_gate)
         pool = self._current_pool()
         if self.layout is None or pool is None or self.client.server_id != pool.server_id or not self.health.usable():
             self._add("store_skipped", len(ops))
@@ -554,6 +552,8 @@ class WorkerSide:
         except Exception as exc:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
             return self.client.abort(reply.reservation_id, server_id=pool.server_id)
+        if self.store_gate is not None:
+            _wait_for_path(self.store_gate)
         self._add("stored_chunks", len(reply.slots))
         self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
         return self.client.commit(reply.reservation_id, server_id=pool.server_id, pin_s=self.pin_s)
