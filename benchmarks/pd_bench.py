@@ -439,6 +439,7 @@ def _handoff_extras(into: dict[str, list[Any]], dec: dict[str, Any]) -> None:
     into.setdefault("polls", []).append(int(counters.get("handoff_polls", 0)))
     into.setdefault("timeouts", []).append(int(counters.get("handoff_timeouts", 0)))
     into.setdefault("waits", []).extend(_waits(dec))
+    into.setdefault("wait", []).append(sum(_waits(dec)))  # this request's: lookups and handoff polls
     into.setdefault("chunks", []).append(dec["handoff_chunks"])
 
 
@@ -686,6 +687,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                     str(len(r["handoff"])),
                     _ms(_med(r["producer"])),
                     f"{_ms(_med(r['handoff']))} ({_med(r['handoff_cached']):.0f})",
+                    _ms(_med(r["wait"])),
                     _ms(_med(r["recompute"])),
                     _ms(_med(r["whole"])),
                     f"{_ms(_med(r['floor']))} ({_med(r['floor_cached']):.0f})",
@@ -693,9 +695,10 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                 )
             )
         table(
-            f"one node: TTFT, medians over prompts (tokens loaded / cached){tuned}",
+            f"one node: TTFT, medians over prompts (tokens loaded / cached; wait: the handoff's time until the"
+            f" connector gave vLLM a number, lookups and handoff polls){tuned}",
             rows,
-            ("prompt", "n", "producer", "handoff decode", "recompute", "whole engine", "floor", "P/D total"),
+            ("prompt", "n", "producer", "handoff decode", "wait", "recompute", "whole engine", "floor", "P/D total"),
         )
         rows = []
         for length, r in lengths.items():
@@ -737,6 +740,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                     f"{length}",
                     f"{_ms(h1)} -> {_ms(h255)}",
                     "-" if h1 is None else f"{_ms(h255 - h1)} ({(h255 - h1) / h255:.0%})",
+                    f"{_ms(_med(r['wait']) if r else None)} -> {_ms(_med(t['wait']))}",
                     f"{_ms(f1)} -> {_ms(f255)}",
                     "-" if f1 is None else f"{_ms(f255 - f1)} ({(f255 - f1) / f255:.0%})",
                     f"{_med(t['handoff_cached']):.0f}/{_med(t['floor_cached']):.0f}",
@@ -746,7 +750,15 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             f"one node: the last partial chunk, +1 vs +{LONG_TAIL} tail tokens over the same chunks (medians;"
             f" cost = the difference, as a share of the +{LONG_TAIL} TTFT)",
             rows,
-            ("chunks of", "handoff TTFT", "tail cost in handoff", "floor TTFT", "tail cost in floor", "loaded/cached"),
+            (
+                "chunks of",
+                "handoff TTFT",
+                "tail cost in handoff",
+                "wait +1 -> +255",
+                "floor TTFT",
+                "tail cost in floor",
+                "loaded/cached",
+            ),
         )
     two = res.get("two") or {}
     if two:
@@ -759,6 +771,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                     f"{length}+1",
                     str(len(r["handoff"])),
                     f"{_ms(_med(r['handoff']))} ({_med(r['handoff_cached']):.0f})",
+                    _ms(_med(r["wait"])),
                     _ms(_med(r["recompute"])),
                     _ratio(r["handoff"], r["recompute"]),
                     "-" if local is None else _ms(_med(local["handoff"])),
@@ -776,6 +789,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
                 "prompt",
                 "n",
                 "handoff decode",
+                "wait",
                 "recompute",
                 "handoff / recompute",
                 "one-node handoff",

@@ -584,23 +584,69 @@ def test_a_reserve_of_another_chunk_size_than_registered_is_refused():
 
 
 def test_a_commit_with_a_pin_keeps_its_chunks_until_the_pin_ends_and_no_longer_than_the_bound():
-    """Chunks committed with `pin_s` are not evicted nor cleared until that many seconds have
-    passed (the pin is a lease of the server's own session); a pin past `MAX_PIN_S` is cut to it."""
+    """Chunks committed with `pin_s` cannot be evicted until that many seconds have passed (the
+    pin is a lease of the server's own session); a pin past `MAX_PIN_S` is cut to it."""
     from kvdepot.server._index import MAX_PIN_S, PIN_CLIENT
 
-    index = make_index()
+    def evictable() -> int:
+        return len(index.policy.evictable("s", 10))
+
+    index = make_index(pages=16)  # pins may hold a quarter of it: room for these three
     out = index.reserve("a", "s", [k(1), k(2)], CHUNK, 0.0)
     assert index.commit("a", out.reservation_id, None, 0.0, pin_s=5.0) == 2
     out = index.reserve("a", "s", [k(3)], CHUNK, 0.0)
     assert index.commit("a", out.reservation_id, None, 0.0, pin_s=10 * MAX_PIN_S) == 1
-    assert index.clear("s") == (0, False)
+    assert evictable() == 0
     assert index.stats().leases == 2
     index.expire(4.9)
-    assert index.clear("s") == (0, False)
+    assert evictable() == 0
     index.expire(5.0)
-    assert index.clear("s") == (2, False)  # the first pin ended; the second holds
+    assert evictable() == 2  # the first pin ended; the second holds
     index.expire(MAX_PIN_S)
-    assert index.clear("s") == (1, False)
+    assert evictable() == 3
     assert index.stats().leases == 0
     assert PIN_CLIENT.startswith("kvdepot/")
+    index.check()
+
+
+def test_a_reservation_made_before_a_clear_of_its_salt_commits_nothing():
+    """A store under way when its salt is cleared (reserved before, committed after) is dropped:
+    the clear removes what was stored before it. Other salts' reservations commit."""
+    index = make_index()
+    gone = index.reserve("a", "s", [k(1)], CHUNK, 0.0)
+    kept = index.reserve("a", "t", [k(2)], CHUNK, 0.0)
+    index.clear("s")
+    assert index.commit("a", gone.reservation_id, None, 0.0) == 0
+    assert index.commit("a", kept.reservation_id, None, 0.0) == 1
+    after = index.reserve("a", "s", [k(1)], CHUNK, 0.0)
+    assert index.commit("a", after.reservation_id, None, 0.0) == 1  # stored after the clear: it stays
+    index.clear()
+    late = index.reserve("a", "t", [k(3)], CHUNK, 0.0)
+    assert index.commit("a", late.reservation_id, None, 0.0) == 1
+    assert index.stats().chunks == 1
+    index.check()
+
+
+def test_a_clear_ends_the_pins_of_its_salt_and_pins_keep_to_their_share_of_the_pool():
+    from kvdepot.server._index import MAX_PINNED_SHARE
+
+    index = make_index(pages=4)
+    pinned = index.reserve("a", "s", [k(1)], CHUNK, 0.0)
+    index.commit("a", pinned.reservation_id, None, 0.0, pin_s=30.0)
+    other = index.reserve("a", "t", [k(1)], CHUNK, 0.0)
+    index.commit("a", other.reservation_id, None, 0.0, pin_s=30.0)
+    assert index.clear("s") == (1, False)  # its pin ended with the clear
+    assert index.stats().leases == 1  # t's pin holds
+    # Pins stop at their share of the pool: the rest commit unpinned.
+    budget = int(MAX_PINNED_SHARE * index.allocator.capacity)
+    keys = [k(100 + i) for i in range(2 * budget // CHUNK)]
+    for key in keys:
+        out = index.reserve("b", "u", [key], CHUNK, 0.0)
+        if out.reservation_id:
+            index.commit("b", out.reservation_id, None, 0.0, pin_s=30.0)
+    assert index.stats().pins_refused > 0
+    assert index._pinned_bytes <= budget
+    index.clear()
+    assert index.stats().leases == 0
+    assert index._pinned_bytes == 0
     index.check()

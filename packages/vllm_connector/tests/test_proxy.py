@@ -41,6 +41,8 @@ def stand_in(seen: list[dict[str, Any]], *, prefill: bool, status: int = 200) ->
         return web.json_response({"choices": [{"text": "decoded"}], "got_params": body.get("kv_transfer_params")})
 
     async def models(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer k":
+            return web.json_response({"error": "unauthorized"}, status=401)
         return web.json_response({"data": [{"id": "m"}]})
 
     app = web.Application()
@@ -73,7 +75,7 @@ async def through_proxy(prefill_status: int, requests: list[tuple[str, dict[str,
             for path, body in requests:
                 async with session.post(x_url + path, json=body, headers={"Authorization": "Bearer k"}) as reply:
                     answers.append((reply.status, reply.content_type, await reply.read()))
-            async with session.get(x_url + "/v1/models") as reply:
+            async with session.get(x_url + "/v1/models", headers={"Authorization": "Bearer k"}) as reply:
                 answers.append((reply.status, reply.content_type, await reply.read()))
     finally:
         for runner in runners:
@@ -112,7 +114,9 @@ def test_a_stream_is_passed_back_as_the_decode_server_sends_it():
 
 
 def test_a_failed_prefill_still_answers_from_the_decode_server_without_params():
-    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8}
+    """Nor with the client's own: a client cannot hand a decode server a handoff of its choosing."""
+    forged = {"kvdepot": {"version": 1, "namespace": "00" * 16, "chunks": 99}}
+    body = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 8, "kv_transfer_params": forged}
     _, decode, answers = asyncio.run(through_proxy(503, [("/v1/completions", body)]))
     assert answers[0][0] == 200
     assert "kv_transfer_params" not in decode[0]

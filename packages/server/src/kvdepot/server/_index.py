@@ -33,7 +33,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._chunk_state import LIVE, MOVES, VISIBLE, ChunkEvent, ChunkState, move
-from kvdepot.server._errors import ServerArgumentError, ServerError, UnknownReservationError
+from kvdepot.server._errors import ServerArgumentError, ServerError, TooManyError, UnknownReservationError
 from kvdepot.server._events import Cleared, Committed, Evicted, IndexEvent
 from kvdepot.server._eviction import EvictionPolicy
 from kvdepot.server._pool import SlotHeaders
@@ -70,6 +70,8 @@ QUARANTINE_CLIENT = f"{RESERVED_CLIENT_PREFIX}quarantine"
 PIN_CLIENT = f"{RESERVED_CLIENT_PREFIX}pins"
 #: The longest a commit may pin its chunks (seconds), whatever it asks.
 MAX_PIN_S = 60.0
+#: The share of the pool that pins may hold at once; past it a commit's chunks go unpinned.
+MAX_PINNED_SHARE = 0.25
 
 EntryKey = tuple[str, bytes]
 S, E = ChunkState, ChunkEvent
@@ -119,7 +121,10 @@ class ChunkIndex:
         self._quotas: dict[str, int] = {}
         self.hits = self.misses = self.bytes_stored = self.bytes_loaded = 0
         self.evictions = self.expired_leases = self.expired_reservations = self.full_reserves = 0
-        self.pins_refused = 0  # commits whose pin found no lease room (the chunks are committed unpinned)
+        self.pins_refused = 0  # commits whose pin found no room (the chunks are committed unpinned)
+        self._pinned_bytes = 0  # slot bytes held by pins
+        self._clears = 0  # clears so far (a reservation made before a clear of its salt commits nothing)
+        self._cleared: dict[str | None, int] = {}  # per salt (None: all): the number of its last clear
 
     # -- sessions -------------------------------------------------------------------------
 
@@ -177,6 +182,7 @@ class ChunkIndex:
         owner = client if owner is None else owner
         slot_size = self.allocator.slot_size(chunk_bytes)
         reservation = self.sessions.new_reservation(session, salt, now)
+        reservation.generation = self._clears
         slots: list[tuple[int, int, int]] = []
         present: list[int] = []
         full = False
@@ -228,6 +234,9 @@ class ChunkIndex:
                 f"reservation {reservation_id} is unknown, expired or finished; reserve the keys again",
                 reservation_id=reservation_id,
             )
+        if self._cleared_since(reservation):  # stored before a clear of its salt: it stays cleared
+            self._abort(reservation)
+            return 0
         chosen = list(reservation.pending) if indices is None else list(indices)
         done: list[Entry] = []
         events = self._events
@@ -248,15 +257,25 @@ class ChunkIndex:
             self._pin(done, now, min(pin_s, MAX_PIN_S))
         return len(done)
 
+    def _cleared_since(self, reservation: Reservation) -> bool:
+        """Whether its salt (or everything) was cleared after the reservation was made."""
+        last = max(self._cleared.get(reservation.salt, 0), self._cleared.get(None, 0))
+        return last > reservation.generation
+
     def _pin(self, entries: list[Entry], now: float, seconds: float) -> None:
-        """Lease `entries` to `PIN_CLIENT` for `seconds`; where it holds its share of leases, they stay unpinned."""
-        self.touch(PIN_CLIENT, now, "pins")
-        session = self.sessions.active(PIN_CLIENT, now, need_layout=False)
+        """Lease `entries` to `PIN_CLIENT` for `seconds`; past the pins' share of the pool or of
+        leases, they stay unpinned (counted in `pins_refused`)."""
+        size = sum(entry.slot_size for entry in entries)
         try:
+            if self._pinned_bytes + size > MAX_PINNED_SHARE * self.allocator.capacity:
+                raise TooManyError("pins hold their share of the pool")
+            self.touch(PIN_CLIENT, now, "pins")
+            session = self.sessions.active(PIN_CLIENT, now, need_layout=False)
             self.sessions.check_lease_room(session, 1)
         except ServerError:
             self.pins_refused += 1
             return
+        self._pinned_bytes += size
         for entry in entries:
             entry.leases += 1
             if entry.leases == 1:
@@ -332,6 +351,9 @@ class ChunkIndex:
         Returns (removed, more): `more` when some are left. A large clear takes several
         requests, so that other clients are served in between.
         """
+        self._clears += 1
+        self._cleared[salt] = self._clears
+        self._unpin(salt)
         victims = self.policy.evictable(salt, limit + 1)
         for entry in victims[:limit]:
             self._remove(entry)
@@ -342,6 +364,16 @@ class ChunkIndex:
     def visible_chunks(self, salt: str | None = None) -> int:
         """Committed chunks of ``salt`` (None: of every salt) in RAM, leased or not."""
         return sum(self._salt_chunks.values()) if salt is None else self._salt_chunks.get(salt, 0)
+
+    def _unpin(self, salt: str | None) -> None:
+        """End the pins of `salt`'s chunks (None: every pin): a clear removes pinned chunks too."""
+        session = self.sessions.session_of(PIN_CLIENT)
+        if session is None:
+            return
+        for lease_id in list(session.leases):
+            lease = self.sessions.lease(PIN_CLIENT, lease_id)
+            if lease is not None and (salt is None or lease.entries[0].salt == salt):
+                self._drop_lease(lease)
 
     def set_quota(self, salt: str, max_bytes: int | None) -> dict[str, int]:
         """Limit the bytes `salt` may hold (None removes the limit); evicts its LRU chunks now.
@@ -556,6 +588,8 @@ class ChunkIndex:
 
     def _drop_lease(self, lease: Lease) -> None:
         self.sessions.end_lease(lease)
+        if lease.client == PIN_CLIENT:
+            self._pinned_bytes -= sum(entry.slot_size for entry in lease.entries)
         for entry in lease.entries:
             entry.leases -= 1
             if not entry.leases:

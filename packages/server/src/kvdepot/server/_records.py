@@ -29,6 +29,8 @@ class Reservation:
     salt: str
     deadline: float
     pending: dict[int, Entry]  # position in the Reserve keys -> entry still PENDING
+    #: The index's clears counted when it was made: a clear of its salt since voids its commit.
+    generation: int = 0
 
 
 @attrs.define(eq=False)

@@ -38,7 +38,7 @@ HANDOFF_VERSION = 1
 DEFAULT_HANDOFF_TIMEOUT = 10.0
 #: Seconds a prefill engine's stored chunks are kept from eviction (``kvdepot.handoff_pin``):
 #: the time a decode engine may take to look them up; its own lookup's lease holds them after.
-DEFAULT_HANDOFF_PIN = 30.0
+DEFAULT_HANDOFF_PIN = 10.0
 #: Seconds between two lookups of a handoff whose chunks are not all there yet.
 HANDOFF_POLL_S = 0.02
 

@@ -51,7 +51,12 @@ class Proxy:
     async def start(self, app: web.Application) -> None:
         import aiohttp
 
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout))
+        # No cap on connections (streamed decodes hold theirs); a silent server fails a request
+        # after `timeout` seconds without a byte, however long a streamed answer runs.
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout),
+        )
 
     async def stop(self, app: web.Application) -> None:
         if self.session is not None:
@@ -70,8 +75,9 @@ class Proxy:
         self.counts["requests"] += 1
         headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
         params = await self._prefill_params(request.path, body, headers)
+        body = {key: value for key, value in body.items() if key != "kv_transfer_params"}  # never the client's
         if params is not None:
-            body = {**body, "kv_transfer_params": params}
+            body["kv_transfer_params"] = params
         return await self._relay(request, next(self._decode) + request.path, body, headers)
 
     async def _prefill_params(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
@@ -87,9 +93,13 @@ class Proxy:
         try:
             async with self.session.post(url, json=prefill, headers=headers) as reply:
                 if reply.status == 200:
-                    return (await reply.json()).get("kv_transfer_params")
-                why = f"HTTP {reply.status}: {(await reply.text())[:300]}"
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                    answer = await reply.json()
+                    if isinstance(answer, dict):
+                        return answer.get("kv_transfer_params")
+                    why = "the answer is not a JSON object"
+                else:
+                    why = f"HTTP {reply.status}: {(await reply.text())[:300]}"
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             why = repr(exc)
         self.counts["prefill_failures"] += 1
         log.warning("prefill_failed", url=url, error=why, then="the decode server computes the whole prompt")
@@ -103,6 +113,7 @@ class Proxy:
         from aiohttp import web
 
         assert self.session is not None
+        response: web.StreamResponse | None = None
         try:
             async with self.session.post(url, json=body, headers=headers) as reply:
                 response = web.StreamResponse(status=reply.status)
@@ -112,18 +123,25 @@ class Proxy:
                     await response.write(piece)
                 await response.write_eof()
                 return response
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
             log.warning("decode_failed", url=url, error=repr(exc))
-            raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
+            if response is None or not response.prepared:
+                raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
+            return response  # its headers are out: the client sees the stream end early
 
     async def passthrough(self, request: web.Request) -> web.StreamResponse:
         """Any other GET of the API (``/v1/models``, ...) from a decode server."""
+        import aiohttp
         from aiohttp import web
 
         assert self.session is not None
         url = next(self._decode) + request.path_qs
-        async with self.session.get(url) as reply:
-            return web.Response(status=reply.status, body=await reply.read(), content_type=reply.content_type)
+        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        try:
+            async with self.session.get(url, headers=headers) as reply:
+                return web.Response(status=reply.status, body=await reply.read(), content_type=reply.content_type)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the proxy runs (each vLLM server has its own /health)."""
@@ -156,7 +174,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take (default 600)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds a vLLM server may stay silent in a request (default 600)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -161,7 +161,6 @@ class SchedulerSide:
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.loads, self.stores, self.producer = loads, stores, producer
         self.handoff_timeout = handoff_timeout
-        self._handoff_digest = namespace_digest(namespace, chunk_size)
         self.groups = groups
         self.hold_finished = hold_finished
         self.events = events
@@ -385,7 +384,11 @@ class SchedulerSide:
         asked = (getattr(request, "kv_transfer_params", None) or {}).get("do_remote_decode")
         if not self.stores or not (self.producer or asked) or _was_aborted(request):
             return None
-        return handoff_params(self._handoff_digest, self.planner.get(request.request_id).next_store_chunk)
+        return handoff_params(self._handoff_digest(), self.planner.get(request.request_id).next_store_chunk)
+
+    def _handoff_digest(self) -> str:
+        """The digest of the keys' namespace now (a cache reset starts a new epoch: a new digest)."""
+        return namespace_digest(self.planner.namespace, self.planner.chunk_size)
 
     def reset(self) -> bool:
         """Make everything stored before unreachable from this engine (new weights): a fresh epoch."""
@@ -423,11 +426,13 @@ class SchedulerSide:
         self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), marks=marks)
         record = self._records[req_id] = _Record(request)
         if self.loads:
-            chunks, why_not = expected_chunks(getattr(request, "kv_transfer_params", None), self._handoff_digest)
+            chunks, why_not = expected_chunks(getattr(request, "kv_transfer_params", None), self._handoff_digest())
             if why_not is not None:
                 log.warning("kvdepot: request %s is not waited for as a handoff: %s", req_id, why_not)
             if chunks:
-                record.handoff_tokens = min(chunks * self.planner.chunk_size, request.num_tokens - 1)
+                # At most the prompt's own full chunks, less the token vLLM always computes.
+                size = self.planner.chunk_size
+                record.handoff_tokens = min(min(chunks, request.num_tokens // size) * size, request.num_tokens - 1)
                 record.handoff_deadline = time.monotonic() + self.handoff_timeout
         return record
 
