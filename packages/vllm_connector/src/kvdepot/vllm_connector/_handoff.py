@@ -39,8 +39,17 @@ DEFAULT_HANDOFF_TIMEOUT = 10.0
 #: Seconds a prefill engine's stored chunks are kept from eviction (``kvdepot.handoff_pin``):
 #: the time a decode engine may take to look them up; its own lookup's lease holds them after.
 DEFAULT_HANDOFF_PIN = 10.0
-#: Seconds between two lookups of a handoff whose chunks are not all there yet.
+#: Seconds between two lookups of a handoff whose chunks are not all there yet: the first look
+#: again comes soon (on one node the prefill's last stores land within milliseconds of its
+#: answer), and each later one twice as late, up to the last figure (a node whose chunks come
+#: through Valkey waits for a write-behind and a read-through).
+HANDOFF_FIRST_POLL_S = 0.002
 HANDOFF_POLL_S = 0.02
+
+
+def poll_interval(polls: int) -> float:
+    """Seconds before the next lookup of a handoff already looked up again ``polls`` times."""
+    return min(HANDOFF_POLL_S, HANDOFF_FIRST_POLL_S * (1 << min(polls, 16)))
 
 
 def namespace_digest(namespace: Namespace, chunk_size: int) -> str:

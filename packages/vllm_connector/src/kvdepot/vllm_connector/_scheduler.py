@@ -51,10 +51,10 @@ from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
 from kvdepot.vllm_connector._handoff import (
     DEFAULT_HANDOFF_TIMEOUT,
-    HANDOFF_POLL_S,
     expected_chunks,
     handoff_params,
     namespace_digest,
+    poll_interval,
 )
 from kvdepot.vllm_connector._identity import lora_identity
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
@@ -129,6 +129,7 @@ class _Record:
     handoff_tokens: int = 0
     handoff_deadline: float = 0.0
     handoff_late: bool = False
+    handoff_polls: int = 0  # lookups sent again while waiting
 
 
 class SchedulerSide:
@@ -248,7 +249,8 @@ class SchedulerSide:
                 have,
             )
             return False
-        if now - record.sent_at >= HANDOFF_POLL_S:  # look again: the producer's store may have landed
+        if now - record.sent_at >= poll_interval(record.handoff_polls):  # the producer's store may have landed
+            record.handoff_polls += 1
             self.stats.add("handoff_polls")
             if not self._start_lookup(record, num_computed_tokens):
                 return False
