@@ -52,7 +52,6 @@ import logging
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -65,7 +64,6 @@ from _util import progress, table
 from _vllm_bench_worker import Engine
 from vllm_bench import (
     CHUNK_TOKENS,
-    ENGINE_ENV,
     MODELS_DIR,
     TUNED_ENV,
     WARMUP_TOKENS,
@@ -295,28 +293,7 @@ def worker_main(argv: list[str]) -> int:
 class PDWorker(Worker):
     """vllm_bench's engine process, running this file's worker (requests with handoff parameters)."""
 
-    def __init__(self, name: str, workdir: Path, spec: dict[str, Any]) -> None:
-        self.name = name
-        self.log_path = workdir / f"engine-{name}.log"
-        spec_path = workdir / f"spec-{name}.json"
-        spec_path.write_text(json.dumps(spec))
-        read_fd, write_fd = os.pipe()
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(write_fd)],
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write_fd,),
-                env={**os.environ, **ENGINE_ENV, **TUNED_ENV},
-                cwd=workdir,
-                start_new_session=True,  # its own group: Ctrl-C reaches only us, and we kill the group
-            )
-        os.close(write_fd)
-        self.read_fd = read_fd
-        self.buffer = b""
-        self.engine_start_s: float | None = None
-        self.torch_threads: int | None = None
+    launcher = (str(Path(__file__).resolve()), "--worker")
 
     def request(
         self,

@@ -250,6 +250,9 @@ class Server:
 class Worker:
     """One engine configuration in its own process, answering commands (see _vllm_bench_worker.py)."""
 
+    #: The command that runs the engine's process, before its spec file and pipe descriptor.
+    launcher: tuple[str, ...] = (str(WORKER),)
+
     def __init__(self, name: str, workdir: Path, spec: dict[str, Any]) -> None:
         self.name = name
         self.log_path = workdir / f"engine-{name}.log"
@@ -258,7 +261,7 @@ class Worker:
         read_fd, write_fd = os.pipe()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, str(WORKER), str(spec_path), str(write_fd)],
+                [sys.executable, *self.launcher, str(spec_path), str(write_fd)],
                 stdin=subprocess.PIPE,
                 stdout=log,
                 stderr=subprocess.STDOUT,

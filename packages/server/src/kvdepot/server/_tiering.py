@@ -107,7 +107,6 @@ class TierClear:
     salt: str | None
     removed: int  # chunks the request removed from RAM
     waiting: int  # tiers not done yet
-    discarded: int = 0  # queued writes dropped
     tiers: dict[str, int] = attrs.field(factory=dict)  # objects deleted per tier
     errors: dict[str, str] = attrs.field(factory=dict)  # tiers that could not be cleared, and why
 
@@ -415,17 +414,18 @@ class TierSet:
         return max(self._cleared.get(salt, 0), self._cleared.get(None, 0)) > epoch
 
     def clear(self, deferred: Deferred, salt: str | None, removed: int) -> TierClear:
-        """Drop the queued writes of ``salt`` (None: all), and have every tier delete its objects
-        (loop thread). ``removed``: what the request removed from RAM. Answered through `run`."""
+        """Have every tier delete the objects of ``salt`` (None: all), after the batch its writer is
+        on (loop thread; the caller took the salt's writes off the queues with `discard` first).
+        ``removed``: what the request removed from RAM. Answered through `run`."""
         self._clears += 1
         self._cleared[salt] = self._clears
-        job = TierClear(deferred, salt, removed, waiting=len(self.tiers), discarded=self.discard(salt))
+        job = TierClear(deferred, salt, removed, waiting=len(self.tiers))
         for tier, writer in zip(self.tiers, self._writers, strict=True):
             if not writer.call(functools.partial(self._clear_on_writer, job, tier)):
                 self._clear_done(job, tier.kind, "the server is closing")()
         if not self.tiers:
             self._answers.append(Answer(deferred, "", [], cleared=job))
-        log.info("tiers_clearing", salt=_label(salt), discarded=job.discarded)
+        log.info("tiers_clearing", salt=_label(salt))
         return job
 
     def discard(self, salt: str | None) -> int:

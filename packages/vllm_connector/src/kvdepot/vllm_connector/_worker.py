@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -39,6 +38,7 @@ from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
+from kvdepot.vllm_connector._handoff import wait_for_gate
 from kvdepot.vllm_connector._loads import Checked, PacedLoad, SlotChangedError, leading_nulls
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._pool_mapping import _PoolMapping
@@ -553,7 +553,7 @@ class WorkerSide:
             log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
             return self.client.abort(reply.reservation_id, server_id=pool.server_id)
         if self.store_gate is not None:
-            _wait_for_path(self.store_gate)
+            wait_for_gate(self.store_gate)
         self._add("stored_chunks", len(reply.slots))
         self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
         return self.client.commit(reply.reservation_id, server_id=pool.server_id, pin_s=self.pin_s)
@@ -590,14 +590,3 @@ class WorkerSide:
             pool, self._pool = self._pool, None
         if pool is not None:
             pool.close()
-
-
-#: Seconds a store waits at most for `kvdepot.test.store_gate`.
-STORE_GATE_MAX_S = 300.0
-
-
-def _wait_for_path(path: str) -> None:
-    """Testing only (`kvdepot.test.store_gate`): hold the copy thread until ``path`` exists."""
-    deadline = time.monotonic() + STORE_GATE_MAX_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
