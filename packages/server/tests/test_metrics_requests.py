@@ -9,10 +9,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdepot.server import ChunkIndex, SlabAllocator
+from kvdepot.server._events import RAM, Cleared, Committed, Evicted
 from kvdepot.server._metrics import (
+    CHANGES,
     LATENCY_BUCKETS,
     MAX_SALT_LABELS,
     MAX_TRACKED_SALTS,
+    ChunkChanges,
     Metrics,
     MetricsSnapshot,
     RequestLatency,
@@ -20,6 +23,7 @@ from kvdepot.server._metrics import (
     salt_label,
 )
 from kvdepot.server._results import LookupOutcome
+from kvdepot.server._tiering import TIER_CLIENT
 from kvdepot.transport import CacheClient
 
 T = 5.0
@@ -95,16 +99,66 @@ def test_a_server_counts_its_requests_and_each_salts_lookups(make_server):
         (hit,) = client.lookup([("tenant", [b"a" * 32, b"b" * 32, b"c" * 32])]).result(T).results
         assert hit.num_hits == 2
     label = (("salt", salt_label("tenant")),)
+    samples = _scrape_when(server, lambda s: ("kvdepot_salt_hits_total", label) in s)
+    assert samples[("kvdepot_salt_misses_total", label)] == 1
+    assert samples[("kvdepot_salt_hits_total", label)] == 2
+    for request in ("register", "reserve", "commit", "lookup"):
+        assert samples[("kvdepot_request_duration_seconds_count", (("request", request),))] == 1, request
+
+
+def _scrape_when(server, ready) -> dict:
+    """The server's /metrics once `ready(samples)` holds (the loop publishes now and then)."""
     deadline = time.monotonic() + 10
     while True:
         assert server.metrics_url is not None
         with urllib.request.urlopen(server.metrics_url, timeout=T) as resp:
             samples = _samples(resp.read().decode())
-        if ("kvdepot_salt_hits_total", label) in samples:
-            break
-        assert time.monotonic() < deadline, "the server never published its per-salt lookups"
+        if ready(samples):
+            return samples
+        assert time.monotonic() < deadline, "the server never published the figures awaited"
         time.sleep(0.05)
-    assert samples[("kvdepot_salt_misses_total", label)] == 1
-    assert samples[("kvdepot_salt_hits_total", label)] == 2
-    for request in ("register", "reserve", "commit", "lookup"):
-        assert samples[("kvdepot_request_duration_seconds_count", (("request", request),))] == 1, request
+
+
+def test_chunk_changes_count_the_index_event_stream():
+    """Commits by clients and by the tiers' own session, evictions and clears: one series each,
+    at zero from the start, chunks and bytes apart."""
+    changes = ChunkChanges()
+    assert changes.snapshot() == {(change, RAM): (0, 0) for change in CHANGES}
+    changes.add(
+        [
+            Committed("s", b"a", 100, client="engine"),
+            Committed("s", b"b", 50, client=TIER_CLIENT),
+            Evicted("s", b"a", 100),
+            Cleared("s", b"b", 50),
+            Cleared("s", b"c", 7, tier="disk"),
+        ]
+    )
+    figures = changes.snapshot()
+    assert figures[("committed", RAM)] == (1, 100)
+    assert figures[("read_back", RAM)] == (1, 50)
+    assert figures[("evicted", RAM)] == (1, 100)
+    assert figures[("cleared", RAM)] == (1, 50)
+    assert figures[("cleared", "disk")] == (1, 7)
+
+
+def test_a_server_counts_commits_evictions_and_clears_from_its_event_stream(make_server):
+    """A real server's /metrics: three chunks committed, two evicted by a quota, one cleared."""
+    server = make_server(metrics_port=0)
+    keys = [bytes([i]) * 32 for i in range(3)]
+    with CacheClient(server.address, timeout=T) as client:
+        client.register("layout", 256, CHUNK).result(T)
+        res = client.reserve("tenant", keys, CHUNK).result(T)
+        client.commit(res.reservation_id).result(T)
+        held = client.stats().result(T).used_bytes  # three slots
+        client.set_quota("tenant", held // 3).result(T)  # one slot: one chunk stays
+        assert client.clear_all("tenant") == 1
+
+    def series(change: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return ("kvdepot_chunk_changes_total", (("change", change), ("tier", RAM)))
+
+    samples = _scrape_when(server, lambda s: s.get(series("cleared")) == 1)
+    assert samples[series("committed")] == 3
+    assert samples[series("evicted")] == 2
+    assert samples[series("read_back")] == 0
+    committed_bytes = ("kvdepot_chunk_change_bytes_total", (("change", "committed"), ("tier", RAM)))
+    assert samples[committed_bytes] == 3 * CHUNK

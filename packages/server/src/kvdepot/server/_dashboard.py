@@ -164,6 +164,14 @@ def _panels() -> tuple[PanelSpec, ...]:
                 q(f"sum({_rate(_m('kvdepot_full_reserves_total'))})", "full reserves"),
             ),
         ),
+        PanelSpec(
+            "Capacity",
+            "Chunks committed, read back, evicted, cleared",
+            "ops",
+            "Per second, from the index's event stream: chunks committed by clients, read back into RAM "
+            "from a tier below it, evicted, and removed by a clear (kvdepot_chunk_changes_total).",
+            (q(f"sum by (change) ({_rate(_m('kvdepot_chunk_changes_total'))})", "{{change}}"),),
+        ),
         *latency,
         PanelSpec(
             "Latency",

@@ -99,7 +99,7 @@ class CacheHandler:
         extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict,
         client_connected: Callable[[str], bool] = lambda client: False,
         admin_allowed: bool = True,
-        publish: Callable[[Sequence[IndexEvent]], None] | None = None,
+        consumers: Sequence[Callable[[Sequence[IndexEvent]], None]] = (),
         timed: Callable[[str, float], None] | None = None,
         looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
     ) -> None:
@@ -108,7 +108,8 @@ class CacheHandler:
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
         socket, or tcp with a shared secret), so that Clear and SetQuota may be served;
-        ``publish``: takes the index's events too (the server's KV event publisher); ``timed``:
+        ``consumers``: take the index's events too, after the change log and the tiers (the
+        server's metrics and its KV event publisher); ``timed``:
         told each request's type name and the seconds it took; ``looked_up``: told each lookup
         answered and its outcomes (the server's metrics)."""
         self.index = index
@@ -125,7 +126,7 @@ class CacheHandler:
         self.admin_allowed = admin_allowed
         self.tiers = tiers
         self.changes = ChangeLog(server_id)
-        self.publish = publish
+        self.consumers = tuple(consumers)
         self.timed = timed
         self.looked_up = looked_up
         self._ranking = SaltRanking(index, SALT_RANKING_S)
@@ -167,8 +168,8 @@ class CacheHandler:
         self.changes.take(events)
         if self.tiers is not None:
             self.tiers.take(events)
-        if self.publish is not None:
-            self.publish(events)
+        for consume in self.consumers:
+            consume(events)
 
     def answer(self, answer: Answer) -> ReplyBody:
         """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:

@@ -25,7 +25,9 @@ from prometheus_client.utils import floatToGoString
 
 from kvdepot.core import salt_label
 from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._events import RAM, Cleared, Committed, IndexEvent
 from kvdepot.server._results import IndexStats, LookupOutcome
+from kvdepot.transport import RESERVED_CLIENT_PREFIX
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +76,8 @@ class MetricsSnapshot:
     latency: dict[str, tuple[tuple[int, ...], float]] = attrs.field(factory=dict)
     #: salt label -> (hits, misses)
     salt_lookups: dict[str, tuple[int, int]] = attrs.field(factory=dict)
+    #: (change, tier) -> (chunks, bytes), from the index's event stream
+    chunk_changes: dict[tuple[str, str], tuple[int, int]] = attrs.field(factory=dict)
 
 
 class BadFrameCounter:
@@ -147,6 +151,32 @@ class SaltLookups:
         return {self._labels[salt]: (self._counts[salt][0], self._counts[salt][1]) for salt in salts}
 
 
+#: What `ChunkChanges` calls each event: a commit by a client, a chunk the server's own session
+#: read back from a tier below RAM, an eviction, a clear.
+CHANGES = ("committed", "read_back", "evicted", "cleared")
+
+
+class ChunkChanges:
+    """Chunks and bytes per change and tier, counted from the index's event stream (loop thread):
+    one consumer of `take_events()` beside the tiers and the KV event publisher."""
+
+    def __init__(self) -> None:
+        self._counts: dict[tuple[str, str], list[int]] = {(change, RAM): [0, 0] for change in CHANGES}
+
+    def add(self, events: Sequence[IndexEvent]) -> None:
+        for event in events:
+            if isinstance(event, Committed):
+                change = "read_back" if event.client.startswith(RESERVED_CLIENT_PREFIX) else "committed"
+            else:
+                change = "cleared" if isinstance(event, Cleared) else "evicted"
+            counts = self._counts.setdefault((change, event.tier), [0, 0])
+            counts[0] += 1
+            counts[1] += event.length
+
+    def snapshot(self) -> dict[tuple[str, str], tuple[int, int]]:
+        return {key: (chunks, size) for key, (chunks, size) in self._counts.items()}
+
+
 class _Collector:
     """A prometheus-client collector (duck-typed: `collect()`), reading the latest snapshot."""
 
@@ -211,6 +241,22 @@ class _Collector:
             salt_misses.add_metric([label], misses)
         yield salt_hits
         yield salt_misses
+        changes = CounterMetricFamily(
+            "kvdepot_chunk_changes",
+            "Chunks that changed, by change (committed by a client, read_back from a tier below RAM, "
+            "evicted, cleared) and tier.",
+            labels=["change", "tier"],
+        )
+        change_bytes = CounterMetricFamily(
+            "kvdepot_chunk_change_bytes",
+            "Payload bytes of the chunks in kvdepot_chunk_changes.",
+            labels=["change", "tier"],
+        )
+        for (change, tier), (chunks, size) in snap.chunk_changes.items():
+            changes.add_metric([change, tier], chunks)
+            change_bytes.add_metric([change, tier], size)
+        yield changes
+        yield change_bytes
         latency = HistogramMetricFamily(
             "kvdepot_request_duration_seconds",
             "Seconds the server's loop spent on a request, by request type: from the handler's start to its "

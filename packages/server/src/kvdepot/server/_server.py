@@ -28,6 +28,7 @@ from kvdepot.server._kv_publisher import KVEventPublisher
 from kvdepot.server._metrics import (
     MAX_SALT_LABELS,
     BadFrameCounter,
+    ChunkChanges,
     Metrics,
     MetricsSnapshot,
     RequestLatency,
@@ -133,6 +134,7 @@ class CacheServer:
         self.bad_frames = BadFrameCounter()
         self.latency = RequestLatency()
         self.salt_lookups = SaltLookups()
+        self.chunk_changes = ChunkChanges()
         #: When the loop last turned (monotonic; None: not yet), for /healthz.
         self.heartbeat: float | None = None
         self.started_at = time.monotonic()
@@ -179,7 +181,7 @@ class CacheServer:
                 extra_stats=self._extra_stats,
                 client_connected=self._client_connected,
                 admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
-                publish=self.kv_events,
+                consumers=(self.chunk_changes.add, *(() if self.kv_events is None else (self.kv_events,))),
                 timed=self.latency.observe,
                 looked_up=self.salt_lookups.add,
             )
@@ -361,5 +363,6 @@ class CacheServer:
             tiers,
             self.latency.snapshot(),
             self.salt_lookups.snapshot(),
+            self.chunk_changes.snapshot(),
         )
         self.metrics.publish(snapshot)
