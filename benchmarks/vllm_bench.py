@@ -1225,7 +1225,7 @@ def main(argv: list[str] | None = None) -> int:
         passes.append(
             (f"GOMP_SPINCOUNT={args.gomp_spincount} in every engine (a tuned setting, beside the defaults)", tuned)
         )
-    inherited = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_"))}
+    inherited = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "THP_"))}
     status = 0
     for label, env in passes:
         TUNED_ENV.clear()
