@@ -8,7 +8,7 @@ second reference. Everything walks a working set far larger than the CPU caches,
 every copy reads and writes cold memory as it would in a server. CUDA (when present):
 the same against a raw pinned `cudaMemcpyAsync` of the same bytes.
 
-The KV caches sit on transparent huge pages, as docs/gpu.md recommends for CPU engines
+The KV caches sit on transparent huge pages (docs/gpu.md: no gain at vLLM CPU's block size)
 (`THP_MEM_ALLOC_ENABLE=1`, read by torch's CPU allocator at its first allocation, so it
 is set here before torch is imported); `--no-thp` measures without them. Blocks of a few
 KiB at random addresses otherwise pay a TLB miss each.
