@@ -1219,11 +1219,30 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"building (or reusing) the benchmark model in {args.model_dir}")
     params = {"llama": BENCH_LLAMA, "gemma2": BENCH_GEMMA2, "tiny": {}}[args.model]
     model = build_tiny_llama(args.model_dir, **params)
-    passes = [("vLLM's default CPU settings", {})]
-    if args.gomp_spincount is not None:
-        tuned = {"GOMP_SPINCOUNT": str(args.gomp_spincount)}
+
+    def run_pass() -> int:
+        started = time.monotonic()
+        bench = Bench(args, model, tokenizer_vocab_size(model))
+
+        def body() -> dict[str, Any]:
+            progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
+            bench.server.start()
+            return PHASES[args.phase][0](bench)
+
+        return run_and_report(bench, body, PHASES[args.phase][1], started)
+
+    return run_passes(args.gomp_spincount, run_pass)
+
+
+def run_passes(gomp_spincount: int | None, run_pass: Callable[[], int]) -> int:
+    """`run_pass()` with vLLM's default CPU settings, then, with ``gomp_spincount``, again with
+    `GOMP_SPINCOUNT` set in every engine (`TUNED_ENV`): a tuned setting is measured beside the
+    defaults, never instead. The exit status; Ctrl-C (130) skips the passes left."""
+    passes: list[tuple[str, dict[str, str]]] = [("vLLM's default CPU settings", {})]
+    if gomp_spincount is not None:
+        tuned = {"GOMP_SPINCOUNT": str(gomp_spincount)}
         passes.append(
-            (f"GOMP_SPINCOUNT={args.gomp_spincount} in every engine (a tuned setting, beside the defaults)", tuned)
+            (f"GOMP_SPINCOUNT={gomp_spincount} in every engine (a tuned setting, beside the defaults)", tuned)
         )
     inherited = {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_", "KMP_", "THP_"))}
     status = 0
@@ -1231,15 +1250,7 @@ def main(argv: list[str] | None = None) -> int:
         TUNED_ENV.clear()
         TUNED_ENV.update(env)
         say(f"\n=== pass: {label}" + (f"; inherited from this shell: {inherited}" if inherited else "") + " ===")
-        started = time.monotonic()
-        bench = Bench(args, model, tokenizer_vocab_size(model))
-
-        def body(bench: Bench = bench) -> dict[str, Any]:
-            progress(f"starting kvdepot serve on {bench.server.address} ({args.capacity})")
-            bench.server.start()
-            return PHASES[args.phase][0](bench)
-
-        status = run_and_report(bench, body, PHASES[args.phase][1], started) or status
+        status = run_pass() or status
         if status == 130:
             break
     return status

@@ -1,4 +1,5 @@
-"""What the KV bytes depend on besides token ids: the model's and the LoRA adapter's weights.
+"""What the KV bytes depend on besides token ids: the model's and the LoRA adapter's weights,
+and a request's multimodal inputs (`request_marks`).
 
 A model in a local directory is named by a fingerprint of its files, not by its path: the
 config and tokenizer files whole, and each weight file by its name, its size and SHA-256 of
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.v1.request import Request
 
 #: Bytes hashed at each of the three places sampled in a weight file.
 SAMPLE_BYTES = 1 << 20
@@ -99,3 +101,23 @@ def lora_identity(request: Any) -> str | None:
     if path and os.path.isdir(path):
         return f"{lora.lora_name}|dir:{directory_fingerprint(os.path.realpath(path))}"
     return f"{lora.lora_name}|{getattr(lora, 'lora_int_id', '')}|{path}"
+
+
+def request_marks(request: Request) -> tuple[tuple[int, bytes], ...] | None:
+    """(position, digest) of what the KV depends on besides token ids; None if the request
+    cannot be cached.
+
+    A multimodal input is identified by vLLM's content hash and its placeholder's position
+    and length, and keys only the chunks from its position on (`kvdepot.core.KeyChain`), so
+    requests that share a text prefix before it share those chunks, as in vLLM's own prefix
+    cache. Prompt embeddings have no token ids at all (vLLM reports zeros), so such requests
+    are not cached.
+    """
+    if getattr(request, "prompt_embeds", None) is not None:
+        return None
+    marks = []
+    for feature in getattr(request, "mm_features", None) or ():
+        pos = feature.mm_position
+        text = f"{feature.identifier}|{pos.offset}|{pos.length}"
+        marks.append((pos.offset, hashlib.sha256(text.encode()).digest()))
+    return tuple(marks)

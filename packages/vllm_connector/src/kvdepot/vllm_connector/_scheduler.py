@@ -1,4 +1,4 @@
-"""The scheduler half of the connector: lookups, planning, and lease bookkeeping.
+"""The scheduler half of the connector: lookups and planning (leases: `_lease_book.py`).
 
 All accounting is `kvdepot.core.Planner`'s; this half turns vLLM's scheduler calls into
 planner events and never waits on the server beyond one bounded moment per step:
@@ -34,17 +34,12 @@ planner events and never waits on the server beyond one bounded moment per step:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import itertools
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
-
-import attrs
 
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import DeadlineExceededError, LookupItem
@@ -56,9 +51,11 @@ from kvdepot.vllm_connector._handoff import (
     namespace_digest,
     poll_interval,
 )
-from kvdepot.vllm_connector._identity import lora_identity
+from kvdepot.vllm_connector._identity import lora_identity, request_marks
+from kvdepot.vllm_connector._lease_book import LeaseBook
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._prefill import PrefillRate
+from kvdepot.vllm_connector._record import Record
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -81,55 +78,6 @@ LEASE_REFRESH_S = 20.0
 #: future reads it on the engine thread, so a hit or a miss costs the request no extra
 #: engine step. The scheduler never waits longer than this for the server.
 LOOKUP_YIELD_S = 0.002
-
-
-def request_marks(request: Request) -> tuple[tuple[int, bytes], ...] | None:
-    """(position, digest) of what the KV depends on besides token ids; None if the request
-    cannot be cached.
-
-    A multimodal input is identified by vLLM's content hash and its placeholder's position
-    and length, and keys only the chunks from its position on (`kvdepot.core.KeyChain`), so
-    requests that share a text prefix before it share those chunks, as in vLLM's own prefix
-    cache. Prompt embeddings have no token ids at all (vLLM reports zeros), so such requests
-    are not cached.
-    """
-    if getattr(request, "prompt_embeds", None) is not None:
-        return None
-    marks = []
-    for feature in getattr(request, "mm_features", None) or ():
-        pos = feature.mm_position
-        text = f"{feature.identifier}|{pos.offset}|{pos.length}"
-        marks.append((pos.offset, hashlib.sha256(text.encode()).digest()))
-    return tuple(marks)
-
-
-@attrs.define
-class _Record:
-    """The connector's one record of a request (the planner's tracker holds the accounting)."""
-
-    request: Request
-    #: The lookup in flight: the reply's future once sent, and where this request's items are.
-    lookup: Future[Any] | None = None
-    first_item: int = 0
-    sent_at: float = 0.0
-    server_id: str = ""
-    #: The length of the hit's slots (the server's word; the worker checks it against its chunks).
-    slot_bytes: int = 0
-    #: A store was planned: at the end, the blocks stay until the workers' copies are done.
-    stored: bool = False
-    #: A load of this request failed: it is never offered a hit again.
-    load_failed: bool = False
-    #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
-    #: server had just read back for it from each tier below RAM (the rest came from RAM).
-    read_back: tuple[int, dict[str, int]] = (0, {})
-    #: The keys of its last lookup, one list per KV rank (for its KV events).
-    keys: list[list[bytes]] = attrs.Factory(list)
-    #: A handed-over request (prefill elsewhere): the tokens its producer stored that it may
-    #: load, and until when (monotonic) it waits for them; `handoff_late` once it stopped waiting.
-    handoff_tokens: int = 0
-    handoff_deadline: float = 0.0
-    handoff_late: bool = False
-    handoff_polls: int = 0  # lookups sent again while waiting
 
 
 class SchedulerSide:
@@ -183,17 +131,13 @@ class SchedulerSide:
         self.prefill = PrefillRate()
         self.stats = KVDepotStats()
         self.kv_cache_manager: Any = None  # vLLM's, for the local prefix-cache hit at admission
-        self._records: dict[str, _Record] = {}
+        self._records: dict[str, Record] = {}
         self._uncacheable: set[str] = set()
         # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
         self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
         self._held: set[str] = set()
-        # The planner sees lease handles unique across server instances; each names the
-        # server that granted it, so a lease is never released to a restarted server.
-        self._handles = itertools.count(1)
-        self._leases: dict[int, tuple[str, int]] = {}
-        self._leases_lock = threading.Lock()
+        self.leases = LeaseBook(client, namespace.kv_world_size)
         self._yielded = False
 
     # -- vLLM scheduler hooks --------------------------------------------------------
@@ -231,7 +175,7 @@ class SchedulerSide:
             return None, False
         return num, num > 0
 
-    def _handoff_pending(self, record: _Record, num_computed_tokens: int, have: int) -> bool:
+    def _handoff_pending(self, record: Record, num_computed_tokens: int, have: int) -> bool:
         """True while a handed-over request should wait: the server holds fewer of its chunks
         than the producer stored, and its deadline has not passed (a new lookup is then on its way)."""
         if have >= record.handoff_tokens or record.handoff_late:
@@ -416,7 +360,7 @@ class SchedulerSide:
 
     # -- internals --------------------------------------------------------------------
 
-    def _track(self, request: Request) -> _Record | None:
+    def _track(self, request: Request) -> Record | None:
         """The request's record, created on first sight; None if it cannot be cached."""
         req_id = request.request_id
         if req_id in self._uncacheable:
@@ -426,7 +370,7 @@ class SchedulerSide:
             self._uncacheable.add(req_id)
             return None
         self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), marks=marks)
-        record = self._records[req_id] = _Record(request)
+        record = self._records[req_id] = Record(request)
         if self.loads:
             chunks, why_not = expected_chunks(getattr(request, "kv_transfer_params", None), self._handoff_digest())
             if why_not is not None:
@@ -449,7 +393,7 @@ class SchedulerSide:
             return 0
         return hit
 
-    def _start_lookup(self, record: _Record, local_tokens: int) -> bool:
+    def _start_lookup(self, record: Record, local_tokens: int) -> bool:
         """Queue a lookup of the chunks past the local hit; False if the server is not usable."""
         if not self.health.usable():
             self.stats.add("lookup_misses_server_down")
@@ -549,7 +493,7 @@ class SchedulerSide:
             record = self._records[req_id]
             record.lookup, record.first_item, record.server_id = future, index * self.kv_world_size, server_id
 
-    def _poll_lookup(self, record: _Record) -> bool:
+    def _poll_lookup(self, record: Record) -> bool:
         """Apply the lookup reply if it is in; True once the request is looked up."""
         req_id, future = record.request.request_id, record.lookup
         assert future is not None
@@ -581,7 +525,7 @@ class SchedulerSide:
         same_server = bool(record.server_id) and record.server_id == self.client.server_id
         lengths = {s.length for r in results for s in r.slots}
         if len(results) == self.kv_world_size and same_server:
-            handles = [self._handle(record.server_id, r.lease_id) for r in results]
+            handles = [self.leases.handle(record.server_id, r.lease_id) for r in results]
             if len(lengths) <= 1:  # slots of mixed lengths cannot all be this layout's chunks: a miss
                 hits = [r.num_hits for r in results]
                 slots = [[s.offset for s in r.slots] for r in results]
@@ -621,48 +565,15 @@ class SchedulerSide:
             out["host"] = host
         return out
 
-    def _handle(self, server_id: str, lease_id: int) -> int:
-        if not lease_id:
-            return 0
-        handle = next(self._handles)
-        with self._leases_lock:
-            self._leases[handle] = (server_id, lease_id)
-        return handle
-
-    def _release_on_arrival(self, record: _Record) -> None:
+    def _release_on_arrival(self, record: Record) -> None:
         """Release whatever leases a reply we no longer wait for brings when it arrives."""
-        future, first, world, server_id = record.lookup, record.first_item, self.kv_world_size, record.server_id
-        record.lookup = None
-        if future is None:
-            return
-
-        def release(done: Future[Any]) -> None:  # runs on the transport's settler thread
-            try:
-                leases = [r.lease_id for r in done.result().results[first : first + world] if r.lease_id]
-            except Exception:
-                return
-            if leases and server_id == self.client.server_id:
-                self._send_release(leases, server_id)
-
-        future.add_done_callback(release)
+        future, record.lookup = record.lookup, None
+        if future is not None:
+            self.leases.release_on_arrival(future, record.first_item, record.server_id)
 
     def _flush_releases(self) -> None:
-        handles = self.planner.take_releases()
-        if not handles:
-            return
-        current = self.client.server_id
-        with self._leases_lock:
-            owned = [self._leases.pop(h) for h in handles if h in self._leases]
-        # Leases of a server instance that is gone died with it; never release them elsewhere.
-        leases = [lease for server_id, lease in owned if server_id == current]
-        if leases and current:
-            self._send_release(leases, current)
-
-    def _send_release(self, leases: list[int], server_id: str) -> None:
-        try:
-            self.client.release(leases, server_id=server_id)
-        except Exception as exc:  # the server expires them by itself
-            log.warning("kvdepot could not release %d leases (they will expire): %s", len(leases), exc)
+        if handles := self.planner.take_releases():
+            self.leases.release(handles)
 
 
 def _was_aborted(request: Request) -> bool:

@@ -1,0 +1,40 @@
+"""The scheduler's record of one request: its lookup in flight, its hit, its stores, its handoff."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@attrs.define
+class Record:
+    """The connector's one record of a request (the planner's tracker holds the accounting)."""
+
+    request: Request
+    #: The lookup in flight: the reply's future once sent, and where this request's items are.
+    lookup: Future[Any] | None = None
+    first_item: int = 0
+    sent_at: float = 0.0
+    server_id: str = ""
+    #: The length of the hit's slots (the server's word; the worker checks it against its chunks).
+    slot_bytes: int = 0
+    #: A store was planned: at the end, the blocks stay until the workers' copies are done.
+    stored: bool = False
+    #: A load of this request failed: it is never offered a hit again.
+    load_failed: bool = False
+    #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
+    #: server had just read back for it from each tier below RAM (the rest came from RAM).
+    read_back: tuple[int, dict[str, int]] = (0, {})
+    #: The keys of its last lookup, one list per KV rank (for its KV events).
+    keys: list[list[bytes]] = attrs.Factory(list)
+    #: A handed-over request (prefill elsewhere): the tokens its producer stored that it may
+    #: load, and until when (monotonic) it waits for them; `handoff_late` once it stopped waiting.
+    handoff_tokens: int = 0
+    handoff_deadline: float = 0.0
+    handoff_late: bool = False
+    handoff_polls: int = 0  # lookups sent again while waiting
