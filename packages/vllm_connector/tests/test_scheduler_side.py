@@ -234,8 +234,9 @@ def test_abort_while_loading_keeps_the_lease_until_the_copy_ends():
     assert not s.planner.is_loading("a")
 
 
-def test_a_finished_request_with_stores_holds_its_blocks():
-    """A request that planned stores keeps its blocks at the end; the next step tells the workers."""
+def test_a_finished_request_gives_its_blocks_back_at_once_even_with_stores():
+    """A request that planned stores gives its blocks back when it finishes, as one that planned none:
+    the workers read a store's blocks within the step that planned it."""
     client = FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items]))
     s = side(client)
     a, b = request("a", 20), request("b", 4)
@@ -246,10 +247,8 @@ def test_a_finished_request_with_stores_holds_its_blocks():
     s.update_state_after_alloc(b, ([9],), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5))), ("b", [9])], scheduled={"a": 20, "b": 4}))
     assert [op.req_id for op in meta.stores] == ["a"]
-    assert s.request_finished(a) == (True, None)
-    assert s.request_finished(b) == (False, None)  # nothing stored: its blocks go at once
-    assert s.build_connector_meta(output()).held == {"a"}
-    assert s.build_connector_meta(output()).held == set()
+    assert s.request_finished(a) == (False, None)
+    assert s.request_finished(b) == (False, None)
 
 
 def test_finish_with_lookup_in_flight_releases_the_late_lease():
@@ -405,8 +404,7 @@ def test_preempted_request_looks_up_again():
     s.update_state_after_alloc(a, (list(range(5)),), 0)
     meta = s.build_connector_meta(output(new=[("a", list(range(5)))], scheduled={"a": 20}))
     assert len(meta.stores) == 1
-    meta = s.build_connector_meta(output(preempted={"a"}))
-    assert meta.preempted == {"a"}
+    s.build_connector_meta(output(preempted={"a"}))
     assert s.planner.get("a").state is RequestState.PREEMPTED
     assert s.get_num_new_matched_tokens(a, 0) == (None, False)
     assert len(client.lookups) == 2
@@ -575,7 +573,7 @@ def produced(n: int = 20) -> tuple[dict, FakeClient]:
     meta = producer.build_connector_meta(output(new=[("a", list(range(6)))], scheduled={"a": n}))
     assert [len(op.keys[0]) for op in meta.stores] == [n // CHUNK]
     hold, params = producer.request_finished(a)
-    assert hold
+    assert not hold  # its blocks go back at once: the workers read them within their steps
     return params, client
 
 

@@ -1,8 +1,10 @@
 """The worker half, against a real server process and its shared-memory pool.
 
-Stores are queued by the step's hooks and run on the worker's copy thread; loads too on a GPU,
-while a CPU engine's loads are copied by the engine's thread at the end of its steps. The step
-learns of them only through `get_finished` (and the failed blocks of a load in the same pass).
+A store's slots are asked for when the step starts (`step_started`), its blocks are gathered
+by the step's end (`wait_for_save`) and the copy thread commits it. Loads run on the copy thread
+on a GPU, while a CPU engine's loads are copied by the engine's thread at the end of its steps;
+the step learns of them only through `get_finished` (and the failed blocks of a load in the
+same pass).
 """
 
 from __future__ import annotations
@@ -64,11 +66,19 @@ def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], b
     return LoadOp(req_id, client.server_id or "", [slots], [block_ids], 0, tokens, hit.slots[0].length, "", [keys])
 
 
+def save(worker: WorkerSide, *stores: StoreOp) -> None:
+    """One engine step with ``stores``, in vLLM's order: metadata bound, (the forward pass), its end."""
+    meta = KVDepotMetadata(stores=list(stores))
+    worker.step_started(meta)
+    worker.start_load_kv(meta)
+    worker.wait_for_save(meta)
+    worker.get_finished(set())
+
+
 def store(worker: WorkerSide, req_id: str, keys: list[bytes], block_ids: list[int]) -> None:
-    """Store ``block_ids`` under ``keys`` through the copy thread, and wait until it is committed."""
-    worker.wait_for_save(KVDepotMetadata(stores=[StoreOp(req_id, "", [keys], [block_ids])]))
-    worker.start_load_kv(KVDepotMetadata(held={req_id}))
-    finished(worker, req_id, sending=True)
+    """Store ``block_ids`` under ``keys`` in one step, and wait until the copy thread committed it."""
+    save(worker, StoreOp(req_id, "", [keys], [block_ids]))
+    worker.wait_for_commits()
 
 
 def finished(worker: WorkerSide, want: str, *, sending: bool, timeout: float = 10.0) -> None:
@@ -83,14 +93,14 @@ def finished(worker: WorkerSide, want: str, *, sending: bool, timeout: float = 1
     raise AssertionError(f"{want} was not reported finished")
 
 
-def test_store_then_load_round_trip_on_the_copy_thread(client: CacheClient) -> None:
-    """A held request is reported only once its store is committed; a load is reported once copied."""
+def test_store_then_load_round_trip(client: CacheClient) -> None:
+    """A store is visible once committed, and no request is ever held for it; a load is reported once copied."""
     kv = torch.randn((8, 2, BLOCK, 64))
     worker = make_worker(client, kv)
     try:
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
-        worker.start_load_kv(KVDepotMetadata(held={"a"}))  # "a" finished; vLLM holds its blocks
-        finished(worker, "a", sending=True)
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2]]))
+        assert worker.get_finished({"a"}) == (None, None)  # "a" finished: its blocks were never held
+        worker.wait_for_commits()
         hit = client.lookup([("", [KEY])]).result(5).results[0]  # visible as soon as reported
         assert hit.num_hits == 1
         load = leased_load(client, "b", hit, [KEY], [5, 6])
@@ -135,27 +145,52 @@ def test_a_failed_load_is_reported_with_its_blocks(client: CacheClient) -> None:
         worker.shutdown()
 
 
-@pytest.mark.parametrize("why", ["preempted", "flush"])
-def test_a_step_that_reuses_blocks_waits_for_the_stores_reading_them(client: CacheClient, why: str) -> None:
-    """Before a step may reuse a preempted request's blocks, or blocks vLLM got back from a finished
-    request (or a window) and handed on (``flush``), the request's queued store has read them."""
+def test_a_store_reads_its_blocks_before_its_step_ends(client: CacheClient) -> None:
+    """Once `wait_for_save` returned, vLLM may zero the step's blocks, copy into them or hand them
+    to another request (Model Runner V2 does before any connector hook of the next step): the
+    store commits the bytes the step computed, however late the copy thread commits it."""
     kv = torch.randn((8, 2, BLOCK, 64))
+    computed = kv[1:3].clone()
     worker = make_worker(client, kv)
     gate = threading.Event()
     try:
-        worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
-        returned = threading.Event()
-        waiter = threading.Thread(
-            target=lambda: (worker.handle_preemptions(KVDepotMetadata(**{why: {"a"}})), returned.set())
-        )
-        waiter.start()
-        assert not returned.wait(0.3)
+        worker._copier.submit(gate.wait)  # the copy thread is busy: the commit waits in its queue
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2]]))
+        kv[1:3] = 0  # the next step zeroes the blocks (or another request writes them)
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0  # not committed yet
         gate.set()
-        assert returned.wait(10)
-        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
+        worker.wait_for_commits()
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        assert hit.num_hits == 1
+        worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
+        finished(worker, "b", sending=False)
+        assert torch.equal(kv[5:7], computed)
+        client.release([hit.lease_id]).result(5)
     finally:
         gate.set()
+        worker.shutdown()
+
+
+def test_a_stores_slots_are_asked_for_when_its_step_starts(client: CacheClient) -> None:
+    """`step_started` (vLLM binds the metadata, before the forward pass) sends the reservation, so its
+    reply lands during the forward pass; a step bound again without its end gives the slots back."""
+    worker = make_worker(client, torch.randn((8, 2, BLOCK, 64)))
+    try:
+        meta = KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])])
+        worker.step_started(meta)
+        deadline = time.monotonic() + 10
+        while client.stats().result(5).reservations != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats().result(5).reservations == 1  # before the step's end
+        worker.step_started(KVDepotMetadata())  # not vLLM's order: the first step's slots go back
+        deadline = time.monotonic() + 10
+        while client.stats().result(5).reservations != 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert client.stats().result(5).reservations == 0
+        worker.wait_for_save(KVDepotMetadata())
+        worker.wait_for_commits()
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
+    finally:
         worker.shutdown()
 
 
@@ -167,8 +202,8 @@ def test_sleep_ends_every_copy_first_and_none_runs_until_wake_up(client: CacheCl
     worker = make_worker(client, kv)
     gate = threading.Event()
     try:
-        worker._copier.submit(gate.wait)  # the copy thread is busy: the store waits in the queue
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
+        worker._copier.submit(gate.wait)  # the copy thread is busy: the commit waits in the queue
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2]]))
         returned = threading.Event()
         sleeper = threading.Thread(target=lambda: (worker.suspend(), returned.set()))
         sleeper.start()
@@ -184,7 +219,7 @@ def test_sleep_ends_every_copy_first_and_none_runs_until_wake_up(client: CacheCl
         assert worker.take_failed_blocks() == {5, 6}
         assert not kv[5:7].any()
         other = bytes(range(1, 33))
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("c", "", [[other]], [[3, 4]])]))
+        save(worker, StoreOp("c", "", [[other]], [[3, 4]]))
         worker.suspend()  # idempotent, and nothing is queued
         assert client.lookup([("", [other])]).result(5).results[0].num_hits == 0
         # Awake again: the same load copies.
@@ -205,9 +240,8 @@ def test_stores_are_skipped_at_once_while_the_server_is_down(client: CacheClient
     try:
         worker.health.report_timeout()
         worker.health._probe_sent = time.monotonic() + 60  # no probe in this test
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]])]))
-        worker.start_load_kv(KVDepotMetadata(held={"a"}))
-        finished(worker, "a", sending=True)
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2]]))
+        worker.wait_for_commits()
         assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
         stats = worker.take_stats()
         assert stats is not None
@@ -279,11 +313,11 @@ def test_a_slot_reused_while_the_copy_reads_it_is_a_failed_load(client: CacheCli
 def test_every_copy_waits_for_the_engine_work_queued_when_the_step_asked_for_it(
     client: CacheClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The copies run on the copy thread, whose current stream is not the engine's: each store
-    and load waits for an event recorded on the engine's thread when vLLM asked for the copy (on
-    a GPU, `compute_event` of the engine's stream; a store would otherwise read blocks before
-    this step's layers wrote them). On a CPU the event is None: the step's work is done. (Loads
-    on the copy thread, as on a GPU.)"""
+    """A store's gather runs on the engine's thread, at the step's end, on the engine's own stream
+    (nothing to wait for: on a GPU the copier's side stream follows the compute stream, which then
+    waits for the copy). A load on the copy thread, whose current stream is not the engine's, waits
+    for an event recorded on the engine's thread when vLLM asked for it (`compute_event`; on a CPU
+    None: the step's work is done)."""
     import kvdepot.gpu
 
     events: list[tuple[str, Any]] = []  # (thread that recorded the event, event)
@@ -300,23 +334,27 @@ def test_every_copy_waits_for_the_engine_work_queued_when_the_step_asked_for_it(
     try:
         pool = worker._copier.submit(worker._current_pool).result()
         assert pool is not None
-        copier = pool.copiers[0]
-        waited: list[tuple[str, Any]] = []
-        for name in ("gather", "scatter"):
-            real = getattr(copier, name)
+        waited: list[tuple[str, str, Any]] = []  # (copy, thread, event it waited for)
+        for copier in (pool.copiers[0], pool.engine_copiers[0]):
+            for name in ("gather", "scatter"):
+                real = getattr(copier, name)
 
-            def copy(*args: Any, _name: str = name, _real: Any = real, after: Any = None, **kwargs: Any) -> Any:
-                waited.append((_name, after))
-                return _real(*args, **kwargs)
+                def copy(*args: Any, _name: str = name, _real: Any = real, after: Any = None, **kwargs: Any) -> Any:
+                    waited.append((_name, threading.current_thread().name, after))
+                    return _real(*args, **kwargs)
 
-            setattr(copier, name, copy)
+                setattr(copier, name, copy)
         store(worker, "a", [KEY], [1, 2])
         hit = client.lookup([("", [KEY])]).result(5).results[0]
         worker.start_load_kv(KVDepotMetadata(loads=[leased_load(client, "b", hit, [KEY], [5, 6])]))
         finished(worker, "b", sending=False)
         assert torch.equal(kv[5:7], kv[1:3])
-        assert [thread for thread, _ in events] == [threading.current_thread().name] * 2
-        assert waited == [("gather", events[0][1]), ("scatter", events[1][1])]
+        engine = threading.current_thread().name
+        assert [thread for thread, _ in events] == [engine]
+        assert waited[0] == ("gather", engine, None)
+        assert waited[1][0] == "scatter"
+        assert waited[1][1] != engine
+        assert waited[1][2] is events[0][1]
         client.release([hit.lease_id]).result(5)
     finally:
         worker.shutdown()
@@ -342,9 +380,8 @@ def test_a_hybrid_chunk_holds_every_groups_blocks_and_loads_skip_the_null_block(
     try:
         assert worker.chunk_bytes == 2 * 2 * 2 * t0[0].numel() * 4  # 2 groups x 2 layers x 2 blocks
         assert worker.fingerprint().startswith("sliding_window64x2:")
-        worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2], [3, 4]])]))
-        worker.start_load_kv(KVDepotMetadata(held={"a"}))
-        finished(worker, "a", sending=True)
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2], [3, 4]]))
+        worker.wait_for_commits()
         hit = client.lookup([("", [KEY])]).result(5).results[0]
         load = LoadOp("b", client.server_id or "", [[hit.slots[0].offset]], [[0, 5], [6, 7]], 0, CHUNK,
                       hit.slots[0].length, "", [[KEY]])  # fmt: skip
@@ -488,9 +525,9 @@ def test_kv_tensors_with_another_number_of_blocks_than_the_engine_are_refused(cl
 
 
 def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(short_tmp: Path) -> None:
-    """A copy thread stalled between the reserve and the copy (a paused process): the server's
-    reservation TTL, told at Register, bounds it. No byte lands in the slots, the reservation
-    is aborted, and the store counts as late; a store in time goes through."""
+    """A step stalled between its start (the reserve) and its end (the copy), as in a paused process:
+    the server's reservation TTL, told at Register, bounds it. No byte lands in the pool, the
+    reservation is aborted, and the store counts as late; a store in time goes through."""
     args = ("--no-metrics", "--reservation-ttl", "1")
     with (
         kvdepot.server.ServerProcess(f"ipc://{short_tmp}/kvdepot.sock", capacity="16MiB", args=args) as proc,
@@ -501,27 +538,24 @@ def test_a_store_that_would_copy_past_half_its_reservations_ttl_is_dropped(short
         try:
             pool = worker._copier.submit(worker._current_pool).result()
             assert pool.reservation_ttl == 1.0
-            store_in_time = worker._store
-
-            slots: list[tuple[int, bytes]] = []  # (offset, its bytes before the store)
-
-            def stalled(op, reply, pool, after, asked):
-                slots.extend((s.offset, bytes(pool.mmap[s.offset : s.offset + s.length])) for s in reply.slots)
-                time.sleep(0.7)  # past half the TTL, before the copy
-                return store_in_time(op, reply, pool, after, asked)
-
-            worker._store = stalled
-            worker.wait_for_save(KVDepotMetadata(stores=[StoreOp("late", "", [[KEY]], [[1, 2]])]))
-            worker.start_load_kv(KVDepotMetadata(held={"late"}))
-            finished(worker, "late", sending=True)
+            meta = KVDepotMetadata(stores=[StoreOp("late", "", [[KEY]], [[1, 2]])])
+            worker.step_started(meta)
+            assert worker._step_stores is not None
+            reply = worker._step_stores.pending[0][1].result(5)  # the slots, once reserved
+            slots = [(s.offset, bytes(pool.mmap[s.offset : s.offset + s.length])) for s in reply.slots]
+            time.sleep(0.7)  # past half the TTL, before the step's end
+            worker.wait_for_save(meta)
+            worker.wait_for_commits()
             assert slots
             assert all(bytes(pool.mmap[at : at + len(was)]) == was for at, was in slots)  # nothing copied
             assert worker.take_stats().data["store_late"] == 1
             assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
+            deadline = time.monotonic() + 10
+            while client.stats().result(5).reservations and time.monotonic() < deadline:
+                time.sleep(0.01)  # the abort is on its way
             stats = client.stats().result(5)
             assert (stats.reservations, stats.extra["pending_chunks"], stats.extra["quarantined_chunks"]) == (0, 0, 0)
 
-            worker._store = store_in_time
             store(worker, "in-time", [KEY], [1, 2])
             assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
         finally:

@@ -135,12 +135,9 @@ def _child(address: str, cpu: int) -> dict[str, object]:
                 scratch.fill_(i)
                 del scratch
                 worker.wait_for_save(meta)
-                worker.start_load_kv(KVDepotMetadata(held={f"r{i}"}))
                 worker.get_finished(set())
                 steps.append(time.monotonic() - started)
-                while f"r{i}" not in (worker.get_finished(set())[0] or set()):  # the store lands
-                    time.sleep(0.01)
-                    worker.start_load_kv(KVDepotMetadata())
+                worker.wait_for_commits()  # the store lands
                 try:
                     hits += client.lookup([("", [key])]).result().results[0].num_hits
                 except Exception as exc:

@@ -40,7 +40,6 @@ REQUIRED_METHODS = (
     ("KVConnectorBase_V1", "build_connector_worker_meta"),
     ("KVConnectorBase_V1", "get_block_ids_with_load_errors"),
     ("KVConnectorBase_V1", "get_transfer_results"),
-    ("KVConnectorBase_V1", "handle_preemptions"),
     ("KVConnectorBase_V1", "update_connector_output"),
     ("SupportsHMA", "request_finished_all_groups"),
 )

@@ -237,7 +237,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 lookup_timeout=self.config.lookup_timeout,
                 health=self.health,
                 groups=self.groups,
-                hold_finished=_writes_blocks_before_the_connector(vllm_config),
                 events=self._event_announcer(vllm_config, block_size),
                 loads=ktc.kv_role != "kv_producer",
                 stores=ktc.kv_role != "kv_consumer" or self.config.consumer_stores,
@@ -358,11 +357,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
             assert isinstance(connector_metadata, KVDepotMetadata)
             self._worker.step_started(connector_metadata)
 
-    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert self._worker is not None
-        assert isinstance(kv_connector_metadata, KVDepotMetadata)
-        self._worker.handle_preemptions(kv_connector_metadata)
-
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self._worker is not None
         meta = self._get_connector_metadata()
@@ -375,9 +369,11 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
     ) -> None:
-        return  # stores are whole-model copies queued in wait_for_save
+        return  # stores are whole-model copies made in wait_for_save
 
     def wait_for_save(self) -> None:
+        """The step's end (Model Runner V2 with a speculator: `finalize_step`): the step's stores
+        read their blocks now, before vLLM may hand any of them on."""
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVDepotMetadata)
@@ -462,13 +458,6 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None:
             self._worker.shutdown()
         self.client.close()
-
-
-def _writes_blocks_before_the_connector(vllm_config: VllmConfig) -> bool:
-    """True where vLLM's model runner may write a block it hands to a request before the connector's
-    `handle_preemptions` (Model Runner V2 zeroes new blocks and copies partial prefix hits into
-    them first): finished requests then keep their blocks until their stores are done."""
-    return bool(getattr(vllm_config, "use_v2_model_runner", True))
 
 
 def _worker_strategy(tp_size: int, pp_size: int, use_mla: bool) -> ParallelStrategy:

@@ -55,20 +55,13 @@ class StoreOp:
 class KVDepotMetadata(KVConnectorMetadata):
     """One engine step's work for every worker.
 
-    ``held`` are finished requests whose blocks vLLM keeps until every worker reports their
-    stores done (`get_finished`); ``preempted`` are requests whose blocks vLLM took back this
-    step, so their stores must end before the step's forward pass may overwrite them;
-    ``flush`` are requests whose stores may read a block that vLLM handed to someone this step
-    (a sliding window's, or a finished request's that vLLM got back at once): they too must
-    end first. ``idle``: the step computes no tokens (every request waits, e.g. for its load), so
+    ``stores`` read their blocks within this step (`_stores.py`): nothing of a request is held
+    past it. ``idle``: the step computes no tokens (every request waits, e.g. for its load), so
     a worker may wait for this step's loads and report them from this very step.
     """
 
     loads: list[LoadOp] = field(default_factory=list)
     stores: list[StoreOp] = field(default_factory=list)
-    held: set[str] = field(default_factory=set)
-    preempted: set[str] = field(default_factory=set)
-    flush: set[str] = field(default_factory=set)
     idle: bool = False
 
 

@@ -1,4 +1,4 @@
-"""The scheduler's record of one request: its lookup in flight, its hit, its stores, its handoff."""
+"""The scheduler's record of one request: its lookup in flight, its hit, its handoff."""
 
 from __future__ import annotations
 
@@ -23,8 +23,6 @@ class Record:
     server_id: str = ""
     #: The length of the hit's slots (the server's word; the worker checks it against its chunks).
     slot_bytes: int = 0
-    #: A store was planned: at the end, the blocks stay until the workers' copies are done.
-    stored: bool = False
     #: A load of this request failed: it is never offered a hit again.
     load_failed: bool = False
     #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the

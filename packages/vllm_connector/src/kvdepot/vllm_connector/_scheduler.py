@@ -10,15 +10,9 @@ planner events and never waits on the server beyond one bounded moment per step:
   the worker copies them (on a GPU on its copy thread; on a CPU on the engine's thread at a
   step's end, paced), and vLLM adds the blocks to its prefix cache only
   once every worker has reported the copy. The leases are given back only then.
-- A finished request's stores may still be copying. Where vLLM's model runner lets a
-  connector wait before it writes any block it hands out (the V1 runner: vLLM's choice on a
-  CPU without Triton's CPU backend, and on CUDA with ``VLLM_USE_V2_MODEL_RUNNER=0``), vLLM gets
-  the blocks back at once, and the workers wait
-  for the store only if vLLM hands one of its blocks to anyone (``KVDepotMetadata.flush``):
-  so ``reset_prefix_cache()`` and ``sleep()`` work right after ``generate`` in an in-process
-  `LLM`. Elsewhere (Model Runner V2 zeroes and copies into new blocks before a connector can
-  wait) the request keeps its blocks until every worker's copy of them is done
-  (`request_finished` returns True; the workers report it in `get_finished`).
+- A finished or preempted request's blocks go back to vLLM at once: the workers read a
+  store's blocks within the step that scheduled it (`_stores.py`), so vLLM may hand them on,
+  zero them or copy into them from the next step on, whichever model runner it uses.
 - While the server is down or stuck, lookups are misses at once (`ServerHealth`).
 - Roles (vLLM's ``kv_role``): a ``kv_producer`` stores and loads nothing, and names what it
   stored in its finished requests' ``kv_transfer_params``; a ``kv_consumer`` loads and stores
@@ -26,9 +20,8 @@ planner events and never waits on the server beyond one bounded moment per step:
 - With several KV-cache groups (a hybrid or sliding-window model) the planner accounts
   for the request's positions; a chunk is loaded into, and stored from, the blocks of every
   group at those positions (`_groups.py` says what is done with blocks outside a window).
-  A sliding-window block may go back to vLLM's pool while its request runs: when vLLM hands
-  a block to anyone while a store may still be reading it, the workers first wait for that
-  store (``KVDepotMetadata.flush``).
+  A sliding-window block may go back to vLLM's pool while its request runs: a store takes a
+  chunk only if vLLM's block table still holds every one of its blocks when it is planned.
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -93,17 +85,13 @@ class SchedulerSide:
         lookup_timeout: float,
         health: ServerHealth,
         groups: tuple[CacheGroup, ...] = (CacheGroup(()),),
-        hold_finished: bool = True,
         events: EventAnnouncer | None = None,
         loads: bool = True,
         stores: bool = True,
         producer: bool = False,
         handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT,
     ) -> None:
-        """``hold_finished``: a finished request keeps its blocks in vLLM until its stores are done;
-        else they go back at once, and the workers wait for the stores when vLLM hands a block on
-        (only where vLLM writes no block it hands out before the workers' `handle_preemptions`).
-        ``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
+        """``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
         ``loads``, ``stores``: what the engine's ``kv_role`` lets it do; ``producer``: a prefill
         engine, whose finished requests name their chunks for a decode engine (`_handoff.py`);
         ``handoff_timeout``: how long a handed-over request waits at most for those chunks."""
@@ -111,17 +99,10 @@ class SchedulerSide:
         self.loads, self.stores, self.producer = loads, stores, producer
         self.handoff_timeout = handoff_timeout
         self.groups = groups
-        self.hold_finished = hold_finished
         self.events = events
         # With several groups, or one whose blocks vLLM may drop while their request runs (a
         # window), the blocks of each store are read from vLLM's block table when it is planned.
         self._windowed = len(groups) > 1 or not groups[0].stable
-        # Blocks vLLM may hand on while a store still reads them (windowed groups', finished
-        # requests' when they are not held), with their request, and blocks vLLM allocated for
-        # loads in this scheduling pass.
-        self._watch_reuse = self._windowed or not hold_finished
-        self._store_blocks: dict[int, set[str]] = {}
-        self._allocated: list[int] = []
         self.client = client
         self.health = health
         self.kv_world_size = namespace.kv_world_size
@@ -136,7 +117,6 @@ class SchedulerSide:
         # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
         self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
-        self._held: set[str] = set()
         self.leases = LeaseBook(client, namespace.kv_world_size)
         self._yielded = False
 
@@ -206,8 +186,6 @@ class SchedulerSide:
     ) -> None:
         """vLLM allocated the request's blocks, one list per KV-cache group."""
         req_id = request.request_id
-        if self._watch_reuse:
-            self._allocated.extend(block for group in block_ids for block in group)
         if req_id not in self._records:
             return
         tracker = self.planner.get(req_id)
@@ -238,10 +216,8 @@ class SchedulerSide:
         self._send_lookups()
         preempted = set(scheduler_output.preempted_req_ids or ())
         idle = scheduler_output.total_num_scheduled_tokens == 0
-        meta = KVDepotMetadata(loads=self._loads, held=self._held, preempted=preempted, idle=idle)
-        self._loads, self._held = [], set()
-        if self._watch_reuse:
-            meta.flush = self._reused_store_blocks(scheduler_output)
+        meta = KVDepotMetadata(loads=self._loads, idle=idle)
+        self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), new.block_ids[0], replace=True)
@@ -291,9 +267,9 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...] = ()
     ) -> tuple[bool, dict[str, Any] | None]:
-        """vLLM is done with the request; True while its blocks must stay until the stores are done.
+        """vLLM is done with the request: (False, the parameters a decode engine needs, if any).
 
-        ``block_ids``: its blocks, one list per KV-cache group, as vLLM frees them.
+        ``block_ids``: its blocks, one list per KV-cache group, as vLLM frees them; never held.
         """
         req_id = request.request_id
         self._uncacheable.discard(req_id)
@@ -312,16 +288,9 @@ class SchedulerSide:
             self.planner.on_lookup_done(req_id, [0], ())
             self._release_on_arrival(record)
         self._flush_releases()
-        # A request still loading holds its blocks through vLLM until the load is reported;
-        # otherwise, if it planned stores, its blocks wait for the workers to copy them.
-        hold = record.stored and not self.planner.is_loading(req_id)
-        if hold and not self.hold_finished:
-            # vLLM frees the blocks now; a store still reading one is waited for before it is reused.
-            self._watch_blocks((block for ids in block_ids for block in ids if block != NULL_BLOCK_ID), req_id)
-            hold = False
-        if hold:
-            self._held.add(req_id)
-        return hold, params
+        # Its blocks go back to vLLM now: the workers read every store's blocks within its step. (A
+        # request still loading keeps them through vLLM itself until the load is reported.)
+        return False, params
 
     def _handoff_of(self, request: Request) -> dict[str, Any] | None:
         """A producer's parameters for the decode engine: the chunks of the request it stored (or
@@ -426,7 +395,6 @@ class SchedulerSide:
             keys, blocks = self._windowed_store(req_id, plan.first_chunk, keys)
             if not blocks[0]:
                 return
-        record.stored = True
         meta.stores.append(StoreOp(req_id=req_id, salt=plan.cache_salt, keys=keys, block_ids=blocks))
 
     def _windowed_store(
@@ -435,8 +403,7 @@ class SchedulerSide:
         """The chunks of a store whose blocks still hold their tokens in every group, from vLLM's block table.
 
         A chunk with a block vLLM dropped from the window (its null block) is not stored by
-        this request. The windowed groups' blocks are remembered until vLLM hands them to
-        someone (`_reused_store_blocks`).
+        this request; the blocks still in the table are read by the workers within this step.
         """
         manager = self.kv_cache_manager
         groups: tuple[list[int], ...] = manager.get_block_ids(req_id) if manager is not None else ()
@@ -453,27 +420,7 @@ class SchedulerSide:
             kept.append(index)
             for out, ids in zip(blocks, chunk, strict=True):
                 out.extend(ids)
-        for group, ids in zip(self.groups, blocks, strict=True):
-            if not group.stable:
-                self._watch_blocks(ids, req_id)
         return [[rank_keys[i] for i in kept] for rank_keys in keys], blocks
-
-    def _reused_store_blocks(self, scheduler_output: SchedulerOutput) -> set[str]:
-        """Requests whose stores may still read a block vLLM allocated in this pass: the workers wait for them."""
-        allocated, self._allocated = self._allocated, []
-        if not self._store_blocks:
-            return set()
-        for new in scheduler_output.scheduled_new_reqs:
-            allocated.extend(block for group in new.block_ids for block in group)
-        for new_blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
-            allocated.extend(block for group in new_blocks or () for block in group)
-        return {req_id for block in allocated for req_id in self._store_blocks.pop(block, ())}
-
-    def _watch_blocks(self, blocks: Iterable[int], req_id: str) -> None:
-        """A store of ``req_id`` may read ``blocks`` until vLLM hands them on (a block shared through
-        vLLM's prefix cache may be read by the stores of several requests)."""
-        for block in blocks:
-            self._store_blocks.setdefault(block, set()).add(req_id)
 
     def _send_lookups(self) -> None:
         """Sends every queued lookup as one message."""

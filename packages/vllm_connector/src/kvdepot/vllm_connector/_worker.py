@@ -1,19 +1,20 @@
 """The worker half of the connector: maps the pool, and moves blocks in and out of it.
 
-Stores, and loads on a GPU, run on one copy thread of the worker's own, in the order the
-steps asked for them, while the engine goes on with its next steps. Loads on a CPU engine run
-on the engine's thread, at the end of a step, with torch's own OpenMP team (`PacedLoad`):
+Loads on a GPU, and the commits of stores, run on one copy thread of the worker's own, in the
+order the steps asked for them, while the engine goes on with its next steps. Loads on a CPU
+engine run on the engine's thread, at the end of a step, with torch's own OpenMP team
+(`PacedLoad`); stores read the KV cache on the engine's thread, within their step:
 
 - A load (`start_load_kv`) writes blocks of a request that vLLM keeps waiting, and that no
   other request can see, until `get_finished` reports the load done or failed. On a CPU, a
   step that computes nothing copies its loads whole; a step that computes copies whole
   chunks of them for at most `load_step_share` of its own time, so running requests' steps
   stay as fast as without a load (a copy beside the forward pass would take a core from it).
-- A store (`wait_for_save`, after the forward pass wrote the blocks) reserves slots, copies
-  and commits. Its blocks cannot change under it: a running request's full blocks are never
-  rewritten, a finished request's blocks are held until its stores are reported done, and a
-  preempted request's stores are waited for before the step may reuse its blocks
-  (`handle_preemptions`).
+- A store reads the engine's KV cache only within the step that scheduled it (`_stores.py`):
+  its slots are reserved when the step starts, its blocks are gathered at `wait_for_save` on
+  the engine's thread (on CUDA on a side stream the compute stream then waits for), and the
+  copy thread commits it after the step. vLLM may then hand out, zero, copy into or free any
+  block at once, on either model runner: nothing is held and nothing waits at preemption.
 - The pool is mapped, and remapped after a server restart, on the copy thread only; the
   engine thread copies only while it holds the mapping's lock, so no copy ever runs on a
   mapping that is being closed.
@@ -38,10 +39,10 @@ from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
-from kvdepot.vllm_connector._handoff import wait_for_gate
 from kvdepot.vllm_connector._loads import Checked, PacedLoad, SlotChangedError, leading_nulls
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._pool_mapping import _PoolMapping
+from kvdepot.vllm_connector._stores import StepStores
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +58,6 @@ log = logging.getLogger("vllm.kvdepot.worker")
 IDLE_STEP_LOAD_WAIT_S = 0.5
 #: A hybrid layout's fingerprint longer than this is sent as its digest (the wire allows 1024).
 FINGERPRINT_MAX = 512
-# A store copies into its reserved slots only within this fraction of the server's reservation
-# TTL since it asked for them: the copy then has the rest of the TTL, and the quarantine's one
-# more TTL, to land before the slots can go to another client.
-LATE_COPY_FRACTION = 0.5
 
 
 class WorkerSide:
@@ -131,10 +128,9 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._pending: tuple[RegisterReply, str] | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-copy")
-        # Engine thread only: copies in flight, and finished requests whose blocks we hold.
+        # Engine thread only: loads in flight, and this step's stores from `step_started` to `wait_for_save`.
         self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
-        self._stores: dict[str, list[Future[None]]] = {}
-        self._held: set[str] = set()
+        self._step_stores: StepStores | None = None
         self._paced: list[PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
         self._step_started_at = time.monotonic()
         self._failed_blocks: set[int] = set()
@@ -252,21 +248,46 @@ class WorkerSide:
 
     # -- the engine's step ------------------------------------------------------------
 
-    def handle_preemptions(self, meta: KVDepotMetadata) -> None:
-        """Before the step reuses blocks (preempted requests', or a window's), their stores must have read them."""
-        for req_id in meta.preempted | meta.flush:
-            for future in self._stores.pop(req_id, ()):
-                future.exception()  # waits; a failure was logged by the copy itself
-
     def step_started(self, meta: KVDepotMetadata) -> None:
-        """The engine binds a step's metadata, before its forward pass: the prefault pauses
-        until `get_finished`, at the step's end."""
+        """The engine binds a step's metadata, before its forward pass: the slots of the step's
+        stores are asked for now, and the prefault pauses until `get_finished`, at the step's end."""
         self._between_steps.clear()
         self._idle_step = meta.idle
         self._step_started_at = time.monotonic()
+        if self._step_stores is not None:  # a step bound again without its wait_for_save: not in vLLM
+            self._step_stores.abort()
+        self._step_stores = self._reserve(meta)
+
+    def _reserve(self, meta: KVDepotMetadata) -> StepStores | None:
+        """The step's stores, their slots asked for; None when there are none, or no usable server."""
+        if not meta.stores or not self.strategy.stores:
+            return None
+        pool = self._pool
+        with self._lock:
+            remap_pending = self._pending is not None
+        if remap_pending:  # a restarted server's pool: mapped on the copy thread, used from the next step
+            self._copier.submit(self._current_pool)
+        if (
+            self._suspended
+            or self.layout is None
+            or pool is None
+            or remap_pending
+            or self.client.server_id != pool.server_id
+            or not self.health.usable()
+        ):
+            self._add("store_skipped", len(meta.stores))
+            return None
+        try:
+            return StepStores.reserve(
+                self.client, meta.stores, rank=self.strategy.kv_rank, chunk_bytes=self.chunk_bytes,
+                server_id=pool.server_id,
+            )  # fmt: skip
+        except Exception as exc:  # the client is closed
+            log.warning("kvdepot stores of this step skipped, the slots could not be asked for: %s", exc)
+            self._add("store_skipped", len(meta.stores))
+            return None
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
-        self._held |= meta.held
         if self._suspended:  # reported as failed loads: vLLM recomputes them
             for op in meta.loads:
                 self._loads[op.req_id] = (op, self._copier.submit(self._refuse_asleep))
@@ -289,17 +310,59 @@ class WorkerSide:
         return self.layout is not None and self.layout.device.type == "cpu" and not self.load_delay
 
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
-        if not meta.stores or not self.strategy.stores:
+        """The step's forward pass wrote its blocks: gather its stores now (the engine's thread),
+        so no store reads a block after the step; the copy thread commits them."""
+        stores, self._step_stores = self._step_stores, None
+        if stores is None:
             return
         if self._suspended:
-            self._add("store_skipped", len(meta.stores))
+            self._add("store_skipped", len(stores.pending))
+            stores.abort()
             return
-        future = self._copier.submit(self._store_all, meta.stores, self._engine_event())
-        for op in meta.stores:
-            self._stores.setdefault(op.req_id, []).append(future)
+        with self._pool_lock:  # no remap under the copy
+            pool = self._pool
+            if pool is None or pool.server_id != stores.server_id:
+                self._add("store_skipped", len(stores.pending))
+                stores.abort()
+                return
+            cpu = self.layout is not None and self.layout.device.type == "cpu"
+            copiers = pool.engine_copiers if cpu else pool.copiers
+            stores.gather(
+                lambda op, reply: self._gather(op, reply, copiers),
+                reservation_ttl=pool.reservation_ttl,
+                count=self._add,
+                server_failed=self._server_failed,
+            )
+        if stores.gathered:
+            self._copier.submit(
+                stores.commit, pin_s=self.pin_s, gate=self.store_gate, count=self._add, chunk_bytes=self.chunk_bytes,
+                server_failed=self._server_failed,
+            )  # fmt: skip
+
+    def wait_for_commits(self) -> None:
+        """Return once every store gathered so far is committed (or aborted): the copy thread's
+        queue runs in order. Nothing in vLLM's step needs this; tests and tools that look a
+        store up at once do."""
+        self._copier.submit(lambda: None).result()
+
+    def _gather(self, op: StoreOp, reply: Any, copiers: list[Any]) -> list[Any]:
+        """Copy a store's blocks, every group's, into its reserved slots; the copies' handles.
+
+        On a CPU the copy is done when this returns. On CUDA it runs on the copier's side stream
+        after the work queued so far, and the compute stream waits for it before anything later.
+        """
+        bpc = self.blocks_per_chunk
+        handles = []
+        for copier, ids, at, size in zip(copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True):
+            blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
+            handle = copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size)
+            if hasattr(handle, "wait_stream"):
+                handle.wait_stream()  # the compute stream: no later kernel writes a block before the copy read it
+            handles.append(handle)
+        return handles
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        """(held requests whose stores are done, loads done or failed) since the last call; the step's end."""
+        """(None: no request waits for a store, loads done or failed since the last call); the step's end."""
         if self._paced:
             self._copy_paced(whole=self._idle_step or self.load_step_share >= 1)
         self._between_steps.set()
@@ -323,11 +386,7 @@ class WorkerSide:
                 else:
                     self._failed_requests.add(req_id)  # vLLM recomputes the request
                 self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
-        for req_id in [r for r, futures in self._stores.items() if all(f.done() for f in futures)]:
-            del self._stores[req_id]
-        sending = {req_id for req_id in self._held if req_id not in self._stores}
-        self._held -= sending
-        return sending or None, recving or None
+        return None, recving or None  # a store never holds a request's blocks past its step
 
     # -- sleep mode (vLLM 0.33+: `unregister_kv_caches`, `restore_kv_caches`) ------------------
 
@@ -338,6 +397,9 @@ class WorkerSide:
         `get_finished`); until `resume`, loads fail (vLLM recomputes) and stores are skipped.
         """
         self._suspended = True
+        if self._step_stores is not None:
+            self._step_stores.abort()
+            self._step_stores = None
         for paced in self._paced:  # the engine thread's loads not yet copied fail: vLLM recomputes them
             paced.future.set_exception(RuntimeError("the engine's KV cache was released (sleep mode) mid-load"))
         self._paced.clear()
@@ -492,72 +554,6 @@ class WorkerSide:
 
         self._copier.submit(finish).add_done_callback(settle)
 
-    def _store_all(self, ops: list[StoreOp], after: Any = None) -> None:
-        """Reserve one step's chunks in one message, copy each request's, and commit them.
-
-        Returns once the commits are answered, so a store reported done (`get_finished`) is
-        visible to lookups; only the copy thread waits for that.
-        """
-        pool = self._current_pool()
-        if self.layout is None or pool is None or self.client.server_id != pool.server_id or not self.health.usable():
-            self._add("store_skipped", len(ops))
-            return
-        rank = self.strategy.kv_rank
-        asked = time.monotonic()  # the reservations expire no sooner than their TTL from now
-        with self.client.batch() as batch:
-            futures = [batch.reserve(op.salt, op.keys[rank], self.chunk_bytes, server_id=pool.server_id) for op in ops]
-        answers = []
-        for op, future in zip(ops, futures, strict=True):
-            # Each reply on its own: a failed reserve skips only its own store, and every
-            # reservation that was granted is committed or aborted, never left to expire.
-            try:
-                reply = future.result()
-            except Exception as exc:
-                self._server_failed(exc)
-                log.warning("kvdepot store of %s skipped, the server did not reserve: %s", op.req_id, exc)
-                self._add("store_skipped")
-                continue
-            if reply.slots:
-                answers.append(self._store(op, reply, pool, after, asked))
-        for answer in answers:
-            try:
-                answer.result()
-            except Exception as exc:
-                self._server_failed(exc)
-                log.warning("kvdepot commit or abort failed; the chunks stay invisible and expire: %s", exc)
-
-    def _store(self, op: StoreOp, reply: Any, pool: _PoolMapping, after: Any, asked: float) -> Future[Any]:
-        """Copy the reserved chunks into their slots; the future of the commit (or of the abort).
-
-        No copy starts past half the reservation's TTL since it was asked for (a process paused,
-        a copy thread stalled): the server hands expired slots out again after one more TTL of
-        quarantine, and a copy landing then would overwrite another client's chunk.
-        """
-        bpc = self.blocks_per_chunk
-        try:
-            for copier, ids, at, size in zip(
-                pool.copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True
-            ):
-                if pool.reservation_ttl and time.monotonic() - asked > pool.reservation_ttl * LATE_COPY_FRACTION:
-                    self._add("store_late")
-                    log.warning(
-                        "kvdepot store of %s dropped: its reservation is %.1f s old, the server keeps it %.1f s",
-                        op.req_id,
-                        time.monotonic() - asked,
-                        pool.reservation_ttl,
-                    )
-                    return self.client.abort(reply.reservation_id, server_id=pool.server_id)
-                blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
-                copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size, after=after).wait()
-        except Exception as exc:
-            log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
-            return self.client.abort(reply.reservation_id, server_id=pool.server_id)
-        if self.store_gate is not None:
-            wait_for_gate(self.store_gate)
-        self._add("stored_chunks", len(reply.slots))
-        self._add("stored_bytes", len(reply.slots) * self.chunk_bytes)
-        return self.client.commit(reply.reservation_id, server_id=pool.server_id, pin_s=self.pin_s)
-
     def _server_failed(self, exc: BaseException) -> None:
         if isinstance(exc, DeadlineExceededError):
             self.health.report_timeout()
@@ -585,6 +581,8 @@ class WorkerSide:
         return out
 
     def shutdown(self) -> None:
+        if self._step_stores is not None:
+            self._step_stores.abort()
         self._copier.shutdown(wait=True, cancel_futures=True)
         with self._lock:
             pool, self._pool = self._pool, None
