@@ -30,6 +30,14 @@
    (target: at most 2% loss).
 5. The TTFT workload through vLLM's built-in ExampleConnector (safetensors files per layer) for
    comparison: its hit TTFT, and kvdepot's against it.
+6. Engine steps while stores run: 2.'s decoders run while distinct (uncached) prompts of 8,192 +
+   2 tokens (quick 4,096 + 2) arrive one at a time and prefill in chunks (vLLM's chunked prefill,
+   its default step budget): each such step carries the decoders and a prefill chunk whose full
+   chunks kvdepot stores at the step's end. The median engine step time of the steps with a
+   prefill chunk of at least one whole chunk, with kvdepot against the same workload (same
+   prompts) on an engine without a connector, the runs alternating between the two engines
+   (target: at most 1.05x); the runs' whole wall time too, which also holds work a store leaves
+   to later steps. `--phase store` runs only this.
 
 A real `kvdepot serve` process on a private ipc socket is started (and killed and restarted for
 3.) here; every engine runs in its own process (benchmarks/_vllm_bench_worker.py) with fp32,
@@ -50,7 +58,7 @@ reported after the first: a tuned setting is measured beside the defaults, never
 `--connector-config KEY=VALUE` (repeatable) sets a `kv_connector_extra_config` key for kvdepot's
 engines, e.g. `kvdepot.prefault_pool=false`, to measure a setting's effect.
 
-Run: `python benchmarks/vllm_bench.py [--quick] [--phase all|miss] [--model llama|gemma2] [--prompt-tokens N]
+Run: `python benchmarks/vllm_bench.py [--quick] [--phase all|miss|hit|store] [--model llama|gemma2] [--prompt-tokens N]
 [--model-dir DIR] [--gomp-spincount N] [--connector-config KEY=VALUE]`. This hardware is shared, so compare
 only the ratios.
 """
@@ -132,6 +140,8 @@ DECODERS = 4
 DECODER_PROMPT_TOKENS = 64
 DECODER_TOKENS = 128
 FIRST_LOAD_STEP = 8
+# Store workload: 2.'s decoders while this many distinct long prompts prefill in chunks, one at a time.
+STORE_PROMPTS = 2
 # Outage workload: distinct prompts of one chunk each, so every request stores when it can.
 OUTAGE_PROMPT_TOKENS = 256
 OUTAGE_MAX_TOKENS = 8
@@ -383,13 +393,16 @@ class Bench:
         )
         return engine_settings(self.model, longest, needed)
 
-    def start(self, *configs: tuple[str, dict[str, Any] | None]) -> list[Worker]:
-        """Start engines side by side (their start-up overlaps), warm each up on a short distinct prompt."""
+    def start(
+        self, *configs: tuple[str, dict[str, Any] | None], settings: dict[str, Any] | None = None
+    ) -> list[Worker]:
+        """Start engines side by side (their start-up overlaps), warm each up on a short distinct prompt;
+        `settings`: vllm.LLM settings instead of `engine_kwargs()`."""
         started = []
         for name, transfer in configs:
             spec = {
                 "model": str(self.model),
-                "engine_kwargs": self.engine_kwargs(),
+                "engine_kwargs": settings or self.engine_kwargs(),
                 "kv_transfer_config": transfer,
                 "profile": True,
             }
@@ -490,8 +503,9 @@ def run_all(bench: Bench) -> dict[str, Any]:
     res["loaded_bytes"] = after.bytes_loaded - before.bytes_loaded
     res["memcpy_s"] = memcpy_seconds(res["loaded_bytes"] // len(prompts))
     res["steps"] = step_phase(bench, hit_engine, prompts)
-    res["outage"] = outage_phase(bench, hit_engine)  # last: the killed server loses every chunk
+    res["outage"] = outage_phase(bench, hit_engine)  # the killed server loses every chunk
     bench.stop(hit_engine, example)
+    res.update(run_store_only(bench))
 
     (example_hit_engine,) = bench.start(("example-hit", bench.example_config()))
     example_hits = []
@@ -736,6 +750,124 @@ def step_phase(bench: Bench, worker: Worker, long_prompts: list[list[int]]) -> d
         "profile": _scaled(profile, a.step_repeats),
         "mean_s": total_s / a.step_repeats,
     }
+
+
+def run_store_only(bench: Bench) -> dict[str, Any]:
+    """`--phase store`: two engines sized for the store workload's long prompts, and its phase."""
+    a = bench.args
+    longest = a.store_prompt_tokens + PROMPT_TAIL + 1
+    settings = engine_settings(bench.model, longest, DECODERS * (DECODER_PROMPT_TOKENS + DECODER_TOKENS) + longest)
+    none, kvd = bench.start(("none-store", None), ("kvdepot-store", bench.kvdepot_config()), settings=settings)
+    res = {"store": store_phase(bench, none, kvd)}
+    bench.stop(none, kvd)
+    return res
+
+
+def store_phase(bench: Bench, none: Worker, kvd: Worker) -> dict[str, Any]:
+    """Decoders running while distinct long prompts prefill in chunks, one at a time, through both
+    engines in turn (the same prompts, the order alternating): the steps that carry a prefill chunk."""
+    a = bench.args
+    length = a.store_prompt_tokens + PROMPT_TAIL
+    gap = max(1, (DECODER_TOKENS - 2 * FIRST_LOAD_STEP) // STORE_PROMPTS)
+    chunks = STORE_PROMPTS * (length // CHUNK_TOKENS)  # the decoders' requests hold no whole chunk
+    steps: dict[str, list[float]] = {"none": [], "kvdepot": []}
+    runs: dict[str, list[float]] = {"none": [], "kvdepot": []}
+    pairs, stored, profile = [], 0, {}
+    for worker in (none, kvd):  # an engine's first long prompt is slower: one discarded each
+        worker.run(bench.fresh_prompts(1, length), 1, sequential=True)
+    wait_for_chunks(bench, 0)
+    for repeat in range(a.step_repeats):
+        adds = [
+            {
+                "at_step": 0,
+                "prompts": bench.fresh_prompts(DECODERS, DECODER_PROMPT_TOKENS),
+                "max_tokens": DECODER_TOKENS,
+            }
+        ]
+        adds += [
+            {"at_step": FIRST_LOAD_STEP + i * gap, "prompts": bench.fresh_prompts(1, length), "max_tokens": 1}
+            for i in range(STORE_PROMPTS)
+        ]
+        this: dict[str, float] = {}
+        for worker in [none, kvd] if repeat % 2 == 0 else [kvd, none]:
+            key = "kvdepot" if worker is kvd else "none"
+            before = bench.server.stats().chunks
+            out = worker.timeline(adds, reset_prefix_cache=False)
+            if worker is kvd:  # its stores land before the other engine's run, which they would slow
+                with contextlib.suppress(Failed):  # skipped stores: counted below
+                    wait_for_chunks(bench, before + chunks, timeout=10.0)
+                stored += bench.server.stats().chunks - before
+                _add_profile(profile, out["profile"])
+            # The steps of the decoders (one token each) and a prefill chunk of at least one whole chunk.
+            mine = [
+                w
+                for w, tokens, requests, *_ in out["steps"]
+                if requests == DECODERS + 1 and tokens >= DECODERS + CHUNK_TOKENS
+            ]
+            steps[key] += mine
+            runs[key].append(sum(step[0] for step in out["steps"]))
+            this[key] = _median(mine)
+        pairs.append(this["kvdepot"] / this["none"])
+        progress(
+            f"store run {repeat + 1}/{a.step_repeats}: steps with a prefill chunk, no connector"
+            f" {this['none'] * 1e3:.0f} ms, kvdepot {this['kvdepot'] * 1e3:.0f} ms ({pairs[-1]:.3f}x)"
+        )
+    gather = {k: v for k, v in _scaled(profile, a.step_repeats)["methods"].items() if k.endswith(".gather")}
+    return {
+        "none_s": _median(steps["none"]),
+        "kvd_s": _median(steps["kvdepot"]),
+        "none_n": len(steps["none"]),
+        "kvd_n": len(steps["kvdepot"]),
+        "pair_iqr": _quartiles(pairs),
+        "none_run_s": _median(runs["none"]),
+        "kvd_run_s": _median(runs["kvdepot"]),
+        "run_ratio": statistics.median(k / n for k, n in zip(runs["kvdepot"], runs["none"], strict=True)),
+        "stored": stored,
+        "expected": chunks * a.step_repeats,
+        "gather_s": sum(v[0] for v in gather.values()),
+        "gather_calls": sum(v[1] for v in gather.values()),
+    }
+
+
+def store_rows(res: dict[str, Any]) -> list[tuple[str, ...]]:
+    """The store phase's rows: steps with a prefill chunk, and the runs' whole wall time."""
+    store = res["store"]
+    ratio = store["kvd_s"] / store["none_s"]
+    q1, q3 = store["pair_iqr"]
+    return [
+        (
+            f"engine step, {DECODERS} decoding + a prefill chunk stored",
+            f"{store['kvd_s'] * 1e3:.0f} ms ({store['kvd_n']} steps)",
+            f"no connector {store['none_s'] * 1e3:.0f} ms ({store['none_n']} steps)",
+            f"{ratio:.3f}x (runs' IQR {q1:.3f}-{q3:.3f})",
+            f"<= {STEP_TARGET}x",
+            "ok" if ratio <= STEP_TARGET else "MISSED",
+        ),
+        (
+            "wall time of a store run (every step)",
+            f"{store['kvd_run_s']:.2f} s",
+            f"no connector {store['none_run_s']:.2f} s",
+            f"{store['run_ratio']:.3f}x (paired)",
+            "info",
+            "-",
+        ),
+    ]
+
+
+def _store_workload(res: dict[str, Any], args: argparse.Namespace) -> str:
+    store = res["store"]
+    return (
+        f"store workload: {args.step_repeats} runs per engine (alternating) of {DECODERS} requests x"
+        f" {DECODER_PROMPT_TOKENS} tokens decoding {DECODER_TOKENS} tokens while {STORE_PROMPTS} distinct prompts of"
+        f" {args.store_prompt_tokens}+{PROMPT_TAIL} tokens arrive one at a time (from step {FIRST_LOAD_STEP}) and"
+        f" prefill in chunks; kvdepot stored {store['stored']} of {store['expected']} chunks; its gathers took"
+        f" {store['gather_s'] * 1e3:.1f} ms per run ({store['gather_calls']:.0f} calls)."
+    )
+
+
+def report_store_only(res: dict[str, Any], args: argparse.Namespace) -> None:
+    table("results (medians)", store_rows(res), RESULT_HEADER)
+    say(_store_workload(res, args))
 
 
 def outage_phase(bench: Bench, worker: Worker) -> dict[str, Any]:
@@ -1094,6 +1226,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
             "-",
         ),
     ]
+    rows += store_rows(res)
     table("results (medians)", rows, RESULT_HEADER)
     _profile_table(res)
     mib = 1 << 20
@@ -1111,6 +1244,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> None:
         " between repeats (machine noise)."
     )
     say(_step_workload(res, args))
+    say(_store_workload(res, args))
     recovered = outage["recovered_s"]
     say(
         f"outage workload: batches of {args.outage_requests} distinct prompts x {OUTAGE_PROMPT_TOKENS} tokens +"
@@ -1151,9 +1285,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--phase",
-        choices=("all", "miss", "hit"),
+        choices=("all", "miss", "hit", "store"),
         default="all",
-        help="all phases; only the miss phase (kvdepot vs none); or only the hit TTFT and decode-step phases",
+        help="all phases; only the miss phase (kvdepot vs none); only the hit TTFT and decode-step phases;"
+        " or only the steps while stores run",
+    )
+    parser.add_argument(
+        "--store-prompt-tokens", type=int, default=None, help="store phase's prompt length (default 8192; quick 4096)"
     )
     parser.add_argument(
         "--connector-config",
@@ -1188,6 +1326,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "step_repeats": (4, 3),
         "outage_requests": (8, 4),
         "miss_pairs": (24, 12),
+        "store_prompt_tokens": (8192, 4096),
     }
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
@@ -1257,7 +1396,12 @@ def run_passes(gomp_spincount: int | None, run_pass: Callable[[], int]) -> int:
 
 
 # --phase: what runs, and its report.
-PHASES = {"all": (run_all, report), "miss": (run_miss_only, report_miss_only), "hit": (run_hit_only, report_hit_only)}
+PHASES = {
+    "all": (run_all, report),
+    "miss": (run_miss_only, report_miss_only),
+    "hit": (run_hit_only, report_hit_only),
+    "store": (run_store_only, report_store_only),
+}
 
 
 def run_and_report(

@@ -24,6 +24,10 @@ from typing import Any
 
 import pytest
 
+# The tests import their shared helpers (`_scheduling`) from this directory (pytest's importlib mode
+# does not put it on the path).
+sys.path.insert(0, str(Path(__file__).parent))
+
 RUNNER = Path(__file__).with_name("_engine_runner.py")
 # Generous: an engine starts in ~3 s in-process and ~30 s with separate engine-core and worker
 # processes, on a shared 2-core machine that may be busy with other tests.
