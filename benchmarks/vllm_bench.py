@@ -773,8 +773,12 @@ def store_phase(bench: Bench, none: Worker, kvd: Worker) -> dict[str, Any]:
     steps: dict[str, list[float]] = {"none": [], "kvdepot": []}
     runs: dict[str, list[float]] = {"none": [], "kvdepot": []}
     pairs, stored, profile = [], 0, {}
-    for worker in (none, kvd):  # an engine's first long prompt is slower: one discarded each
-        worker.run(bench.fresh_prompts(1, length), 1, sequential=True)
+    warm = [
+        {"at_step": 0, "prompts": bench.fresh_prompts(DECODERS, DECODER_PROMPT_TOKENS), "max_tokens": FIRST_LOAD_STEP},
+        {"at_step": FIRST_LOAD_STEP // 2, "prompts": bench.fresh_prompts(1, length), "max_tokens": 1},
+    ]
+    for worker in (none, kvd):  # an engine's first such run is slower (new batch shapes): one discarded each
+        worker.timeline(warm, reset_prefix_cache=False)
     wait_for_chunks(bench, 0)
     for repeat in range(a.step_repeats):
         adds = [

@@ -221,10 +221,11 @@ def expected_chunk(runner: V2Runner, tokens: list[int], index: int) -> bytes:
     return bytes(out.numpy())
 
 
-def held_chunks(runner: V2Runner, address: str, tokens: list[int]) -> list[bytes]:
-    """The bytes of every chunk of ``tokens`` the server holds, in order, read from its pool."""
-    side = runner.scheduler.connector._scheduler
-    namespace = attrs.evolve(side.planner.namespace, cache_salt="", lora="", extra=(), kv_rank=0).for_rank(0)
+def held_chunks(runner: V2Runner, address: str, tokens: list[int], namespace: Any = None) -> list[bytes]:
+    """The bytes of every chunk of ``tokens`` the server holds, in order, read from its pool (keyed in
+    the scheduler's namespace now, or in ``namespace``)."""
+    namespace = namespace or runner.scheduler.connector._scheduler.planner.namespace
+    namespace = attrs.evolve(namespace, cache_salt="", lora="", extra=(), kv_rank=0).for_rank(0)
     keys = chunk_keys(namespace, tokens, CHUNK)
     runner.worker.wait_for_commits()
     with CacheClient(address) as client:
@@ -236,8 +237,10 @@ def held_chunks(runner: V2Runner, address: str, tokens: list[int]) -> list[bytes
     return chunks
 
 
-def assert_chunks_as_computed(runner: V2Runner, address: str, tokens: list[int], expected: int) -> None:
-    chunks = held_chunks(runner, address, tokens)
+def assert_chunks_as_computed(
+    runner: V2Runner, address: str, tokens: list[int], expected: int, namespace: Any = None
+) -> None:
+    chunks = held_chunks(runner, address, tokens, namespace)
     assert len(chunks) == expected
     for index, chunk in enumerate(chunks):
         assert chunk == expected_chunk(runner, tokens, index), f"chunk {index} differs from the computed KV"
@@ -270,8 +273,14 @@ def test_a_finished_requests_blocks_zeroed_and_rewritten_in_the_next_step_never_
     assert [(op.req_id, len(op.keys[0])) for op in out.kv_connector_metadata.stores] == [("r", 3)]
     r_blocks = set(out.scheduled_new_reqs[0].block_ids[0])
     scheduler.update_from_output(out, runner.step(out))
-    assert r.is_finished() and "r" not in scheduler.requests  # its blocks are vLLM's again
-    assert scheduler.reset_prefix_cache() is True
+    assert r.is_finished()
+    assert "r" not in scheduler.requests  # its blocks are vLLM's again, with no step between
+    # What `LLM.reset_prefix_cache(reset_connector=True)` runs, and `LLM.sleep()` needs (an empty cache),
+    # then what sleep and wake-up ask of the workers: both work at once.
+    before_reset = scheduler.connector._scheduler.planner.namespace
+    assert scheduler.reset_prefix_cache(reset_connector=True) is True
+    runner.connector.unregister_kv_caches()
+    runner.connector.restore_kv_caches()
     s_tokens = [41 + i % 1700 for i in range(4 * CHUNK)]
     s = make_request(scheduler, "s", s_tokens, max_tokens=1)
     scheduler.add_request(s)
@@ -279,7 +288,7 @@ def test_a_finished_requests_blocks_zeroed_and_rewritten_in_the_next_step_never_
     assert r_blocks & set(out.new_block_ids_to_zero or ())  # r's blocks: zeroed, then s's KV
     scheduler.update_from_output(out, runner.step(out))
     assert s.is_finished()
-    assert_chunks_as_computed(runner, server.address, r_tokens, 3)
+    assert_chunks_as_computed(runner, server.address, r_tokens, 3, before_reset)
     assert_chunks_as_computed(runner, server.address, s_tokens, 4)
 
 
@@ -355,7 +364,8 @@ def test_a_hit_loads_after_the_forward_through_steps_without_one_and_stores_the_
             break
         out = second.schedule()
         second.update_from_output(out, consumer.step(out, defer_finalize=defer_finalize))
-    assert computed_at_load and computed_at_load[0] >= 2 * CHUNK  # the hit was loaded, not computed
+    assert computed_at_load
+    assert computed_at_load[0] >= 2 * CHUNK  # the hit was loaded, not computed
     consumer.computed("c", tokens)
     consumer.run(until=c.is_finished, defer_finalize=defer_finalize)
     assert_chunks_as_computed(consumer, server.address, tokens, 3)
