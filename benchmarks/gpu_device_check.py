@@ -36,11 +36,18 @@ steps in a child process that sees only that directory and the machine's own pac
    gathers and scatters on its side stream: the products' slowdown.
 5. `roundtrip`: a real `kvdepot serve`; GPU blocks into its pool (Reserve, gather, Commit)
    and back into other GPU blocks (Lookup, scatter, Release): bytes identical, GB/s.
+6. `v2`: Model Runner V2's order, the guarantee kvdepot's worker gives it (`_stores.py`): a
+   step's forward pass writes blocks on the compute stream; at the step's end the store's
+   gather is queued on the copier's side stream and the compute stream waits for it (no host
+   wait); the next step at once zeroes those blocks and writes another request's KV into them
+   on the compute stream (V2's `update_requests`, then its forward); the commit follows on a
+   host thread once the copy is done. Every committed chunk must hold the first step's bytes,
+   through a real `kvdepot serve` and back; and the compute stream's delay for the copy.
 
 Results go to `$OUT` (or `--out`): `gpu_check.json`, `gpu_check.md` (the table for
 docs/gpu.md) and `gpu_check.log`. The exit status is 1 when a step failed (an error, a
 failed test, bytes that differ); figures below their targets are marked in the table, not
-failed. On the CPU (`--dry-run`, or no CUDA device) steps 3 and 5 run at a small size on the
+failed. On the CPU (`--dry-run`, or no CUDA device) steps 3, 5 and 6 run at a small size on the
 CPU copier so their code runs, and step 4 is skipped.
 """
 
@@ -77,9 +84,9 @@ TARGET_PLATFORMS = (
     "manylinux2014_x86_64",
     "manylinux1_x86_64",
 )
-STEPS = ("env", "tests", "bandwidth", "overlap", "roundtrip")
+STEPS = ("env", "tests", "v2", "bandwidth", "overlap", "roundtrip")
 # Seconds a step needs at most on a GPU machine: a step is skipped when less is left of the budget.
-STEP_SECONDS = {"env": 5, "tests": 60, "bandwidth": 90, "overlap": 40, "roundtrip": 40}
+STEP_SECONDS = {"env": 5, "tests": 60, "v2": 30, "bandwidth": 90, "overlap": 40, "roundtrip": 40}
 BUDGET_S = 400.0  # the wrapper stops the run at 420 s
 TARGETS = {"bandwidth": 0.90, "overlap": 0.05}
 MIB = 1 << 20
@@ -639,12 +646,10 @@ def step_overlap(report: Report, device: Any, args: argparse.Namespace) -> None:
 
 def step_roundtrip(report: Report, device: Any, args: argparse.Namespace) -> None:
     import hashlib
-    import mmap
 
     import torch
 
     from kvdepot.gpu import KVLayout, open_copier
-    from kvdepot.server import fetch_stats, open_pool_file
     from kvdepot.transport import CacheClient
 
     layers, blocks = (32, 1024) if device.type == "cuda" else (4, 512)
@@ -652,6 +657,59 @@ def step_roundtrip(report: Report, device: Any, args: argparse.Namespace) -> Non
     layout = KVLayout.from_kv_caches(kv, 16, backend_hint="FLASH_ATTN")
     per_chunk, chunks = 16, 16
     size = layout.chunk_bytes(per_chunk)
+    gen = torch.Generator().manual_seed(1)
+    order = torch.randperm(blocks, generator=gen).tolist()
+    source = [order[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
+    target = [order[(chunks + i) * per_chunk : (chunks + i + 1) * per_chunk] for i in range(chunks)]
+    rows = []
+    with _served(args, size, chunks) as address, CacheClient(address) as client:
+        reg = client.register(layout.fingerprint(), per_chunk * 16, size).result(30)
+        with _mapped_pool(reg) as pool, open_copier(layout, pool) as copier:
+            path = copier.describe()
+            for round_ in range(3):
+                salt = f"check-{round_}"
+                keys = [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(chunks)]
+                t0 = time.perf_counter()
+                r = client.reserve(salt, keys, size).result(30)
+                offsets = [slot.offset for slot in sorted(r.slots, key=lambda x: x.index)]
+                if len(offsets) != chunks:
+                    raise RuntimeError(f"the server reserved {len(offsets)} of {chunks} slots; give it more")
+                copier.gather(source, offsets, slot_size=size).wait()
+                client.commit(r.reservation_id).result(30)
+                t1 = time.perf_counter()
+                (hit,) = client.lookup([(salt, keys)]).result(30).results
+                copier.scatter([slot.offset for slot in hit.slots], target, slot_size=size).wait()
+                client.release([hit.lease_id]).result(30)
+                t2 = time.perf_counter()
+                same = all(  # as bits: random bf16 bits hold NaNs, which equal nothing
+                    torch.equal(t.view(torch.int16)[:, src], t.view(torch.int16)[:, dst])
+                    for t in kv.values()
+                    for src, dst in zip(source, target, strict=True)
+                )
+                rows.append({
+                    "round": round_, "chunks": chunks, "chunk MiB": size / MIB, "hit chunks": len(hit.slots),
+                    "store GB/s": chunks * size / (t1 - t0) / 1e9, "load GB/s": chunks * size / (t2 - t1) / 1e9,
+                    "bytes identical": same, "path": path,
+                })  # fmt: skip
+                say(f"    round {round_}: store {rows[-1]['store GB/s']:.2f} GB/s, load "
+                    f"{rows[-1]['load GB/s']:.2f} GB/s, identical: {same}")  # fmt: skip
+                for t in kv.values():  # the next round's targets start different again
+                    t[:, [b for chunk in target for b in chunk]] = 0
+    ok = all(r["bytes identical"] and r["hit chunks"] == chunks for r in rows)
+    best = max(rows, key=lambda r: r["store GB/s"] + r["load GB/s"])
+    summary = (
+        f"{chunks} x {size / MIB:.0f} MiB through kvdepot serve: store {best['store GB/s']:.2f} GB/s, "
+        f"load {best['load GB/s']:.2f} GB/s, bytes identical: {ok}"
+    )
+    report.step("roundtrip", "passed" if ok else "failed", summary=summary, rows=rows)
+
+
+@contextlib.contextmanager
+def _served(args: argparse.Namespace, size: int, chunks: int) -> Any:
+    """A real `kvdepot serve` with room for ``chunks`` slots of ``size`` bytes, on a private ipc socket;
+    its address."""
+    from kvdepot.server import fetch_stats
+
     with tempfile.TemporaryDirectory() as tmp:
         address = f"ipc://{tmp}/kvdepot.sock"
         # The pool where production keeps it (shared memory), where there is room.
@@ -673,54 +731,7 @@ def step_roundtrip(report: Report, device: Any, args: argparse.Namespace) -> Non
                     if time.monotonic() > deadline or server.poll() is not None:
                         raise
                     time.sleep(0.2)
-            with CacheClient(address) as client:
-                reg = client.register(layout.fingerprint(), per_chunk * 16, size).result(30)
-                fd = open_pool_file(reg.pool.path)
-                try:
-                    mapping = mmap.mmap(fd, reg.pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                finally:
-                    os.close(fd)
-                export = memoryview(mapping)
-                pool = torch.frombuffer(export, dtype=torch.uint8)
-                gen = torch.Generator().manual_seed(1)
-                order = torch.randperm(blocks, generator=gen).tolist()
-                source = [order[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
-                target = [order[(chunks + i) * per_chunk : (chunks + i + 1) * per_chunk] for i in range(chunks)]
-                rows = []
-                with open_copier(layout, pool) as copier:
-                    path = copier.describe()
-                    for round_ in range(3):
-                        salt = f"check-{round_}"
-                        keys = [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(chunks)]
-                        t0 = time.perf_counter()
-                        r = client.reserve(salt, keys, size).result(30)
-                        offsets = [slot.offset for slot in sorted(r.slots, key=lambda x: x.index)]
-                        if len(offsets) != chunks:
-                            raise RuntimeError(f"the server reserved {len(offsets)} of {chunks} slots; give it more")
-                        copier.gather(source, offsets, slot_size=size).wait()
-                        client.commit(r.reservation_id).result(30)
-                        t1 = time.perf_counter()
-                        (hit,) = client.lookup([(salt, keys)]).result(30).results
-                        copier.scatter([slot.offset for slot in hit.slots], target, slot_size=size).wait()
-                        client.release([hit.lease_id]).result(30)
-                        t2 = time.perf_counter()
-                        same = all(  # as bits: random bf16 bits hold NaNs, which equal nothing
-                            torch.equal(t.view(torch.int16)[:, src], t.view(torch.int16)[:, dst])
-                            for t in kv.values()
-                            for src, dst in zip(source, target, strict=True)
-                        )
-                        rows.append({
-                            "round": round_, "chunks": chunks, "chunk MiB": size / MIB, "hit chunks": len(hit.slots),
-                            "store GB/s": chunks * size / (t1 - t0) / 1e9, "load GB/s": chunks * size / (t2 - t1) / 1e9,
-                            "bytes identical": same, "path": path,
-                        })  # fmt: skip
-                        say(f"    round {round_}: store {rows[-1]['store GB/s']:.2f} GB/s, load "
-                            f"{rows[-1]['load GB/s']:.2f} GB/s, identical: {same}")  # fmt: skip
-                        for t in kv.values():  # the next round's targets start different again
-                            t[:, [b for chunk in target for b in chunk]] = 0
-                del pool
-                export.release()
-                mapping.close()
+            yield address
         finally:
             server.terminate()
             try:
@@ -728,18 +739,111 @@ def step_roundtrip(report: Report, device: Any, args: argparse.Namespace) -> Non
             except subprocess.TimeoutExpired:
                 server.kill()
             log.close()
-    ok = all(r["bytes identical"] and r["hit chunks"] == chunks for r in rows)
-    best = max(rows, key=lambda r: r["store GB/s"] + r["load GB/s"])
+
+
+@contextlib.contextmanager
+def _mapped_pool(reply: Any) -> Any:
+    """The server's pool, mapped as a worker maps it: a uint8 tensor over the whole mapping."""
+    import mmap
+
+    import torch
+
+    from kvdepot.server import open_pool_file
+
+    fd = open_pool_file(reply.pool.path)
+    try:
+        mapping = mmap.mmap(fd, reply.pool.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    export = memoryview(mapping)
+    pool = torch.frombuffer(export, dtype=torch.uint8)
+    try:
+        yield pool
+    finally:
+        del pool
+        export.release()
+        mapping.close()
+
+
+def step_v2(report: Report, device: Any, args: argparse.Namespace) -> None:
+    """Model Runner V2's order on the device (docstring, step 6)."""
+    import hashlib
+    import threading
+
+    import torch
+
+    from kvdepot.gpu import KVLayout, open_copier
+    from kvdepot.transport import CacheClient
+
+    layers, blocks = (32, 1024) if device.type == "cuda" else (4, 256)
+    if args.quick:
+        layers = min(layers, 8)
+    kv = _kv_cache("flash_attn", layers, blocks, device)
+    layout = KVLayout.from_kv_caches(kv, 16, backend_hint="FLASH_ATTN")
+    per_chunk, chunks = 16, 8
+    size = layout.chunk_bytes(per_chunk)
+    ids = torch.randperm(blocks, generator=torch.Generator().manual_seed(2)).tolist()
+    stored = [ids[i * per_chunk : (i + 1) * per_chunk] for i in range(chunks)]
+    loaded = [ids[(chunks + i) * per_chunk : (chunks + i + 1) * per_chunk] for i in range(chunks)]
+    flat = [b for chunk in stored for b in chunk]
+    busy = torch.randn(2048, 2048, device=device)  # the forward pass: compute queued ahead of the copy
+    rows = []
+    with _served(args, size, chunks * 2) as address, CacheClient(address) as client:
+        reg = client.register(layout.fingerprint(), per_chunk * 16, size).result(30)
+        with _mapped_pool(reg) as pool, open_copier(layout, pool) as copier:
+            for round_ in range(3):
+                salt = f"v2-{round_}"
+                keys = [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(chunks)]
+                reserved = client.reserve(salt, keys, size)  # asked for as the step starts
+                for _ in range(4 if device.type == "cuda" else 1):  # step N's forward pass
+                    busy = busy @ busy / busy.norm()
+                for t in kv.values():
+                    t[:, flat] = t[:, flat].roll(1, dims=-1)  # writes this step's KV into the stored blocks
+                computed = [t[:, flat].clone() for t in kv.values()]  # (compute stream: before the zeroing)
+                offsets = [s.offset for s in sorted(reserved.result(30).slots, key=lambda x: x.index)]
+                # wait_for_save: the gather on the side stream, after the forward; the compute stream waits for it.
+                queued = time.perf_counter()
+                handle = copier.gather(stored, offsets, slot_size=size)
+                if hasattr(handle, "wait_stream"):
+                    handle.wait_stream()
+                returned = time.perf_counter()
+                # Step N+1, at once: V2 zeroes the handed-out blocks, then another request's forward writes them.
+                for t in kv.values():
+                    t[:, flat] = 0
+                    t[:, flat] = 1
+
+                def commit(reply_id: int = reserved.result().reservation_id, h: Any = handle) -> None:
+                    h.wait()  # the copy thread: the commit once the copy is done
+                    client.commit(reply_id).result(30)
+
+                committer = threading.Thread(target=commit, daemon=True)
+                committer.start()
+                committer.join(60)
+                (hit,) = client.lookup([(salt, keys)]).result(30).results
+                copier.scatter([s.offset for s in hit.slots], loaded, slot_size=size).wait()
+                client.release([hit.lease_id]).result(30)
+                same = all(  # as bits: random bf16 bits hold NaNs, which equal nothing
+                    torch.equal(want.view(torch.int16), t.view(torch.int16)[:, [b for chunk in loaded for b in chunk]])
+                    for want, t in zip(computed, kv.values(), strict=True)
+                )
+                rows.append({
+                    "round": round_, "chunks": chunks, "chunk MiB": size / MIB, "hit chunks": len(hit.slots),
+                    "queue ms": (returned - queued) * 1e3, "bytes as computed": same, "path": copier.describe(),
+                })  # fmt: skip
+                say(f"    round {round_}: {len(hit.slots)} chunks back, bytes as computed: {same}")
+    ok = all(r["bytes as computed"] and r["hit chunks"] == chunks for r in rows)
     summary = (
-        f"{chunks} x {size / MIB:.0f} MiB through kvdepot serve: store {best['store GB/s']:.2f} GB/s, "
-        f"load {best['load GB/s']:.2f} GB/s, bytes identical: {ok}"
+        f"{chunks} x {size / MIB:.0f} MiB gathered at the step's end, the blocks zeroed and rewritten at once by "
+        f"the next step: every chunk as computed: {ok}; queueing the copy took "
+        f"{min(r['queue ms'] for r in rows):.2f} ms"
     )
-    report.step("roundtrip", "passed" if ok else "failed", summary=summary, rows=rows)
+    report.step("v2", "passed" if ok else "failed", summary=summary, rows=rows)
 
 
 STEP_FUNCTIONS: dict[str, Callable[[Report, Any, argparse.Namespace], None]] = {
     "env": step_env,
     "tests": step_tests,
+    "v2": step_v2,
     "bandwidth": step_bandwidth,
     "overlap": step_overlap,
     "roundtrip": step_roundtrip,

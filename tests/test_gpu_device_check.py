@@ -29,7 +29,8 @@ def test_the_device_check_runs_every_step_it_can_on_the_cpu_from_its_bundle(tmp_
     steps = results["steps"]
     statuses = {name: step["status"] for name, step in steps.items()}
     assert statuses == {
-        "env": "passed", "tests": "passed", "bandwidth": "passed", "overlap": "skipped", "roundtrip": "passed",
+        "env": "passed", "tests": "passed", "v2": "passed", "bandwidth": "passed", "overlap": "skipped",
+        "roundtrip": "passed",
     }, output  # fmt: skip
 
     # Every kvdepot module came from the scratch install of the bundle, none from this checkout.
