@@ -113,10 +113,13 @@ def test_hint_that_contradicts_the_shape_is_refused(make_case) -> None:
         KVLayout.from_kv_caches(case.kv, backend_hint="CPU_ATTN")
 
 
-def test_unknown_hint_is_refused(make_case) -> None:
-    """A misspelt backend name is reported with the names that are known."""
-    with pytest.raises(UnsupportedLayoutError, match="unknown backend_hint"):
-        KVLayout.from_kv_caches(make_case("cpu", torch.float16).kv, backend_hint="FLASH_ATN")
+def test_a_backend_kvdepot_does_not_name_takes_vllms_one_view(make_case) -> None:
+    """A backend named nowhere in kvdepot (vLLM's TRITON_ATTN, FLEX_ATTENTION, ...) registers vLLM's
+    [B, H, N, C] view, as every backend has since vLLM 0.26: that view is taken; any other shape is
+    refused, and the message names the backends kvdepot knows."""
+    assert KVLayout.from_kv_caches(make_case("cpu", torch.float16).kv, backend_hint="TRITON_ATTN").kind == "bhnc"
+    with pytest.raises(UnsupportedLayoutError, match="not one kvdepot names"):
+        KVLayout.from_kv_caches(make_case("flash_attn", torch.float16).kv, backend_hint="FLASH_ATN")
 
 
 @pytest.mark.parametrize(

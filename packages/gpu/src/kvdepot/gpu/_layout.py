@@ -26,8 +26,10 @@ from kvdepot.gpu._errors import UnsupportedLayoutError
 
 # Names a connector may pass as `backend_hint`, mapped to the layout kinds they allow.
 # vLLM's attention backend names are matched case-insensitively. "bhnc" is also what
-# newer vLLM registers for every backend (a logical [B, H, N, C] view per layer), so
-# each GPU backend name accepts it as well as its own historical shape.
+# newer vLLM (0.26 on) registers for every backend (a logical [B, H, N, C] view per layer,
+# K and V packed in the last dimension, in any `KVCacheLayout` order), so each GPU backend
+# name accepts it as well as its own historical shape, and a backend named nowhere here
+# (TRITON_ATTN, FLEX_ATTENTION, ROCM_ATTN, ...) gets that view alone.
 _KINDS_BY_HINT: dict[str, tuple[str, ...]] = {
     "cpu": ("bhnc",),
     "cpu_attn": ("bhnc",),
@@ -68,7 +70,7 @@ def _normalise_hint(hint: str | None) -> tuple[str, ...] | None:
         return _KINDS_BY_HINT[key]
     if "mla" in key:  # FLASHMLA, TRITON_MLA, CUTLASS_MLA, FLASHINFER_MLA, ...
         return _KINDS_BY_HINT["mla"]
-    return ()
+    return _KINDS_BY_HINT["bhnc"]  # vLLM's one view for every backend since 0.26
 
 
 def width_of(*values: int) -> int:
@@ -346,10 +348,6 @@ def _build(kv_caches: Mapping[str, torch.Tensor], block_size: int | None, hint: 
     if not isinstance(kv_caches, Mapping) or not kv_caches:
         raise _fail("kv_caches must be a non-empty dict of layer name to tensor", {}, hint)
     allowed = _normalise_hint(hint)
-    if allowed == ():
-        raise _fail(
-            f"unknown backend_hint {hint!r}; known: {sorted(_KINDS_BY_HINT)} or any *MLA* name", kv_caches, hint
-        )
     if block_size is not None and (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0):
         raise _fail(f"block_size must be a positive int, got {block_size!r}", kv_caches, hint)
 
@@ -368,7 +366,16 @@ def _build(kv_caches: Mapping[str, torch.Tensor], block_size: int | None, hint: 
             continue
         layer_kind = _pick_kind(t, allowed)
         if layer_kind is None:
-            raise _fail(f"layer {name!r}: shape {tuple(t.shape)} fits no single known layout", kv_caches, hint, name)
+            unnamed = hint is not None and _hint_key(hint) not in _KINDS_BY_HINT and "mla" not in _hint_key(hint)
+            why = (
+                f" (backend_hint {hint!r} is not one kvdepot names, so it takes vLLM's [B, H, N, C] view only; "
+                f"named: {sorted(_KINDS_BY_HINT)} or any *MLA* name)"
+                if unnamed
+                else ""
+            )
+            raise _fail(
+                f"layer {name!r}: shape {tuple(t.shape)} fits no single known layout{why}", kv_caches, hint, name
+            )
         if kind is not None and layer_kind != kind:
             raise _fail(f"layer {name!r} is {layer_kind} but earlier layers are {kind}", kv_caches, hint, name)
         kind = layer_kind
