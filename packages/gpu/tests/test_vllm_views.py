@@ -140,7 +140,7 @@ def _round_trip_every_path(kv: dict, engine_block: int, hint: str) -> None:
             copier.gather(sources, [0, size], slot_size=size).wait()
             copier.scatter([0, size], targets, slot_size=size).wait()
         pools[method] = pool
-        moved = dict(zip(sum(targets, []), sum(sources, []), strict=True))
+        moved = {t: s for ts, ss in zip(targets, sources, strict=True) for t, s in zip(ts, ss, strict=True)}
         for name, view in kv.items():
             after = _bits(view)
             for block in range(BLOCKS):
