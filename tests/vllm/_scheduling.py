@@ -28,6 +28,7 @@ def make_scheduler(
     sync: bool = False,
     num_blocks: int = NUM_BLOCKS,
     block_size: int = CPU_BLOCK,
+    kv_role: str = "kv_both",
     **engine: Any,
 ) -> Any:
     """vLLM's `AsyncScheduler` with the connector (its synchronous `Scheduler` with ``sync``); with
@@ -51,7 +52,7 @@ def make_scheduler(
         kv_transfer_config={
             "kv_connector": "KVDepotConnector",
             "kv_connector_module_path": "kvdepot.vllm_connector",  # whatever the registry holds
-            "kv_role": "kv_both",
+            "kv_role": kv_role,
             "kv_connector_extra_config": {"kvdepot.address": address},
         },
         **engine,

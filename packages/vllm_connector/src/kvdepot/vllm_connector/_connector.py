@@ -18,7 +18,13 @@ from kvdepot.core import Namespace, ParallelStrategy
 from kvdepot.transport import CacheClient, default_address
 from kvdepot.vllm_connector._compat import check_release, connector_api, vllm_version
 from kvdepot.vllm_connector._config import ConnectorConfig
-from kvdepot.vllm_connector._groups import CacheGroup, ConnectorConfigError, cache_groups, layout_part
+from kvdepot.vllm_connector._groups import (
+    CacheGroup,
+    ConnectorConfigError,
+    cache_groups,
+    layout_part,
+    unserved_layers,
+)
 from kvdepot.vllm_connector._health import ServerHealth
 from kvdepot.vllm_connector._identity import model_identity
 from kvdepot.vllm_connector._kv_events import EventAnnouncer
@@ -161,6 +167,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         # Refuses layer types it cannot serve (Mamba state, ...) before anything starts.
         self.groups = cache_groups(kv_cache_config)
         ktc = vllm_config.kv_transfer_config
+        self.kv_role = str(ktc.kv_role)
         cache = vllm_config.cache_config
         parallel = vllm_config.parallel_config
         self.config = ConnectorConfig.from_extra_config(
@@ -261,6 +268,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 num_blocks=kv_cache_config.num_blocks,
                 pin_s=self.config.handoff_pin if ktc.kv_role == "kv_producer" else 0.0,
                 store_gate=self.config.store_gate,
+                skip_layers=unserved_layers(kv_cache_config),
             )
         log.info(
             "kvdepot connector (%s, %s) using server %s, chunk size %d tokens, KV-cache groups: %s",
@@ -287,7 +295,10 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return False  # a cache: requests never wait for a store to be delivered
+        """True for a ``kv_producer`` (a prefill engine hands its chunks to a decode engine): vLLM then
+        recomputes a request preempted while its hand-off is pending rather than let it finish with
+        blocks the preemption freed. False otherwise: for a cache, a dropped store is a later miss."""
+        return self.kv_role == "kv_producer"
 
     # -- scheduler side ------------------------------------------------------------------
 

@@ -17,6 +17,14 @@ Groups whose blocks are not positional token KV (Mamba and other linear-attentio
 cross-attention, encoder-only) are refused at start, naming the layer type; vLLM needs its
 hybrid manager for those models anyway, so declaring hybrid support never stops a fallback
 vLLM could have made on its own.
+
+vLLM 0.33 marks the groups that take part in KV transfer (`KVCacheConfig.transfer_group_ids`)
+and, of those, the ones an offloader may store by hash (`prefix_cacheable_group_ids`). A group
+outside the transfer (an ephemeral replica vLLM rebuilds from its source group after a load) is
+left to vLLM: kvdepot neither stores nor loads it. A transferable group that is not
+prefix-cacheable (a ring buffer, a window replayed from its start) is refused at start like any
+other type kvdepot does not serve: a hit could not restore it, and the output would be wrong.
+A `CacheGroup` keeps vLLM's index of its group.
 """
 
 from __future__ import annotations
@@ -52,6 +60,8 @@ class CacheGroup:
     kind: str = "full"
     #: Tokens of the window (sliding_window) or of the local chunk (chunked_local); 0 otherwise.
     window: int = 0
+    #: vLLM's index of the group (its block ids come in this place of vLLM's per-group tuples).
+    index: int = 0
 
     @property
     def stable(self) -> bool:
@@ -77,8 +87,14 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
     """
     if kv_cache_config is None:
         return (CacheGroup(()),)
+    transferred = getattr(kv_cache_config, "transfer_group_ids", None)  # vLLM 0.33 on
+    cacheable = getattr(kv_cache_config, "prefix_cacheable_group_ids", None)
     groups = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        if transferred is not None and index not in transferred:
+            continue  # vLLM's own replica, rebuilt from its source group after a load
+        if cacheable is not None and index not in cacheable:
+            raise _refused(type(group.kv_cache_spec).__name__, index, list(group.layer_names), "not prefix-cacheable")
         kinds, windows = set(), set()
         for spec in _inner_specs(group.kv_cache_spec):
             name = type(spec).__name__
@@ -93,15 +109,21 @@ def cache_groups(kv_cache_config: Any) -> tuple[CacheGroup, ...]:
                 f"{sorted(windows)}. Run this model without the kvdepot connector.",
                 group=index,
             )
-        groups.append(CacheGroup(tuple(group.layer_names), kinds.pop(), windows.pop()))
+        groups.append(CacheGroup(tuple(group.layer_names), kinds.pop(), windows.pop(), index))
     if not groups:
-        raise ConnectorConfigError("the model has no KV-cache group; run it without the kvdepot connector")
+        raise ConnectorConfigError(
+            "the model has no KV-cache group that takes part in vLLM's KV transfer; "
+            "run it without the kvdepot connector"
+        )
     return tuple(groups)
 
 
-def _refused(spec_name: str, index: int, layers: list[str]) -> ConnectorConfigError:
+def _refused(spec_name: str, index: int, layers: list[str], why: str = "") -> ConnectorConfigError:
     shown = ", ".join(layers[:3]) + (f" and {len(layers) - 3} more" if len(layers) > 3 else "")
-    if "Mamba" in spec_name or "Linear" in spec_name:
+    if why:
+        what = f"vLLM marks the group {why}, so a hit could not restore it"
+        fix = "Run this model without the kvdepot connector."
+    elif "Mamba" in spec_name or "Linear" in spec_name:
         what = "state-space or linear-attention state, which is not positional per-token KV"
         fix = "Run this model without the kvdepot connector (vLLM needs its hybrid KV-cache manager for it)."
     else:
@@ -116,6 +138,22 @@ def _refused(spec_name: str, index: int, layers: list[str]) -> ConnectorConfigEr
         layer_type=spec_name,
         group=index,
     )
+
+
+def unserved_layers(kv_cache_config: Any) -> frozenset[str]:
+    """The layers of the groups kvdepot leaves to vLLM (outside the KV transfer)."""
+    served = getattr(kv_cache_config, "transfer_group_ids", None)
+    if kv_cache_config is None or served is None:
+        return frozenset()
+    groups = kv_cache_config.kv_cache_groups
+    return frozenset(name for i, group in enumerate(groups) if i not in served for name in group.layer_names)
+
+
+def ours(groups: tuple[CacheGroup, ...], per_group: Any) -> tuple[list[int], ...]:
+    """kvdepot's groups' entries of one of vLLM's per-group tuples (block ids, one list per group)."""
+    if not per_group:
+        return ()
+    return tuple(per_group[group.index] for group in groups)
 
 
 def layout_part(groups: tuple[CacheGroup, ...]) -> str | None:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import Namespace, Planner, RequestState
 from kvdepot.transport import DeadlineExceededError, LookupItem
-from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
+from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup, ours
 from kvdepot.vllm_connector._handoff import (
     DEFAULT_HANDOFF_TIMEOUT,
     expected_chunks,
@@ -184,8 +184,9 @@ class SchedulerSide:
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
-        """vLLM allocated the request's blocks, one list per KV-cache group."""
+        """vLLM allocated the request's blocks, one list per KV-cache group (vLLM's, all of them)."""
         req_id = request.request_id
+        block_ids = ours(self.groups, block_ids)
         if req_id not in self._records:
             return
         tracker = self.planner.get(req_id)
@@ -220,10 +221,11 @@ class SchedulerSide:
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), new.block_ids[0], replace=True)
+            first = ours(self.groups, new.block_ids)[0]
+            self._plan_store(meta, new.req_id, scheduled.get(new.req_id, 0), first, replace=True)
         cached = scheduler_output.scheduled_cached_reqs
         for index, req_id in enumerate(cached.req_ids):
-            new_blocks = cached.new_block_ids[index]
+            new_blocks = ours(self.groups, cached.new_block_ids[index])
             resumed = req_id in cached.resumed_req_ids
             self._plan_store(
                 meta, req_id, scheduled.get(req_id, 0), new_blocks[0] if new_blocks else [], replace=resumed
@@ -406,7 +408,7 @@ class SchedulerSide:
         this request; the blocks still in the table are read by the workers within this step.
         """
         manager = self.kv_cache_manager
-        groups: tuple[list[int], ...] = manager.get_block_ids(req_id) if manager is not None else ()
+        groups = ours(self.groups, manager.get_block_ids(req_id)) if manager is not None else ()
         bpc = self.planner.blocks_per_chunk
         kept: list[int] = []
         blocks: list[list[int]] = [[] for _ in self.groups]

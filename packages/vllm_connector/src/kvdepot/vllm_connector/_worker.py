@@ -83,6 +83,7 @@ class WorkerSide:
         engine_thread_loads: bool | None = None,
         pin_s: float = 0.0,
         store_gate: str | None = None,
+        skip_layers: frozenset[str] = frozenset(),
     ) -> None:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
         group's layout must have; None leaves that unchecked. ``load_step_share``: see
@@ -90,7 +91,8 @@ class WorkerSide:
         ``engine_thread_loads``: loads are copied by the engine's thread (`_copy_paced`) rather
         than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight.
         ``pin_s``: the server keeps each store's chunks from eviction that long (a prefill
-        engine's, until the decode engine has looked them up)."""
+        engine's, until the decode engine has looked them up). ``skip_layers``: layers of the
+        groups vLLM does not let an offloader store (`_groups.unserved_layers`): never copied."""
         self.client = client
         self.pin_s = pin_s
         self.store_gate = store_gate
@@ -109,6 +111,7 @@ class WorkerSide:
         self.load_step_share = load_step_share
         self.engine_thread_loads = engine_thread_loads
         self.groups = groups
+        self.skip_layers = skip_layers
         # A failed load is reported by its blocks only with one full-attention group: block ids
         # are per group, and a window cut back to a failed block would hold vLLM's null block.
         self._per_block_failures = len(groups) == 1 and groups[0].stable
@@ -151,7 +154,7 @@ class WorkerSide:
         from kvdepot.gpu import KVLayout, UnsupportedLayoutError
 
         if len(self.groups) == 1:  # every layer, and layers that share another's KV as aliases
-            per_group = [kv_caches]
+            per_group = [{n: t for n, t in kv_caches.items() if n not in self.skip_layers}]
         else:  # layers of different groups share tensors (one block belongs to one group at a time)
             per_group = [{n: kv_caches[n] for n in group.layer_names if n in kv_caches} for group in self.groups]
         # The engine's block size: vLLM splits an engine block into smaller kernel blocks where the
