@@ -362,3 +362,62 @@ def test_a_hit_that_vllm_caps_to_nothing_is_not_loaded_and_its_lease_goes_back(
         time.sleep(0.02)
     assert server.stats().leases == 0
     scheduler.shutdown()  # (the test's runner output has no auxiliary outputs for vLLM to check)
+
+
+def run_until(scheduler: Any, done: Any, steps: int = 60) -> list[Any]:
+    """Synchronous steps until ``done()``; every step's scheduler output."""
+    outs = []
+    for _ in range(steps):
+        if done():
+            return outs
+        out = scheduler.schedule()
+        outs.append(out)
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    raise AssertionError("not done")
+
+
+def test_a_request_whose_lookup_missed_while_it_waited_hits_what_was_committed_before_it_runs(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """Requests queued behind a small KV cache are looked up at admission, when the prefix they share
+    with a running request is not stored yet. Once a step of this engine that stored has ended, a
+    request whose hit stopped short is looked up again when vLLM asks for it: it loads the prefix
+    committed meanwhile instead of computing it (at concurrency 8 the stale misses cost about 34k
+    prompt tokens of 184k in vLLM's `bench serve`). vLLM's prefix caching is off: with it, b would
+    share a's blocks in vLLM's own cache, and this is about what only kvdepot can give."""
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True, num_blocks=9, enable_prefix_caching=False)
+    prefix = [71 + i % 1900 for i in range(3 * CHUNK)]
+    a = make_request(scheduler, "a", [*prefix, 1, 2], max_tokens=3)
+    b = make_request(scheduler, "b", [*prefix, 3, 4, 5], max_tokens=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)  # looked up now: a miss, nothing is stored yet
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 3 * CHUNK + 2}  # b waits: the KV cache holds one of them
+    assert [op.req_id for op in out.kv_connector_metadata.stores] == ["a"]
+    store_prefix(scheduler, server.address, prefix)  # what the workers commit at that step's end
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    run_until(scheduler, a.is_finished)
+    outs = run_until(scheduler, lambda: b.num_computed_tokens > 0)
+    assert [(op.req_id, op.num_tokens) for out in outs for op in out.kv_connector_metadata.loads] == [("b", 3 * CHUNK)]
+    scheduler.shutdown()
+
+
+def test_a_request_admitted_on_vllms_own_hit_that_vllm_loses_before_it_runs_hits_kvdepot(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """A request admitted while vLLM's prefix cache held its prefix looks up only the chunks past it;
+    if vLLM evicts them before the request runs (a small KV cache under load), its hit no longer
+    follows on from vLLM's: it is looked up again from vLLM's hit now, and loads the prefix."""
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True, num_blocks=16)
+    prefix = [73 + i % 1900 for i in range(5 * CHUNK)]
+    a = make_request(scheduler, "a", [*prefix[: 3 * CHUNK], 1, 2], max_tokens=1)
+    scheduler.add_request(a)
+    run_until(scheduler, a.is_finished)
+    store_prefix(scheduler, server.address, prefix)  # all five chunks (another engine stored the last two)
+    b = make_request(scheduler, "b", [*prefix, 3, 4, 5], max_tokens=1)
+    scheduler.add_request(b)  # vLLM holds a's blocks: b asks kvdepot for chunks 3 and 4 only
+    assert scheduler.connector._scheduler.planner.get("b").lookup_first == 3
+    assert scheduler.reset_prefix_cache()  # evicted before b runs
+    outs = run_until(scheduler, lambda: b.num_computed_tokens > 0)
+    assert [(op.req_id, op.num_tokens) for out in outs for op in out.kv_connector_metadata.loads] == [("b", 5 * CHUNK)]
+    scheduler.shutdown()

@@ -186,16 +186,20 @@ def test_no_lookup_for_chunks_vllms_prefix_cache_holds():
     assert meta.loads[0].block_ids == [[3, 4]]
 
 
-def test_a_local_hit_that_shrank_makes_the_hit_unusable():
-    """A lookup sent past a local hit that vLLM no longer has cannot be loaded: the gap is not in the cache."""
+def test_a_local_hit_that_shrank_is_looked_up_again_from_vllms_hit_now():
+    """A lookup sent past a local hit that vLLM no longer has cannot be loaded as it is (the gap is
+    not in its answer): the request is looked up again from vLLM's hit now, and the first answer's
+    lease goes back."""
     client = answering_client()
     s = side(client)
     s.kv_cache_manager = FakeCacheManager(hit=8)
     a = request("a", 20)
     s.on_new_request(a)
-    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
-    s.update_state_after_alloc(a, ([1, 2, 3, 4, 5],), 0)
-    assert client.released == [3]
+    assert s.planner.get("a").lookup_first == 1
+    assert s.get_num_new_matched_tokens(a, 0) == (16, True)
+    assert s.planner.get("a").lookup_first == 0
+    assert len(client.lookups) == 2
+    assert len(client.released) == 1
 
 
 def test_load_lease_is_released_once_every_worker_reported_the_load():

@@ -26,6 +26,7 @@ planner events and never waits on the server beyond one bounded moment per step:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import secrets
@@ -117,6 +118,12 @@ class SchedulerSide:
         # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
         self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
+        # Whether each of the last two steps scheduled stores, and when the last step that stored
+        # is known to have ended (its copies done, its commits sent): waiting requests whose hit
+        # stopped short then look up again. A step has ended by the time the one after the next
+        # is scheduled, with async scheduling too (one step in flight).
+        self._steps_storing: collections.deque[bool] = collections.deque()
+        self._stores_ended_at = 0.0
         self.leases = LeaseBook(client, namespace.kv_world_size)
         self._yielded = False
 
@@ -141,19 +148,41 @@ class SchedulerSide:
         self.planner.on_engine_hit(req_id, num_computed_tokens)
         if not self.loads or record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # a request that skips reading is still stored
-        stale = tracker.state is RequestState.LOOKED_UP and time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
-        if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale) and not self._start_lookup(
-            record, num_computed_tokens
-        ):
-            return 0, False
-        if tracker.state is RequestState.PREFETCHING:
-            self._send_lookups()
-            if not self._poll_lookup(record):
-                return None, False
+        for _ in range(2):  # a reply answered for a local hit vLLM has lost since is asked again
+            outdated = tracker.state is RequestState.LOOKED_UP and self._outdated(tracker, request, num_computed_tokens)
+            if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or outdated) and not self._start_lookup(
+                record, num_computed_tokens
+            ):
+                return 0, False
+            if tracker.state is RequestState.PREFETCHING:
+                self._send_lookups()
+                if not self._poll_lookup(record):
+                    return None, False
+            if num_computed_tokens >= tracker.lookup_first * self.planner.chunk_size:
+                break
         num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
         if record.handoff_tokens and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
             return None, False
         return num, num > 0
+
+    def _outdated(self, tracker: Any, request: Request, num_computed_tokens: int) -> bool:
+        """True when a request's lookup reply, read while it waited, may no longer be what the
+        server holds for it now that vLLM asks again (it is then looked up again):
+
+        - vLLM's own prefix hit shrank below the chunks the lookup left out (they were in vLLM's
+          cache at admission, evicted since): the hit no longer follows on from it;
+        - the hit stops short of the prompt's last full chunk, and a step of this engine that
+          stored chunks has ended since the lookup went out: a request with the same prefix
+          that ran meanwhile may have committed the rest (what a queue of requests sharing
+          prefixes does under a small KV cache);
+        - its leases are close to expiring (`LEASE_REFRESH_S`).
+        """
+        size = self.planner.chunk_size
+        if num_computed_tokens < tracker.lookup_first * size:
+            return True
+        if tracker.hit_chunks < (request.num_tokens - 1) // size and self._stores_ended_at > tracker.hit_at:
+            return True
+        return time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
 
     def _handoff_pending(self, record: Record, num_computed_tokens: int, have: int) -> bool:
         """True while a handed-over request should wait: the server holds fewer of its chunks
@@ -213,6 +242,8 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
+        if len(self._steps_storing) >= 2 and self._steps_storing.popleft():
+            self._stores_ended_at = time.monotonic()
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
         self._send_lookups()
         preempted = set(scheduler_output.preempted_req_ids or ())
@@ -233,6 +264,7 @@ class SchedulerSide:
         # A request preempted outside `schedule` (reset_prefix_cache(reset_running_requests=True))
         # is named preempted by the very pass that resumes it: it was admitted again (a load, or
         # scheduled new or resumed), and must not be taken for preempted now.
+        self._steps_storing.append(bool(meta.stores))
         readmitted = {op.req_id for op in meta.loads} | {new.req_id for new in scheduler_output.scheduled_new_reqs}
         for req_id in preempted - readmitted - set(cached.resumed_req_ids):
             if req_id in self.planner and self.planner.get(req_id).state in _RUNNING:
