@@ -34,7 +34,7 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.core import Namespace, Planner, RequestState
+from kvdepot.core import Namespace, Planner, RequestState, RequestTracker
 from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup, ours
 from kvdepot.vllm_connector._handoff import (
@@ -165,7 +165,7 @@ class SchedulerSide:
             return None, False
         return num, num > 0
 
-    def _outdated(self, tracker: Any, request: Request, num_computed_tokens: int) -> bool:
+    def _outdated(self, tracker: RequestTracker, request: Request, num_computed_tokens: int) -> bool:
         """True when a request's lookup reply, read while it waited, may no longer be what the
         server holds for it now that vLLM asks again (it is then looked up again):
 
@@ -182,7 +182,7 @@ class SchedulerSide:
             return True
         if tracker.hit_chunks < (request.num_tokens - 1) // size and self._stores_ended_at > tracker.hit_at:
             return True
-        return time.monotonic() - tracker.hit_at > LEASE_REFRESH_S
+        return bool(time.monotonic() - tracker.hit_at > LEASE_REFRESH_S)
 
     def _handoff_pending(self, record: Record, num_computed_tokens: int, have: int) -> bool:
         """True while a handed-over request should wait: the server holds fewer of its chunks
