@@ -30,14 +30,15 @@
    (target: at most 2% loss).
 5. The TTFT workload through vLLM's built-in ExampleConnector (safetensors files per layer) for
    comparison: its hit TTFT, and kvdepot's against it.
-6. Engine steps while stores run: 2.'s decoders run while distinct (uncached) prompts of 8,192 +
-   2 tokens (quick 4,096 + 2) arrive one at a time and prefill in chunks (vLLM's chunked prefill,
-   its default step budget): each such step carries the decoders and a prefill chunk whose full
-   chunks kvdepot stores at the step's end. The median engine step time of the steps with a
-   prefill chunk of at least one whole chunk, with kvdepot against the same workload (same
-   prompts) on an engine without a connector, the runs alternating between the two engines
-   (target: at most 1.05x); the runs' whole wall time too, which also holds work a store leaves
-   to later steps. `--phase store` runs only this.
+6. Engine steps while stores run: 2.'s decoders run while 2 distinct (uncached) prompts of
+   8,192 + 2 tokens (quick 4,096 + 2; the tiny model 7,936 + 2) arrive one at a time and prefill
+   in chunks (vLLM's chunked prefill, its default step budget): each such step carries the
+   decoders and a prefill chunk whose full chunks kvdepot stores at the step's end. The median
+   engine step time of the steps with a prefill chunk of at least one whole chunk, with kvdepot
+   against the same workload (same prompts) on an engine without a connector, the runs
+   alternating between the two engines (target: at most 1.05x), and the median and IQR of the
+   step-by-step ratios (the same chunk of the same prompt); the runs' whole wall time too, which
+   also holds work a store leaves to later steps. `--phase store` runs only this.
 
 A real `kvdepot serve` process on a private ipc socket is started (and killed and restarted for
 3.) here; every engine runs in its own process (benchmarks/_vllm_bench_worker.py) with fp32,

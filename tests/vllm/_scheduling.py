@@ -29,6 +29,7 @@ def make_scheduler(
     num_blocks: int = NUM_BLOCKS,
     block_size: int = CPU_BLOCK,
     kv_role: str = "kv_both",
+    connector: dict[str, Any] | None = None,
     **engine: Any,
 ) -> Any:
     """vLLM's `AsyncScheduler` with the connector (its synchronous `Scheduler` with ``sync``); with
@@ -53,7 +54,7 @@ def make_scheduler(
             "kv_connector": "KVDepotConnector",
             "kv_connector_module_path": "kvdepot.vllm_connector",  # whatever the registry holds
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"kvdepot.address": address},
+            "kv_connector_extra_config": {"kvdepot.address": address, **(connector or {})},
         },
         **engine,
     ).create_engine_config()

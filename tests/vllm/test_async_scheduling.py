@@ -421,3 +421,42 @@ def test_a_request_admitted_on_vllms_own_hit_that_vllm_loses_before_it_runs_hits
     outs = run_until(scheduler, lambda: b.num_computed_tokens > 0)
     assert [(op.req_id, op.num_tokens) for out in outs for op in out.kv_connector_metadata.loads] == [("b", 5 * CHUNK)]
     scheduler.shutdown()
+
+
+def test_a_hit_in_ram_joins_the_step_that_finds_it_when_sync_loads_are_on(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """With `kvdepot.sync_load_bytes`, a hit wholly in the server's RAM that fits the step's budget is
+    returned as a synchronous load: vLLM computes the rest of the prompt in the very step that finds
+    it (no step spent waiting for the load); the lease goes back once that step has ended. A hit past
+    the budget loads asynchronously."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(
+        tiny_llama, server.address, sync=True, connector={"kvdepot.sync_load_bytes": 2 * 4096}
+    )  # store_prefix's chunks are 4,096 bytes: two fit
+    prefix = [79 + i % 1900 for i in range(3 * CHUNK)]
+    store_prefix(scheduler, server.address, prefix)
+    near = make_request(scheduler, "near", [*prefix[: 2 * CHUNK], 5, 6, 7], max_tokens=2)
+    scheduler.add_request(near)
+    out = scheduler.schedule()
+    assert near.status is RequestStatus.RUNNING
+    assert out.num_scheduled_tokens == {"near": 3}  # the rest of the prompt, in this step
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("near", True)]
+    assert server.stats().leases == 1
+    for _ in range(2):  # the load's step has ended by the time the step after the next is scheduled
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+        out = scheduler.schedule()
+    deadline = time.monotonic() + 10
+    while server.stats().leases and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.stats().leases == 0
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    other = [83 + i % 1900 for i in range(3 * CHUNK)]
+    store_prefix(scheduler, server.address, other)
+    far = make_request(scheduler, "far", [*other, 5, 6, 7], max_tokens=1)  # three chunks: past the budget
+    scheduler.add_request(far)
+    out = scheduler.schedule()
+    assert far.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("far", False)]
+    scheduler.shutdown()

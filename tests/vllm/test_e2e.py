@@ -68,6 +68,23 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(length)]
 
 
+#: Hits that load before the forward pass of the step that finds them (experimental, off by default).
+SYNC = {"kvdepot.sync_load_bytes": 64 << 20}
+BOTH_MODES = [pytest.param({}, id="async"), pytest.param(SYNC, id="sync")]
+LOAD_MODES = [
+    pytest.param({}, id="async"),
+    pytest.param(
+        SYNC,
+        id="sync",
+        marks=pytest.mark.xfail(
+            strict=True,
+            reason="vLLM caches a sync-loaded block at allocation: a request sharing it in the same step decodes "
+            "over a failed load (why kvdepot's hits load asynchronously by default)",
+        ),
+    ),
+]
+
+
 def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdepot_server):
     """A second engine loads the first engine's chunks and decodes exactly as recompute."""
     p = prompt(700)
@@ -90,6 +107,19 @@ def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdep
     # The real engine's KV cache takes the native block copy, not the reference fallback.
     assert second.log_path is not None
     assert "copies: cpu: native block copy" in second.log_path.read_text(errors="replace")
+
+
+def test_a_hit_in_ram_loaded_synchronously_joins_the_step_that_finds_it(tiny_llama, vllm_engine, kvdepot_server):
+    """With `kvdepot.sync_load_bytes`, a hit wholly in the server's RAM is copied before the forward pass
+    of the step that schedules it: vLLM counts its tokens computed and computes the rest in that
+    very step, and the output is recompute's."""
+    p = prompt(700)
+    baseline = vllm_engine(tiny_llama, [p]).check()
+    vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
+    sync = vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config(**SYNC)).check()
+    assert sync.num_cached_tokens == [(700 // CHUNK) * CHUNK]
+    assert sync.outputs == baseline.outputs
+    assert_nothing_left(kvdepot_server.stats())
 
 
 def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepot_server):
@@ -145,15 +175,19 @@ def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_s
     assert again.outputs == baseline.outputs[-4:]
 
 
-def test_injected_load_failure_is_recomputed(tiny_llama, vllm_engine, kvdepot_server):
-    """A load that fails is reported to vLLM, recomputed, and the output is unchanged."""
+@pytest.mark.parametrize("mode", BOTH_MODES)
+def test_injected_load_failure_is_recomputed(tiny_llama, vllm_engine, kvdepot_server, mode):
+    """A load that fails is reported to vLLM, recomputed, and the output is unchanged (asynchronous, and
+    synchronous: copied before the forward pass, its blocks reported failed from the same step)."""
     p = prompt(800, seed=2)
     # (the first engine below computes and stores p)
     vllm_engine(tiny_llama, [p], kv_transfer_config=kvdepot_server.connector_config()).check()
     longer = p + prompt(600, seed=22)
     longer_baseline = vllm_engine(tiny_llama, [longer]).check()
     failing = vllm_engine(
-        tiny_llama, [longer], kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True})
+        tiny_llama,
+        [longer],
+        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True, **mode}),
     ).check()
     assert "vLLM recomputes it" in failing.log_tail
     assert failing.outputs == longer_baseline.outputs
@@ -278,8 +312,11 @@ def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engin
 P = prompt(512, seed=30)  # two chunks: the shared prefix every scenario loads
 
 
-def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, kvdepot_server):
-    """Two requests sharing a prefix whose load fails in one batch: neither stores KV computed over it."""
+@pytest.mark.parametrize("mode", LOAD_MODES)
+def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, kvdepot_server, mode):
+    """Two requests sharing a prefix whose load fails in one batch: neither stores KV computed over it,
+    and both decode as recompute. With synchronous loads the second request shares the failed blocks
+    in the same step (vLLM cached them at allocation)."""
     a, b = P + prompt(300, seed=31), P + prompt(300, seed=32)
     reference = vllm_engine(tiny_llama, [a, b], sequential=False).check()
     vllm_engine(tiny_llama, [P], kv_transfer_config=kvdepot_server.connector_config()).check()
@@ -287,7 +324,7 @@ def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, k
         tiny_llama,
         [a, b],
         sequential=False,
-        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True}),
+        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True, **mode}),
     ).check()
     assert "vLLM recomputes it" in failing.log_tail
     assert failing.outputs == reference.outputs

@@ -700,3 +700,39 @@ def test_a_load_not_yet_copied_when_the_engine_sleeps_is_a_failed_load(client: C
         client.release([hit.lease_id]).result(5)
     finally:
         worker.shutdown()
+
+
+def test_a_synchronous_load_is_copied_before_start_load_kv_returns_and_never_reported(client: CacheClient) -> None:
+    """A hit that joins its step (`LoadOp.sync`) is in its blocks when `start_load_kv` returns, before the
+    step's forward pass; vLLM counts it computed, so `get_finished` never names it."""
+    kv = torch.randn((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv)
+    try:
+        store(worker, "a", [KEY], [1, 2])
+        hit = client.lookup([("", [KEY])]).result(5).results[0]
+        load = leased_load(client, "b", hit, [KEY], [5, 6])
+        load.sync = True
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        assert torch.equal(kv[5:7], kv[1:3])
+        assert worker.get_finished(set()) == (None, None)
+        assert worker.take_failed_blocks() == set()
+        client.release([hit.lease_id]).result(5)
+    finally:
+        worker.shutdown()
+
+
+def test_a_synchronous_load_that_fails_reports_its_blocks_from_the_same_step(client: CacheClient) -> None:
+    """A synchronous load that fails writes nothing, and its blocks (past the engine's own hit) are
+    reported failed from the same step, with the request for the scheduler side's count."""
+    kv = torch.zeros((8, 2, BLOCK, 64))
+    worker = make_worker(client, kv, fail_loads=True)
+    try:
+        load = LoadOp("b", client.server_id or "", [[0]], [[5, 6]], 1, CHUNK, sync=True)
+        worker.start_load_kv(KVDepotMetadata(loads=[load]))
+        assert worker.take_failed_blocks() == {6}
+        meta = worker.take_worker_meta()
+        assert meta is not None
+        assert meta.failed == {"b"}
+        assert worker.get_finished(set()) == (None, None)
+    finally:
+        worker.shutdown()

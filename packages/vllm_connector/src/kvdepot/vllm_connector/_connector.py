@@ -249,6 +249,8 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 stores=ktc.kv_role != "kv_consumer" or self.config.consumer_stores,
                 producer=ktc.kv_role == "kv_producer",
                 handoff_timeout=self.config.handoff_timeout,
+                # The test knob that keeps loads in flight makes every load asynchronous.
+                sync_load_bytes=0 if self.config.load_delay else self.config.sync_load_bytes,
             )
         else:
             self._worker = WorkerSide(

@@ -1,13 +1,17 @@
 """What the worker keeps about a load while it copies it: the checked slots, the engine-thread
-pacing record, and the error a slot that changed under the copy raises."""
+pacing record, the error a slot that changed under the copy raises, and the failures it
+reports to vLLM."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import Future
 from typing import NamedTuple
 
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID
-from kvdepot.vllm_connector._meta import LoadOp
+from kvdepot.vllm_connector._meta import KVDepotWorkerMetadata, LoadOp
+
+log = logging.getLogger("vllm.kvdepot.worker")
 
 
 def leading_nulls(block_ids: list[int]) -> int:
@@ -48,3 +52,38 @@ class PacedLoad:
         self.future: Future[None] = Future()
         self.done_chunks = 0
         self.checked: Checked | None = None
+
+
+class LoadFailures:
+    """The loads that failed since vLLM last asked: by their blocks with one full-attention group
+    (vLLM keeps what loaded before the first failed block: `get_block_ids_with_load_errors`), else
+    by their requests (`failed_recving`: a window cut back to a failed block would hold vLLM's null
+    block, and block ids are per group); and every failed request, for the scheduler side's count."""
+
+    def __init__(self, *, per_block: bool, blocks_per_chunk: int) -> None:
+        self.per_block = per_block
+        self.blocks_per_chunk = blocks_per_chunk
+        self.blocks: set[int] = set()
+        self.requests: set[str] = set()
+        self.meta = KVDepotWorkerMetadata()
+
+    def report(self, op: LoadOp, exc: BaseException) -> None:
+        log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", op.req_id, exc)
+        if self.per_block:
+            first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
+            self.blocks.update(op.block_ids[0][max(first, op.skip_blocks) :])
+        else:
+            self.requests.add(op.req_id)
+        self.meta.failed.add(op.req_id)  # counted once, by the scheduler side
+
+    def take_meta(self) -> KVDepotWorkerMetadata | None:
+        meta, self.meta = self.meta, KVDepotWorkerMetadata()
+        return meta if meta.failed else None
+
+    def take_blocks(self) -> set[int]:
+        out, self.blocks = self.blocks, set()
+        return out
+
+    def take_requests(self) -> set[str]:
+        out, self.requests = self.requests, set()
+        return out

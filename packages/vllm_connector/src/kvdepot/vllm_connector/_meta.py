@@ -39,6 +39,10 @@ class LoadOp:
     slot_bytes: int = 0  # each slot's length, as the server said: checked against the worker's chunk size
     salt: str = ""
     keys: list[list[bytes]] = field(default_factory=list)  # per KV rank: the chunk each slot must hold
+    #: Loaded before the step's forward pass (vLLM counts its tokens computed and schedules the rest
+    #: in this step): copied in `start_load_kv`, never reported in `get_finished`; a failure is
+    #: reported by its blocks (`get_block_ids_with_load_errors`), and vLLM recomputes them.
+    sync: bool = False
 
 
 @dataclass

@@ -25,6 +25,8 @@ class Record:
     slot_bytes: int = 0
     #: A load of this request failed: it is never offered a hit again.
     load_failed: bool = False
+    #: Its hit loads before the forward pass of the step that schedules it (`LoadOp.sync`).
+    sync_load: bool = False
     #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
     #: server had just read back for it from each tier below RAM (the rest came from RAM).
     read_back: tuple[int, dict[str, int]] = (0, {})

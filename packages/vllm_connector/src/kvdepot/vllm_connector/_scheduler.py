@@ -91,11 +91,13 @@ class SchedulerSide:
         stores: bool = True,
         producer: bool = False,
         handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT,
+        sync_load_bytes: int = 0,
     ) -> None:
         """``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
         ``loads``, ``stores``: what the engine's ``kv_role`` lets it do; ``producer``: a prefill
         engine, whose finished requests name their chunks for a decode engine (`_handoff.py`);
-        ``handoff_timeout``: how long a handed-over request waits at most for those chunks."""
+        ``handoff_timeout``: how long a handed-over request waits at most for those chunks.
+        ``sync_load_bytes``: the most bytes of hits a step loads before its forward pass (0: none)."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.loads, self.stores, self.producer = loads, stores, producer
         self.handoff_timeout = handoff_timeout
@@ -118,6 +120,13 @@ class SchedulerSide:
         # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
         self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
+        # Hits that join the step that finds them: the bytes this pass may still load so, this
+        # pass's such loads, and the last two passes' (a load is done once its step has ended,
+        # by the time the step after the next is scheduled: its leases go back then).
+        self.sync_load_bytes = sync_load_bytes
+        self._sync_budget = sync_load_bytes
+        self._sync_loading: list[str] = []
+        self._sync_steps: collections.deque[list[str]] = collections.deque()
         # Whether each of the last two steps scheduled stores, and when the last step that stored
         # is known to have ended (its copies done, its commits sent): waiting requests whose hit
         # stopped short then look up again. A step has ended by the time the one after the next
@@ -163,7 +172,23 @@ class SchedulerSide:
         num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
         if record.handoff_tokens and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
             return None, False
-        return num, num > 0
+        record.sync_load = num > 0 and self._joins_this_step(record, num_computed_tokens, num)
+        return num, num > 0 and not record.sync_load
+
+    def _joins_this_step(self, record: Record, num_computed_tokens: int, num: int) -> bool:
+        """Whether a hit loads before the forward pass of the step that schedules it: its chunks are
+        all in the server's RAM (none just read back from a tier below), the model has one
+        full-attention KV-cache group (a failed load is then reported block by block), and its
+        bytes fit in what is left of this pass's `sync_load_bytes`."""
+        if not self.sync_load_bytes or self._windowed or record.read_back[1]:
+            return False
+        size = self.planner.chunk_size
+        chunks = -(-(num_computed_tokens + num) // size) - num_computed_tokens // size
+        need = chunks * record.slot_bytes
+        if need > self._sync_budget:
+            return False
+        self._sync_budget -= need
+        return True
 
     def _outdated(self, tracker: RequestTracker, request: Request, num_computed_tokens: int) -> bool:
         """True when a request's lookup reply, read while it waited, may no longer be what the
@@ -236,14 +261,22 @@ class SchedulerSide:
                     slot_bytes=self._records[req_id].slot_bytes,
                     salt=plan.cache_salt,
                     keys=[list(rank_keys) for rank_keys in plan.keys],
+                    sync=self._records[req_id].sync_load,
                 )
             )
+            if self._records[req_id].sync_load:
+                self._sync_loading.append(req_id)
         self._flush_releases()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
         if len(self._steps_storing) >= 2 and self._steps_storing.popleft():
             self._stores_ended_at = time.monotonic()
+        self._sync_budget = self.sync_load_bytes
+        if len(self._sync_steps) >= 2:  # their step has ended: copied (a failure was reported already)
+            for req_id in self._sync_steps.popleft():
+                if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
+                    self.planner.on_load_done(req_id)
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
         self._send_lookups()
         preempted = set(scheduler_output.preempted_req_ids or ())
@@ -265,6 +298,8 @@ class SchedulerSide:
         # is named preempted by the very pass that resumes it: it was admitted again (a load, or
         # scheduled new or resumed), and must not be taken for preempted now.
         self._steps_storing.append(bool(meta.stores))
+        self._sync_steps.append(self._sync_loading)
+        self._sync_loading = []
         readmitted = {op.req_id for op in meta.loads} | {new.req_id for new in scheduler_output.scheduled_new_reqs}
         for req_id in preempted - readmitted - set(cached.resumed_req_ids):
             if req_id in self.planner and self.planner.get(req_id).state in _RUNNING:
@@ -283,6 +318,9 @@ class SchedulerSide:
             record = self._records.get(req_id)
             if record is not None and self.planner.is_loading(req_id):
                 record.load_failed = True
+                if record.sync_load:  # never in finished_recving: vLLM cut its computed tokens already
+                    self.stats.add("load_failures")
+                    self.planner.on_load_failed(req_id, record.request.num_computed_tokens)
         # vLLM has already cut a failed request's computed tokens back to its first failed block.
         for req_id in output.finished_recving or ():
             if not self.planner.is_loading(req_id):

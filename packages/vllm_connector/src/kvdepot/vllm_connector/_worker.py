@@ -39,7 +39,7 @@ from kvdepot.server import PoolError
 from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
-from kvdepot.vllm_connector._loads import Checked, PacedLoad, SlotChangedError, leading_nulls
+from kvdepot.vllm_connector._loads import Checked, LoadFailures, PacedLoad, SlotChangedError, leading_nulls
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._pool_mapping import _PoolMapping
 from kvdepot.vllm_connector._stores import StepStores
@@ -112,9 +112,6 @@ class WorkerSide:
         self.engine_thread_loads = engine_thread_loads
         self.groups = groups
         self.skip_layers = skip_layers
-        # A failed load is reported by its blocks only with one full-attention group: block ids
-        # are per group, and a window cut back to a failed block would hold vLLM's null block.
-        self._per_block_failures = len(groups) == 1 and groups[0].stable
         self.layout: KVLayout | None = None  # group 0's (the only one without a hybrid model)
         self.layouts: list[KVLayout] = []
         # Per group: where its blocks start in a slot, and how many bytes they take.
@@ -136,9 +133,9 @@ class WorkerSide:
         self._step_stores: StepStores | None = None
         self._paced: list[PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
         self._step_started_at = time.monotonic()
-        self._failed_blocks: set[int] = set()
-        self._failed_requests: set[str] = set()
-        self._step_meta = KVDepotWorkerMetadata()
+        self.failures = LoadFailures(
+            per_block=len(groups) == 1 and groups[0].stable, blocks_per_chunk=self.blocks_per_chunk
+        )
         # Set between the engine's steps (and before the first): the pool's prefault runs only then.
         self._between_steps = threading.Event()
         self._between_steps.set()
@@ -291,19 +288,49 @@ class WorkerSide:
             return None
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
+        """Hits that join this step are copied now, before its forward pass (vLLM calls this before
+        it when the step has any: `has_sync_kv_loads`); the others start, and are reported in
+        `get_finished`."""
+        for op in meta.loads:
+            if op.sync:
+                self._load_now(op)
+        loads = [op for op in meta.loads if not op.sync]
         if self._suspended:  # reported as failed loads: vLLM recomputes them
-            for op in meta.loads:
+            for op in loads:
                 self._loads[op.req_id] = (op, self._copier.submit(self._refuse_asleep))
             return
         if self._loads_on_engine_thread():
-            for op in meta.loads:
+            for op in loads:
                 paced = PacedLoad(op)
                 self._paced.append(paced)
                 self._loads[op.req_id] = (op, paced.future)
             return
-        after = self._engine_event() if meta.loads else None
-        for op in meta.loads:
+        after = self._engine_event() if loads else None
+        for op in loads:
             self._loads[op.req_id] = (op, self._copier.submit(self._load, op, after))
+
+    def _load_now(self, op: LoadOp) -> None:
+        """Copy a hit on the engine's thread before the step's forward pass (on CUDA, on the copier's
+        side stream after the work queued so far, waited for); a failure is reported by its blocks
+        in this step (`get_block_ids_with_load_errors`), and vLLM recomputes them."""
+        try:
+            if self._suspended:
+                self._refuse_asleep()
+            with self._lock:
+                remap_pending = self._pending is not None
+            with self._pool_lock:
+                pool = self._pool
+                if remap_pending or pool is None:
+                    raise RuntimeError("the pool is not mapped, or a restarted server's pool waits to be mapped")
+                checked = self._check_load(op, pool)
+                self._copy_load(op, pool, self._engine_copiers(pool), checked, start=0, stop=len(checked.slots))
+            self._loaded(op, len(checked.slots))
+        except Exception as exc:
+            self.failures.report(op, exc)
+
+    def _engine_copiers(self, pool: _PoolMapping) -> list[Any]:
+        """The copiers the engine's thread uses: on a CPU with torch's OpenMP team, on CUDA the side streams'."""
+        return pool.engine_copiers if self.layout is not None and self.layout.device.type == "cpu" else pool.copiers
 
     def _loads_on_engine_thread(self) -> bool:
         """A CPU engine's loads are copied by the engine thread (`_copy_paced`), except with the
@@ -328,8 +355,7 @@ class WorkerSide:
                 self._add("store_skipped", len(stores.pending))
                 stores.abort()
                 return
-            cpu = self.layout is not None and self.layout.device.type == "cpu"
-            copiers = pool.engine_copiers if cpu else pool.copiers
+            copiers = self._engine_copiers(pool)
             stores.gather(
                 lambda op, reply: self._gather(op, reply, copiers),
                 reservation_ttl=pool.reservation_ttl,
@@ -382,13 +408,7 @@ class WorkerSide:
             recving.add(req_id)
             exc = future.exception()
             if exc is not None:
-                log.warning("kvdepot load of %s failed; vLLM recomputes it: %s", req_id, exc)
-                if self._per_block_failures:  # vLLM keeps what loaded before the first failed block
-                    first = exc.first_chunk * self.blocks_per_chunk if isinstance(exc, SlotChangedError) else 0
-                    self._failed_blocks.update(op.block_ids[0][max(first, op.skip_blocks) :])
-                else:
-                    self._failed_requests.add(req_id)  # vLLM recomputes the request
-                self._step_meta.failed.add(req_id)  # counted once, by the scheduler side
+                self.failures.report(op, exc)
         return None, recving or None  # a store never holds a request's blocks past its step
 
     # -- sleep mode (vLLM 0.33+: `unregister_kv_caches`, `restore_kv_caches`) ------------------
@@ -564,17 +584,14 @@ class WorkerSide:
     # -- step results -------------------------------------------------------------------
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
-        meta, self._step_meta = self._step_meta, KVDepotWorkerMetadata()
-        return meta if meta.failed else None
+        return self.failures.take_meta()
 
     def take_failed_blocks(self) -> set[int]:
-        out, self._failed_blocks = self._failed_blocks, set()
-        return out
+        return self.failures.take_blocks()
 
     def take_failed_requests(self) -> set[str]:
         """Requests whose load failed, with several KV-cache groups or a window (else their blocks are reported)."""
-        out, self._failed_requests = self._failed_requests, set()
-        return out
+        return self.failures.take_requests()
 
     def take_stats(self) -> KVDepotStats | None:
         with self._stats_lock:
