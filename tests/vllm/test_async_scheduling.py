@@ -170,7 +170,7 @@ def patient_lookups(monkeypatch):
     does on an idle machine (the reply takes ~0.1 ms), also on a busy 2-core one."""
     from kvdepot.vllm_connector import _scheduler
 
-    monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 2.0)
+    monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 10.0)
 
 
 def test_a_request_resumed_with_a_hit_in_the_pass_that_names_it_preempted(

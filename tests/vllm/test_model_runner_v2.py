@@ -70,7 +70,7 @@ def patient_lookups(monkeypatch: pytest.MonkeyPatch) -> None:
     on an idle machine (the reply takes ~0.1 ms), also on a busy 2-core one."""
     from kvdepot.vllm_connector import _scheduler
 
-    monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 2.0)
+    monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 10.0)
 
 
 @pytest.fixture
