@@ -120,18 +120,16 @@ class SchedulerSide:
         # Lookups keyed but not sent yet: they leave together (`_send_lookups`).
         self._queued: list[tuple[str, str, list[list[bytes]]]] = []
         self._loads: list[LoadOp] = []
-        # Hits that join the step that finds them: the bytes this pass may still load so, this
-        # pass's such loads, and the last two passes' (a load is done once its step has ended,
-        # by the time the step after the next is scheduled: its leases go back then).
+        # Hits that join the step that finds them: the bytes this pass may still load so, and this
+        # pass's such loads.
         self.sync_load_bytes = sync_load_bytes
         self._sync_budget = sync_load_bytes
         self._sync_loading: list[str] = []
-        self._sync_steps: collections.deque[list[str]] = collections.deque()
-        # Whether each of the last two steps scheduled stores, and when the last step that stored
-        # is known to have ended (its copies done, its commits sent): waiting requests whose hit
-        # stopped short then look up again. A step has ended by the time the one after the next
-        # is scheduled, with async scheduling too (one step in flight).
-        self._steps_storing: collections.deque[bool] = collections.deque()
+        # The last two steps scheduled: (whether it stored, its sync loads). A step has ended by the
+        # time the one after the next is scheduled, with async scheduling too (one step in flight):
+        # then its sync loads are done (their leases go back), and if it stored, waiting requests
+        # whose hit stopped short look up again (`_stores_ended_at`).
+        self._recent_steps: collections.deque[tuple[bool, list[str]]] = collections.deque()
         self._stores_ended_at = 0.0
         self.leases = LeaseBook(client, namespace.kv_world_size)
         self._yielded = False
@@ -270,11 +268,12 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
-        if len(self._steps_storing) >= 2 and self._steps_storing.popleft():
-            self._stores_ended_at = time.monotonic()
         self._sync_budget = self.sync_load_bytes
-        if len(self._sync_steps) >= 2:  # their step has ended: copied (a failure was reported already)
-            for req_id in self._sync_steps.popleft():
+        if len(self._recent_steps) >= 2:  # that step has ended
+            stored, synced = self._recent_steps.popleft()
+            if stored:
+                self._stores_ended_at = time.monotonic()
+            for req_id in synced:  # copied (a failure was reported already)
                 if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
                     self.planner.on_load_done(req_id)
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
@@ -297,8 +296,7 @@ class SchedulerSide:
         # A request preempted outside `schedule` (reset_prefix_cache(reset_running_requests=True))
         # is named preempted by the very pass that resumes it: it was admitted again (a load, or
         # scheduled new or resumed), and must not be taken for preempted now.
-        self._steps_storing.append(bool(meta.stores))
-        self._sync_steps.append(self._sync_loading)
+        self._recent_steps.append((bool(meta.stores), self._sync_loading))
         self._sync_loading = []
         readmitted = {op.req_id for op in meta.loads} | {new.req_id for new in scheduler_output.scheduled_new_reqs}
         for req_id in preempted - readmitted - set(cached.resumed_req_ids):
