@@ -30,6 +30,12 @@ import structlog
 from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server import _admin_cli, _dashboard, _query_cli
 from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._metrics_http import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_REQUEST_DEADLINE_S,
+    HTTPLimits,
+)
 from kvdepot.server._server import HEALTH_STALL_S
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
@@ -171,6 +177,27 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-metrics", action="store_true", help="do not serve Prometheus metrics")
     parser.add_argument(
+        "--metrics-max-connections",
+        type=_positive_int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help="connections the metrics endpoint keeps open at once; past it the oldest unfinished request is "
+        f"closed, or the new one gets 503 (default {DEFAULT_MAX_CONNECTIONS}; at most 1/8 of the file limit)",
+    )
+    parser.add_argument(
+        "--metrics-request-deadline",
+        type=_seconds,
+        default=DEFAULT_REQUEST_DEADLINE_S,
+        help="seconds a metrics request's line and headers may take to arrive, in all; past it 408 "
+        f"(default {DEFAULT_REQUEST_DEADLINE_S:g})",
+    )
+    parser.add_argument(
+        "--metrics-max-header-bytes",
+        type=_size,
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="bytes of a metrics request's line and headers, in all; past it 431 "
+        f"(default {format_size(DEFAULT_MAX_HEADER_BYTES)})",
+    )
+    parser.add_argument(
         "--health-stall",
         type=_seconds,
         default=None,
@@ -273,12 +300,18 @@ def read_secret_file(path: Path | None, option: str = "--auth-secret-file") -> s
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    from kvdepot.server._file_limit import raise_file_limit
     from kvdepot.server._server import CacheServer, ServerConfig
     from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK
 
     fmt = configure_logging(args.log_format, args.log_level)
     log = structlog.get_logger("kvdepot.server")
+    files = raise_file_limit()  # before any socket: the metrics cap is a share of it
+    if files.error is not None:
+        log.warning("file_limit_kept", soft=files.soft, hard=files.hard, reason=files.error)
+    else:
+        log.info("file_limit_set", soft_before=files.before, soft=files.soft, hard=files.hard)
     try:
         secret = read_secret_file(args.auth_secret_file)
     except ServerArgumentError as exc:
@@ -292,6 +325,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_port=None if args.no_metrics else metrics_port,
         metrics_required=args.metrics_port is not None,
         metrics_host=args.metrics_host,
+        metrics_limits=HTTPLimits(
+            args.metrics_max_connections, args.metrics_request_deadline, args.metrics_max_header_bytes
+        ),
         health_stall=args.health_stall or HEALTH_STALL_S,
         pool_dir=args.pool_dir,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,

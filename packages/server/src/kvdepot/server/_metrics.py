@@ -10,22 +10,20 @@ from __future__ import annotations
 import bisect
 import heapq
 import re
-import socket
 import threading
-import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import attrs
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from kvdepot.core import salt_label
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._events import RAM, Cleared, Committed, IndexEvent
+from kvdepot.server._metrics_http import HTTPEndpoint, HTTPLimits, ListenerFigures
 from kvdepot.server._results import IndexStats, LookupOutcome
 from kvdepot.transport import RESERVED_CLIENT_PREFIX
 
@@ -49,10 +47,6 @@ MAX_TRACKED_SALTS = 1024
 LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3)
 # Requests whose latency series exist from the start, at zero: the dashboard's latency panels.
 TIMED_FROM_START = ("Lookup", "Reserve", "Commit")
-# Seconds a metrics or health request may leave its connection silent before it is dropped.
-HTTP_REQUEST_TIMEOUT_S = 10.0
-# How often the HTTP thread looks at its stop flag: the longest `Metrics.close()` waits for it.
-HTTP_POLL_INTERVAL_S = 0.1
 
 
 def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
@@ -182,8 +176,11 @@ class _Collector:
 
     def __init__(self) -> None:
         self.snapshot: MetricsSnapshot | None = None
+        #: listener name -> its figures now (read at scrape time, from the HTTP thread)
+        self.listeners: dict[str, Callable[[], ListenerFigures]] = {}
 
     def collect(self) -> Iterator[Any]:
+        yield from self._listeners()
         snap = self.snapshot
         if snap is None:
             return
@@ -294,50 +291,32 @@ class _Collector:
                 tiers.add_metric([kind, figure], figure_value)
         yield tiers
 
+    def _listeners(self) -> Iterator[Any]:
+        if not self.listeners:
+            return
+        labels = ["listener"]
+        connections = GaugeMetricFamily("kvdepot_listener_connections", "Open connections per listener.", labels=labels)
+        cap = GaugeMetricFamily("kvdepot_listener_max_connections", "Connection cap per listener.", labels=labels)
+        refused = CounterMetricFamily(
+            "kvdepot_listener_refused",
+            "Connections a listener dropped, by reason (full: at its cap; displaced: an unfinished request "
+            "closed for a newer connection; deadline; header_bytes; body; files: no file descriptor left; "
+            "write_timeout: an answer not read).",
+            labels=["listener", "reason"],
+        )
+        for name, figures_of in self.listeners.items():
+            figures = figures_of()
+            connections.add_metric([name], figures.connections)
+            cap.add_metric([name], figures.max_connections)
+            for reason, count in figures.refused.items():
+                refused.add_metric([name, reason], count)
+        yield connections
+        yield cap
+        yield refused
+
 
 def _healthy() -> str | None:
     return None
-
-
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True  # a slow scraper never holds the server's exit
-
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, health: Callable[[], str | None]):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.registry = registry
-        self.health = health
-        super().__init__(address, _RequestHandler)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        log.exception("metrics_request_failed", peer=str(client_address))
-
-
-class _RequestHandler(BaseHTTPRequestHandler):
-    """GET /metrics (and /, as prometheus-client served it) and GET /healthz; anything else is 404."""
-
-    server: _HTTPServer
-    timeout = HTTP_REQUEST_TIMEOUT_S
-
-    def do_GET(self) -> None:
-        path = urllib.parse.urlsplit(self.path).path
-        if path in ("/metrics", "/"):
-            self._reply(200, CONTENT_TYPE_LATEST, generate_latest(self.server.registry))
-        elif path == "/healthz":
-            reason = self.server.health()
-            self._reply(200 if reason is None else 503, "text/plain; charset=utf-8", f"{reason or 'ok'}\n".encode())
-        else:
-            self._reply(404, "text/plain; charset=utf-8", b"not found: kvdepot serves /metrics and /healthz\n")
-
-    def _reply(self, status: int, content_type: str, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        """Not on stderr: a scrape every few seconds is no event."""
 
 
 class Metrics:
@@ -351,17 +330,22 @@ class Metrics:
         self._collector = _Collector()
         self.registry.register(self._collector)
         self.health = health
-        self._http: _HTTPServer | None = None
+        self._http: HTTPEndpoint | None = None
         self._thread: threading.Thread | None = None
         self.url: str | None = None
 
     def publish(self, snapshot: MetricsSnapshot) -> None:
         self._collector.snapshot = snapshot
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> str:
+    def add_listener(self, name: str, figures: Callable[[], ListenerFigures]) -> None:
+        """Show a listener's connections and drops in /metrics (`kvdepot_listener_*{listener=name}`)."""
+        self._collector.listeners[name] = figures
+
+    def serve(self, port: int, host: str = "127.0.0.1", limits: HTTPLimits | None = None) -> str:
         """Start the HTTP endpoint; port 0 picks a free one. Returns the metrics URL."""
+        limits = (limits or HTTPLimits()).within_file_limit()
         try:
-            http = _HTTPServer((host, port), self.registry, self.health)
+            http = HTTPEndpoint((host, port), self.registry, self.health, limits)
         except OSError as exc:
             raise ServerArgumentError(
                 f"cannot serve metrics on {host}:{port} ({exc.strerror}); choose another --metrics-port "
@@ -369,9 +353,8 @@ class Metrics:
                 port=port,
             ) from exc
         self._http = http
-        self._thread = threading.Thread(
-            target=http.serve_forever, args=(HTTP_POLL_INTERVAL_S,), name="kvdepot-metrics", daemon=True
-        )
+        self.add_listener("metrics", http.figures)
+        self._thread = threading.Thread(target=http.serve_forever, name="kvdepot-metrics", daemon=True)
         self._thread.start()
         netloc = f"[{host}]" if ":" in host else host
         self.url = f"http://{netloc}:{http.server_port}/metrics"
@@ -381,6 +364,5 @@ class Metrics:
         http, thread, self._http, self._thread = self._http, self._thread, None, None
         if http is not None:
             http.shutdown()
-            http.server_close()
         if thread is not None:
             thread.join()

@@ -34,6 +34,7 @@ from kvdepot.server._metrics import (
     RequestLatency,
     SaltLookups,
 )
+from kvdepot.server._metrics_http import HTTPLimits
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
@@ -90,6 +91,7 @@ class ServerConfig:
     metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
     metrics_required: bool = True  # False: a busy port only logs a warning (the CLI's default port)
     metrics_host: str = "127.0.0.1"
+    metrics_limits: HTTPLimits = attrs.field(factory=HTTPLimits)  # connections, deadline, header bytes
     pool_dir: Path | None = None
     lease_ttl: float = DEFAULT_LEASE_TTL
     reservation_ttl: float = DEFAULT_RESERVATION_TTL
@@ -200,7 +202,7 @@ class CacheServer:
             parts.callback(self.collector.give_back)
             if config.metrics_port is not None:
                 try:
-                    self.metrics.serve(config.metrics_port, config.metrics_host)
+                    self.metrics.serve(config.metrics_port, config.metrics_host, config.metrics_limits)
                 except ServerArgumentError as exc:
                     if config.metrics_required:
                         raise
