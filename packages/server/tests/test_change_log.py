@@ -186,7 +186,8 @@ _events = st.lists(
 )
 def test_paging_from_any_kept_number_gives_exactly_the_changes_since_then(events, capacity, since, limit, salts):
     """Against a model: the RAM changes numbered 1.., the last `capacity` kept; paging from
-    `since` to the head gives the wanted salts' changes in order, or `lost` when they are gone."""
+    `since` to the head gives the wanted salts' changes in order, or `lost` when they are gone;
+    `span` (the work charged for a read) is the number of changes each read went past."""
     log = ChangeLog(SERVER, capacity=capacity)
     made = {"commit": Committed, "evict": Evicted, "clear": Cleared}
     batch = []
@@ -202,15 +203,19 @@ def test_paging_from_any_kept_number_gives_exactly_the_changes_since_then(events
     reply = log.read(since, salts, limit)
     if since == 0:
         assert reply == ChangesReply([], head)
+        assert log.span(since, limit) == 0
         return
     if since < max(1, head - capacity) or since > head:
         assert reply == ChangesReply([], head, lost=True)
+        assert log.span(since, limit) == 0
         return
     expected = [Change(stored, salts.index(salt), key) for stored, salt, key in ram[since - 1 :] if salt in salts]
     got = []
     for _ in range(head + 1):
         assert not reply.lost
         assert len(reply.changes) <= limit
+        assert log.span(since, limit) == reply.next - since <= limit
+        assert log.span(since, limit, "another-server") == 0
         got += reply.changes
         if reply.next == head:
             break

@@ -156,6 +156,46 @@ def test_one_message_builds_a_bounded_amount_of_replies(disp: Dispatcher, monkey
     assert [getattr(r.body, "code", "ok") for r in replies] == ["ok", "ok", "too_large", "too_large"]
 
 
+class _WorkHandler(DictHandler):
+    """A DictHandler whose Changes requests cost a message's budget in proportion to their limit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handled: list[str] = []
+
+    def work(self, body: Any) -> int:
+        return body.limit if isinstance(body, t.Changes) else 0
+
+    def handle(self, peer: t.PeerInfo, body: Any) -> Any:
+        self.handled.append(type(body).__name__)
+        if isinstance(body, t.Changes):
+            return t.ChangesReply([], body.since)
+        return super().handle(peer, body)
+
+
+def test_a_request_is_charged_the_work_its_handler_names(clock: _Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A handler's `work` is charged to its message's budget besides the request's bytes: requests
+    past the budget are answered too_large unhandled (counted as work_refused), the first frame
+    always runs, and a cheap request after the refused ones still runs."""
+    handler = _WorkHandler()
+    disp = Dispatcher(handler, clock=clock, peer_timeout=5.0)
+    monkeypatch.setattr("kvdepot.transport._dispatch.MAX_MESSAGE_BYTES", 10_000)
+    _ask(disp, b"p", _hello())
+    handler.handled.clear()
+    costly = t.Changes(1, ["s"], limit=4_000)
+    replies = _ask(disp, b"p", t.Changes(1, ["s"], limit=6_000), t.Ping(), costly, t.Ping(), request_id=10)
+    assert [getattr(r.body, "code", "ok") for r in replies] == ["ok", "ok", "too_large", "ok"]
+    assert handler.handled == ["Changes"]  # Ping is the dispatcher's own
+    assert replies[2].id == 12
+    assert replies[2].body.fields["work"] == 4_000
+    replies = _ask(disp, b"p", costly, costly, costly, request_id=20)
+    assert [getattr(r.body, "code", "ok") for r in replies] == ["ok", "ok", "too_large"]
+    assert disp.counters["work_refused"] == 2
+    assert disp.counters["too_large"] == 2
+    replies = _ask(disp, b"p", t.Changes(1, ["s"], limit=16_000), t.Ping(), request_id=30)
+    assert [getattr(r.body, "code", "ok") for r in replies] == ["ok", "too_large"]  # the first runs, whatever it costs
+
+
 def test_bad_frames_are_reported_to_the_subscriber(handler: DictHandler, clock: _Clock) -> None:
     """Each refused frame reaches `on_bad_frame` with the peer's label, the reason and the size."""
     seen: list[t.BadFrame] = []

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from kvdepot.core import salt_label
-from kvdepot.server._change_log import ChangeLog
+from kvdepot.server._change_log import CHANGE_WORK_BYTES, ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._ranking import SaltRanking
@@ -107,7 +107,7 @@ class CacheHandler:
         written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
-        socket, or tcp with a shared secret), so that Clear and SetQuota may be served;
+        socket, or tcp with a shared secret), so that Clear and SetQuota may be served and Stats may name salts;
         ``consumers``: take the index's events too, after the change log and the tiers (the
         server's metrics and its KV event publisher); ``timed``:
         told each request's type name and the seconds it took; ``looked_up``: told each lookup
@@ -158,6 +158,14 @@ class CacheHandler:
             self.flush_events()
             if self.timed is not None:
                 self.timed(type(body).__name__, time.perf_counter() - start)
+
+    def work(self, body: RequestBody) -> int:
+        """Bytes of its message's budget a request uses beyond its frame (`kvdepot.transport.Handler`):
+        a `Changes` costs `CHANGE_WORK_BYTES` per change it reads (its limit asks for up to 16,384
+        with a frame of 40 bytes), so a message of them is bounded like a message of lookups."""
+        if isinstance(body, Changes):
+            return self.changes.span(body.since, body.limit, body.server_id) * CHANGE_WORK_BYTES
+        return 0
 
     def flush_events(self) -> None:
         """Hand what happened in the index to its consumers (loop thread: after every request,
@@ -324,7 +332,9 @@ class CacheHandler:
             "reclaimed_leases": self.reclaimed_leases,
             "reclaimed_reservations": self.reclaimed_reservations,
         }
-        return stats_reply(self.index.stats(self._ranking.listed(MAX_STATS_SALTS, now)), extra)
+        stats = self.index.stats(self._ranking.listed(MAX_STATS_SALTS, now))
+        # A salt is a tenant's secret: a peer that may not be the owner sees it as /metrics names it.
+        return stats_reply(stats, extra, name=str if self.admin_allowed else salt_label)
 
     def _check_admin(self, client: str, request: str) -> None:
         if not self.admin_allowed:
@@ -384,8 +394,11 @@ class CacheHandler:
         return QuotaReply(quotas=self.index.quotas())
 
 
-def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | None]) -> StatsReply:
-    """The Stats reply for an index snapshot; figures beyond the protocol's go in `extra`."""
+def stats_reply(
+    stats: IndexStats, extra: dict[str, str | int | float | bool | None], *, name: Callable[[str], str] = str
+) -> StatsReply:
+    """The Stats reply for an index snapshot; figures beyond the protocol's go in `extra`; each
+    salt appears as ``name(salt)`` (`salt_label` for a peer that may not be the owner)."""
     more: dict[str, str | int | float | bool | None] = {
         "page_size": stats.page_size,
         "pages_total": stats.pages_total,
@@ -402,9 +415,9 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
     listed = stats.largest_salts(MAX_STATS_SALTS)
     more["salts"] = stats.salt_count
     for salt in listed:
-        more[f"salt_chunks:{salt}"] = stats.salt_chunks.get(salt, 0)
+        more[f"salt_chunks:{name(salt)}"] = stats.salt_chunks.get(salt, 0)
     for salt, quota in sorted(stats.quotas.items())[:MAX_STATS_SALTS]:
-        more[f"quota:{salt}"] = quota
+        more[f"quota:{name(salt)}"] = quota
     more.update(extra)
     return StatsReply(
         capacity_bytes=stats.capacity_bytes,
@@ -418,6 +431,6 @@ def stats_reply(stats: IndexStats, extra: dict[str, str | int | float | bool | N
         leases=stats.leases,
         reservations=stats.reservations,
         clients=stats.clients,
-        salt_bytes={salt: stats.salt_bytes[salt] for salt in listed},
+        salt_bytes={name(salt): stats.salt_bytes[salt] for salt in listed},
         extra=more,
     )

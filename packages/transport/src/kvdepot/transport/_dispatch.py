@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -41,6 +42,7 @@ from kvdepot.transport._messages import (
     Reply,
     ReplyBody,
     Request,
+    RequestBody,
 )
 
 log = structlog.get_logger(__name__)
@@ -54,7 +56,9 @@ MAX_FRAMES_PER_MESSAGE = 4096
 # is handled): the frames past either get `too_large`, so one message cannot hold the loop, and
 # every other client, for long, nor make the server build a reply of hundreds of MiB (4,096
 # Stats requests of 16 bytes each asked for 150 MiB). An engine step's batch is far smaller (a
-# lookup key is 32 bytes, a slot in its reply about 12).
+# lookup key is 32 bytes, a slot in its reply about 12). A request whose work grows past its size
+# (a `changes` reads up to 16,384 changes for 40 bytes) is charged that work too, as the handler's
+# `work` says (`Handler`): the budget bounds what a message costs the loop, not only its bytes.
 MAX_MESSAGE_BYTES = 4 << 20
 # Bad frames logged one by one before logging thins out (the counter keeps counting).
 LOGGED_BAD_FRAMES = 100
@@ -102,6 +106,14 @@ def peek_id(frame: bytes) -> int:
     return value if value < (1 << 63) else 0
 
 
+@dataclass(slots=True)
+class _Budget:
+    """What is left of one message's budget: request bytes (and work), and reply bytes."""
+
+    requests: int
+    replies: int
+
+
 class Dispatcher:
     """Peer table and request dispatch shared by every server endpoint."""
 
@@ -116,6 +128,8 @@ class Dispatcher:
         on_bad_frame: Callable[[BadFrame], None] | None = None,
     ) -> None:
         self.handler = handler
+        # Bytes of a message's budget a request uses beyond its frame (see `Handler`); optional.
+        self._work: Callable[[RequestBody], int] | None = getattr(handler, "work", None)
         # Told of every refused frame (per-peer metrics); the counters count them either way.
         self.on_bad_frame = on_bad_frame
         self.clock = clock
@@ -130,6 +144,7 @@ class Dispatcher:
                 "errors",
                 "bad_frames",
                 "too_large",
+                "work_refused",
                 "version_mismatches",
                 "unauthorized",
                 "handler_failures",
@@ -155,15 +170,13 @@ class Dispatcher:
             return [
                 self._encode(0, ErrorReply(CODE_PROTOCOL, f"a message must hold 1 to {MAX_FRAMES_PER_MESSAGE} frames"))
             ]
-        first = self._one(identity, frames[0], now)
-        out: list[bytes | None] = [first]
-        budget = MAX_MESSAGE_BYTES - len(frames[0])
-        reply_budget = MAX_MESSAGE_BYTES - (len(first) if first else 0)
-        for frame in frames[1:]:
-            budget -= len(frame)
-            if budget >= 0 and reply_budget > 0:
-                reply = self._one(identity, frame, now)
-                reply_budget -= len(reply) if reply else 0
+        budget = _Budget(MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
+        out: list[bytes | None] = []
+        for i, frame in enumerate(frames):
+            budget.requests -= len(frame)
+            if i == 0 or (budget.requests >= 0 and budget.replies > 0):  # the first frame always is handled
+                reply = self._one(identity, frame, now, budget, bounded=i > 0)
+                budget.replies -= len(reply) if reply else 0
                 out.append(reply)
                 continue
             self.counters["too_large"] += 1
@@ -174,7 +187,9 @@ class Dispatcher:
             out.append(self._encode(peek_id(frame), ErrorReply(CODE_TOO_LARGE, message)))
         return [frame for frame in out if frame is not None]
 
-    def _one(self, identity: bytes, frame: bytes, now: float) -> bytes | None:
+    def _one(self, identity: bytes, frame: bytes, now: float, budget: _Budget, *, bounded: bool) -> bytes | None:
+        """The reply to one frame; its request's work is charged to ``budget``, and refused past
+        it when ``bounded`` (every frame of a message but the first)."""
         self.counters["requests"] += 1
         try:
             request = decode_request(frame, max_frame_bytes=self.max_frame_bytes)
@@ -190,6 +205,22 @@ class Dispatcher:
             return self._encode(
                 request_id, ErrorReply(CODE_PROTOCOL, f"{exc.message}; is the client the same protocol version?")
             )
+        if self._work is not None and (work := self._work(request.body)):
+            if bounded and work > budget.requests:
+                self.counters["too_large"] += 1
+                self.counters["work_refused"] += 1
+                message = (
+                    f"this {type(request.body).__name__} request would do {work} bytes' worth of work, and this"
+                    f" message has {max(0, budget.requests)} left of its {MAX_MESSAGE_BYTES}; send it in another"
+                    " message (or ask for less)"
+                )
+                fields: dict[str, FieldValue] = {
+                    "work": work,
+                    "left": max(0, budget.requests),
+                    "budget": MAX_MESSAGE_BYTES,
+                }
+                return self._encode(request.id, ErrorReply(CODE_TOO_LARGE, message, fields))
+            budget.requests -= work
         reply = self._handle(identity, request, now)
         if isinstance(reply, Deferred):
             reply.identity, reply.request_id, reply.request = identity, request.id, type(request.body)

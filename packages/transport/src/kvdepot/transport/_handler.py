@@ -95,6 +95,11 @@ class Handler(Protocol):
     `peer_gone` is called once when a greeted peer stays silent past the endpoint's
     `peer_timeout`; reclaim its leases and reservations there. A peer that ended its session
     with EndSession is forgotten without a `peer_gone` call.
+
+    A handler may also have a method `work(body) -> int`: the bytes of its message's budget
+    (`MAX_MESSAGE_BYTES`) a request uses beyond its own frame, for requests whose work grows
+    past their size. The endpoint asks it before `handle`, and a request past what is left of
+    its message's budget (unless it is the message's first) is answered `too_large` unhandled.
     """
 
     def handle(self, peer: PeerInfo, body: RequestBody) -> ReplyBody | Deferred: ...
