@@ -14,6 +14,7 @@ aiohttp = pytest.importorskip("aiohttp")
 from aiohttp import web  # noqa: E402
 
 from kvdepot.vllm_connector._proxy import make_app  # noqa: E402
+from kvdepot.vllm_connector._proxy_guard import ProxyLimits  # noqa: E402
 
 PARAMS = {"kvdepot": {"version": 1, "namespace": "ab" * 16, "chunks": 3}}
 
@@ -132,3 +133,367 @@ def test_a_body_that_is_not_json_is_a_400():
             await runner.cleanup()
 
     assert asyncio.run(run()) == 400
+
+
+# -- bounds (issue 45): what a hostile local client gets -----------------------------------------
+
+
+async def raw_request(url: str, target: str, *, method: str = "GET", body: bytes = b"") -> tuple[int, bytes]:
+    """One request with `target` sent exactly as written (aiohttp's client would resolve its dot segments)."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = f"{method} {target} HTTP/1.0\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"  # 1.0: no chunks
+    writer.write(head.encode() + body)
+    answer = await reader.read()
+    writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.partition(b"\r\n\r\n")[2]
+
+
+async def scrape(session: Any, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The proxy's /metrics as {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(url + "/metrics") as reply:
+        assert reply.status == 200
+        text = await reply.text()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def refused(figures: dict, reason: str) -> float:
+    return figures[("kvdepot_proxy_refused_total", (("reason", reason),))]
+
+
+class Backend:
+    """A stand-in vLLM server, prefill or decode, that records what reaches it and can hold or cut its answers."""
+
+    def __init__(self, *, prefill: bool) -> None:
+        self.prefill = prefill
+        self.seen: list[str] = []  # the paths asked for, as the server read them
+        self.gate: asyncio.Event | None = None  # while set to an unset event, answers wait for it
+        self.waiting = 0
+        self.cut = False  # answers stop midway: the connection closes before their end
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 << 20)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_get("/{tail:.*}", self.get)
+        return app
+
+    async def get(self, request: web.Request) -> web.Response:
+        self.seen.append(request.path)
+        return web.json_response({"path": request.path})
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.seen.append(request.path)
+        if self.prefill:
+            await self._wait()
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS})
+        if not body.get("stream"):
+            if self.cut:  # says 1,000 bytes, sends 20, and goes
+                response = web.StreamResponse(headers={"Content-Length": "1000"})
+                response.content_type = "application/json"
+                await response.prepare(request)
+                await response.write(b'{"choices": [{"text"')
+                request.transport.close()  # type: ignore[union-attr]
+                return response
+            return web.json_response({"choices": [{"text": "decoded"}]})
+        response = web.StreamResponse()
+        response.content_type = "text/event-stream"
+        await response.prepare(request)
+        await response.write(b'data: {"i": 0}\n\n')
+        await self._wait()
+        await response.write(b'data: {"i": 1}\n\n')
+        if self.cut:
+            request.transport.close()  # type: ignore[union-attr]
+            return response
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _wait(self) -> None:
+        if self.gate is not None:
+            self.waiting += 1
+            await self.gate.wait()
+            self.waiting -= 1
+
+
+async def with_proxy(test: Any, **options: Any) -> Any:
+    """Run `test(session, proxy_url, prefill, decode)` against a proxy (make_app(**options)) and two backends."""
+    prefill, decode = Backend(prefill=True), Backend(prefill=False)
+    p_runner, p_url = await serve(prefill.app())
+    d_runner, d_url = await serve(decode.app())
+    x_runner, x_url = await serve(make_app([p_url], [d_url], timeout=30, **options))
+    try:
+        async with aiohttp.ClientSession() as session:
+            return await test(session, x_url, prefill, decode)
+    finally:
+        for runner in (x_runner, d_runner, p_runner):
+            await runner.cleanup()
+
+
+async def until(condition: Any) -> None:
+    """Wait for `condition()` to hold (at most 30 s: a bound on the wait, not on how fast the machine is)."""
+    for _ in range(3000):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition never held")
+
+
+SMALL = {"model": "m", "prompt": [1, 2, 3], "max_tokens": 4}
+
+
+def test_a_body_past_max_body_is_a_413_and_a_small_request_still_succeeds():
+    """The default --max-body is 8 MiB: a 9 MiB body is refused before it is read or decoded."""
+    big = json.dumps({"model": "m", "prompt": "x" * (9 << 20)}).encode()
+
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        async with session.post(url + "/v1/completions", data=big) as reply:
+            assert reply.status == 413
+            assert "--max-body" in (await reply.json())["error"]["message"]
+
+        # sent in chunks, with no Content-Length to refuse it by: refused once 8 MiB have arrived
+        async def chunks() -> Any:
+            for i in range(0, len(big), 65536):
+                yield big[i : i + 65536]
+
+        async with session.post(url + "/v1/completions", data=chunks()) as reply:
+            assert reply.status == 413
+        async with session.post(url + "/v1/completions", json=SMALL) as reply:
+            assert reply.status == 200
+            assert (await reply.json())["choices"][0]["text"] == "decoded"
+        assert prefill.seen == ["/v1/completions"]  # only the small one went on
+        figures = await scrape(session, url)
+        assert refused(figures, "body_too_large") == 2
+        assert figures[("kvdepot_proxy_requests_total", (("route", "completion"),))] == 3
+        assert figures[("kvdepot_proxy_body_bytes_held", ())] == 0
+        assert figures[("kvdepot_proxy_limit", (("name", "max_body"),))] == 8 << 20
+
+    asyncio.run(with_proxy(test))
+
+
+def test_requests_past_max_requests_get_a_503_and_are_served_again_once_some_end():
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        decode.gate = asyncio.Event()
+        streams = []
+        for _ in range(2):
+            reply = await session.post(url + "/v1/completions", json={**SMALL, "stream": True})
+            assert reply.status == 200
+            streams.append(reply)
+        await until(lambda: decode.waiting == 2)
+        async with session.post(url + "/v1/completions", json=SMALL) as reply:
+            assert reply.status == 503
+            assert reply.headers["Retry-After"] == "1"
+        async with session.get(url + "/v1/models") as reply:
+            assert reply.status == 503
+        figures = await scrape(session, url)  # /metrics and /health answer while the proxy is full
+        assert figures[("kvdepot_proxy_requests_in_flight", ())] == 2
+        assert refused(figures, "busy") == 2
+        decode.gate.set()
+        for reply in streams:
+            assert (await reply.read()).endswith(b"data: [DONE]\n\n")
+            reply.release()
+        async with session.post(url + "/v1/completions", json=SMALL) as reply:
+            assert reply.status == 200
+        assert (await scrape(session, url))[("kvdepot_proxy_requests_in_flight", ())] == 0
+
+    asyncio.run(with_proxy(test, limits=ProxyLimits(max_requests=2)))
+
+
+def test_bodies_held_past_max_body_total_get_a_503():
+    """Each body counts three times (as read, and re-encoded for each server) until the decode server has it."""
+    body = json.dumps({**SMALL, "prompt": "x" * 900}).encode()
+
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        prefill.gate = asyncio.Event()
+        first = asyncio.create_task(session.post(url + "/v1/completions", data=body))
+        await until(lambda: prefill.waiting == 1)
+        assert (await scrape(session, url))[("kvdepot_proxy_body_bytes_held", ())] == 3 * len(body)
+        async with session.post(url + "/v1/completions", data=body) as reply:
+            assert reply.status == 503
+            assert "--max-body-total" in (await reply.json())["error"]["message"]
+        prefill.gate.set()
+        reply = await first
+        assert reply.status == 200
+        reply.release()
+        async with session.post(url + "/v1/completions", data=body) as reply:
+            assert reply.status == 200
+        figures = await scrape(session, url)
+        assert refused(figures, "body_budget") == 1
+        assert figures[("kvdepot_proxy_body_bytes_held", ())] == 0
+
+    asyncio.run(with_proxy(test, limits=ProxyLimits(max_body=1000, max_body_total=4000)))
+
+
+def test_a_body_sent_slower_than_body_timeout_is_a_408_and_frees_what_it_held():
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: x\r\nContent-Length: 900\r\n\r\n{")
+        status_line = await reader.readline()  # the proxy answers without the other 899 bytes
+        writer.close()
+        assert status_line.split()[1] == b"408"
+        figures = await scrape(session, url)
+        assert refused(figures, "body_timeout") == 1
+        assert figures[("kvdepot_proxy_body_bytes_held", ())] == 0
+        assert prefill.seen == []
+
+    asyncio.run(with_proxy(test, body_timeout=0.2))
+
+
+ESCAPES = [
+    "/v1/../metrics",
+    "/v1/%2e%2e/metrics",
+    "/v1/%2E%2E/metrics",
+    "/v1/models/../../metrics",
+    "/v1/models/%2e%2e/%2e%2e/metrics",
+    "/v1/..%2fmetrics",
+    "/v1/%2e%2e%2fmetrics",
+    "/v1/.%2e/metrics",
+    "/v1/./../metrics",
+    "/v1//../metrics",
+    "/v1/%5c..%5cmetrics",
+]
+
+
+def test_passthrough_never_leaves_v1():
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        for target in ESCAPES:
+            status, _ = await raw_request(url, target)
+            assert status == 400, target
+        status, _ = await raw_request(url, "/v1%2f..%2fmetrics")  # not under /v1/ (aiohttp's own 404)
+        assert status == 404
+        assert decode.seen == []
+        status, body = await raw_request(url, "/v1/%6dodels?x=1")  # an escaped letter is the same path
+        assert (status, json.loads(body)) == (200, {"path": "/v1/models"})
+        status, body = await raw_request(url, "/v1/a%20b")
+        assert (status, json.loads(body)) == (200, {"path": "/v1/a b"})
+        assert decode.seen == ["/v1/models", "/v1/a b"]
+        assert refused(await scrape(session, url), "bad_path") == len(ESCAPES)
+
+    asyncio.run(with_proxy(test))
+
+
+def test_a_decode_answer_cut_midway_reaches_the_client_cut():
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        decode.cut = True
+        got = b""
+        async with session.post(url + "/v1/completions", json={**SMALL, "stream": True}) as reply:
+            assert reply.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):  # noqa: PT012 (the pieces before the cut are kept)
+                async for piece in reply.content.iter_any():
+                    got += piece
+        events = [line for line in got.decode().split("\n\n") if line]
+        assert events[:2] == ['data: {"i": 0}', 'data: {"i": 1}']
+        assert json.loads(events[2].removeprefix("data: "))["error"]["code"] == 502
+        assert b"[DONE]" not in got
+        async with session.post(url + "/v1/completions", json=SMALL) as reply:
+            assert reply.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await reply.read()
+        decode.cut = False
+        async with session.post(url + "/v1/completions", json={**SMALL, "stream": True}) as reply:
+            assert (await reply.read()).endswith(b"data: [DONE]\n\n")
+        figures = await scrape(session, url)
+        assert figures[("kvdepot_proxy_cut_streams_total", ())] == 2
+        assert figures[("kvdepot_proxy_upstream_errors_total", (("server", "decode"),))] == 2
+
+    asyncio.run(with_proxy(test))
+
+
+def test_malformed_or_deeply_nested_json_is_a_400():
+    bodies = {
+        b'{"prompt": ' + b"[" * 100_000 + b"1" + b"]" * 100_000 + b"}": "too deep",
+        b'{"prompt": ' + b"[" * 100_000: "too deep",
+        b'{"prompt": [1, 2,]}': "not JSON",
+        b'{"prompt": 1} trailing': "not JSON",
+        b"[1, 2]": "not a JSON object",
+    }
+
+    async def test(session: Any, url: str, prefill: Backend, decode: Backend) -> None:
+        for body, why in bodies.items():
+            async with session.post(url + "/v1/completions", data=body) as reply:
+                assert reply.status == 400, body[:40]
+                assert why in (await reply.json())["error"]["message"]
+        async with session.post(url + "/v1/completions", json=SMALL) as reply:
+            assert reply.status == 200
+        assert prefill.seen == ["/v1/completions"]
+        assert refused(await scrape(session, url), "bad_json") == len(bodies)
+
+    asyncio.run(with_proxy(test))
+
+
+def test_the_limits_are_flags_of_kvdepot_proxy(tmp_path):
+    """`kvdepot proxy` as a process: its flags set the bounds that /metrics shows and clients meet."""
+    import subprocess
+    import sys
+
+    from kvdepot.server.testing import free_port
+
+    async def test() -> None:
+        prefill, decode = Backend(prefill=True), Backend(prefill=False)
+        p_runner, p_url = await serve(prefill.app())
+        d_runner, d_url = await serve(decode.app())
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = ["proxy", "--prefill", p_url, "--decode", d_url, "--port", str(port), "--max-body", "1KiB"]
+        argv += ["--max-body-total", "1MiB", "--max-requests", "7", "--body-timeout", "5"]
+        with (tmp_path / "proxy.log").open("wb") as log:
+            proxy = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvdepot.server", *argv, stderr=log)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(300):
+                    try:
+                        figures = await scrape(session, url)
+                        break
+                    except aiohttp.ClientConnectionError:
+                        assert proxy.returncode is None, (tmp_path / "proxy.log").read_text()
+                        await asyncio.sleep(0.1)
+                else:
+                    raise AssertionError((tmp_path / "proxy.log").read_text())
+                limits = {
+                    name: figures[("kvdepot_proxy_limit", (("name", name),))]
+                    for name in ("max_body", "max_body_total", "max_requests")
+                }
+                assert limits == {"max_body": 1024, "max_body_total": 1 << 20, "max_requests": 7}
+                async with session.post(url + "/v1/completions", json={**SMALL, "prompt": "x" * 2000}) as reply:
+                    assert reply.status == 413
+                async with session.post(url + "/v1/completions", json=SMALL) as reply:
+                    assert reply.status == 200
+                assert refused(await scrape(session, url), "body_too_large") == 1
+        finally:
+            if proxy.returncode is None:
+                proxy.terminate()
+            await proxy.wait()
+            await d_runner.cleanup()
+            await p_runner.cleanup()
+
+    asyncio.run(test())
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvdepot.server",
+            "proxy",
+            "--prefill",
+            "http://x",
+            "--decode",
+            "http://y",
+            "--max-body",
+            "1MiB",
+            "--max-body-total",
+            "2MiB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "max_body_total" in bad.stderr

@@ -12,21 +12,53 @@ Where the prefill server fails or does not answer, the request still goes to the
 server, without parameters: it computes the whole prompt (slower, never wrong), and the
 proxy logs why. Several ``--prefill`` and ``--decode`` servers are used in turn. The proxy
 needs aiohttp, which vLLM's OpenAI server depends on.
+
+Any local user may call it, so it holds only what its bounds allow (`_proxy_guard.py`):
+requests in flight, and request bodies, which it rewrites without decoding them
+(`_proxy_json.py`). Other ``GET /v1/...`` paths pass to a decode server only when normalised.
+An answer a server cuts midway reaches the client cut (an SSE error event, then the connection
+closed without the answer's end), never as a complete one. `/metrics` counts all of this.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
+import msgspec
 import structlog
 
-from kvdepot.server import SimpleCommand, configure_logging
+from kvdepot.core import KVDepotError
+from kvdepot.server import SimpleCommand, configure_logging, format_size, parse_size
+from kvdepot.vllm_connector._proxy_guard import (
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY,
+    DEFAULT_MAX_BODY_TOTAL,
+    DEFAULT_MAX_REQUESTS,
+    RETRY_AFTER_S,
+    Admission,
+    BodyHold,
+    BodyTimeoutError,
+    BodyTooLargeError,
+    ProxyLimits,
+    ProxyMetrics,
+    ProxyRefusal,
+    passthrough_target,
+)
+from kvdepot.vllm_connector._proxy_json import (
+    Fields,
+    decode_request,
+    parse_request,
+    prefill_request,
+    transfer_params,
+)
 
 if TYPE_CHECKING:
-    from aiohttp import ClientSession, web
+    from aiohttp import ClientResponse, ClientSession, web
 
 log = structlog.get_logger("kvdepot.proxy")
 
@@ -34,24 +66,50 @@ log = structlog.get_logger("kvdepot.proxy")
 COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 #: Request headers passed on to the vLLM servers (an API key, a request id).
 FORWARDED_HEADERS = ("Authorization", "X-Request-Id")
-#: The largest request body accepted (a long prompt's token ids as JSON).
-MAX_BODY_BYTES = 64 << 20
+#: What a client reads last in a streamed answer that a server cut midway (vLLM's error shape).
+CUT_EVENT = (
+    b'data: {"error": {"message": "the vLLM server cut its answer midway", "type": "UpstreamCutError", "code": 502}}'
+    b"\n\n"
+)
+
+
+class AnswerTooLargeError(KVDepotError):
+    """A prefill server's answer larger than the proxy reads (`--max-body`)."""
+
+
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    return {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
 
 
 class Proxy:
-    """The proxy's state: the servers to use in turn, and one HTTP client session."""
+    """The proxy's state: the servers to use in turn, its bounds and figures, and one HTTP client session."""
 
-    def __init__(self, prefill: Sequence[str], decode: Sequence[str], *, timeout: float) -> None:
+    def __init__(
+        self,
+        prefill: Sequence[str],
+        decode: Sequence[str],
+        *,
+        timeout: float,
+        limits: ProxyLimits,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
         self._prefill: Iterator[str] = itertools.cycle([url.rstrip("/") for url in prefill])
         self._decode: Iterator[str] = itertools.cycle([url.rstrip("/") for url in decode])
         self.timeout = timeout
+        self.body_timeout = body_timeout
+        self.limits = limits
+        self.metrics = ProxyMetrics(limits)
+        self.admission = Admission(limits, self.metrics)
         self.session: ClientSession | None = None
         self.counts = {"requests": 0, "prefill_failures": 0}
 
     async def start(self, app: web.Application) -> None:
         import aiohttp
 
-        # No cap on connections (streamed decodes hold theirs); a silent server fails a request
+        # No cap on connections here (--max-requests bounds them); a silent server fails a request
         # after `timeout` seconds without a byte, however long a streamed answer runs.
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
@@ -62,85 +120,176 @@ class Proxy:
         if self.session is not None:
             await self.session.close()
 
-    async def complete(self, request: web.Request) -> web.StreamResponse:
-        """Prefill, then decode with the prefill's ``kv_transfer_params``; the decode answer streams back."""
+    def route(self, name: str, handler: Handler) -> Handler:
+        """`handler` as one request in flight, with the proxy's refusals answered and counted."""
         from aiohttp import web
 
-        try:
-            body = await request.json()
-        except ValueError:
-            raise web.HTTPBadRequest(text="the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise web.HTTPBadRequest(text="the request body is not a JSON object")
-        self.counts["requests"] += 1
-        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
-        params = await self._prefill_params(request.path, body, headers)
-        body = {key: value for key, value in body.items() if key != "kv_transfer_params"}  # never the client's
-        if params is not None:
-            body["kv_transfer_params"] = params
-        return await self._relay(request, next(self._decode) + request.path, body, headers)
+        async def handle(request: web.Request) -> web.StreamResponse:
+            try:
+                with self.admission.request(name):
+                    return await handler(request)
+            except ProxyRefusal as exc:
+                self.metrics.refused.labels(exc.reason).inc()
+                log.info("request_refused", reason=exc.reason, status=exc.status, why=exc.message)
+                error = {"message": exc.message, "type": type(exc).__name__, "code": exc.status}
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status == 503 else None
+                return web.json_response({"error": error}, status=exc.status, headers=headers)
 
-    async def _prefill_params(self, path: str, body: dict[str, Any], headers: dict[str, str]) -> Any:
-        """The prefill server's ``kv_transfer_params`` for ``body``; None where it failed (logged)."""
+        return handle
+
+    def completion(self, path: str) -> Handler:
+        """The handler of one completion route: prefill, then decode with the prefill's ``kv_transfer_params``."""
+
+        async def complete(request: web.Request) -> web.StreamResponse:
+            self.counts["requests"] += 1
+            headers = {**_forwarded(request), "Content-Type": "application/json"}
+            hold = await self._receive(request)
+            try:
+                url = next(self._decode) + path
+                # The decode body goes straight into _relay's frame, which drops it once it is sent.
+                return await self._relay(
+                    request, url, await self._decode_body(request, path, headers, hold), headers, hold
+                )
+            finally:
+                hold.release()
+
+        return complete
+
+    async def _receive(self, request: web.Request) -> BodyHold:
+        """Count the request's body as held before it is read; refuse it where it is too large or does not fit."""
+        declared = request.content_length
+        if declared is not None and declared > self.limits.max_body:
+            raise BodyTooLargeError(
+                f"the request body is {declared} bytes; the most is {self.limits.max_body} (--max-body)"
+            )
+        return self.admission.hold(self.limits.max_body if declared is None else declared)
+
+    async def _decode_body(self, request: web.Request, path: str, headers: dict[str, str], hold: BodyHold) -> bytes:
+        """Read the request, ask the prefill server, and return the decode server's request body."""
+        try:
+            body = await asyncio.wait_for(self._read_body(request), self.body_timeout)
+        except TimeoutError:
+            raise BodyTimeoutError(
+                f"the request body took longer than {self.body_timeout} s (--body-timeout)"
+            ) from None
+        hold.resize(len(body))
+        fields = parse_request(body)
+        params = await self._prefill_params(path, fields, headers)
+        return decode_request(fields, params)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        """The request body, read up to `--max-body` bytes (not kept by the request, as `request.read()` would)."""
+        pieces: list[bytes] = []
+        size = 0
+        async for piece in request.content.iter_any():
+            size += len(piece)
+            if size > self.limits.max_body:
+                raise BodyTooLargeError(f"the request body is larger than {self.limits.max_body} bytes (--max-body)")
+            pieces.append(piece)
+        return b"".join(pieces)
+
+    async def _prefill_params(self, path: str, fields: Fields, headers: dict[str, str]) -> msgspec.Raw | None:
+        """The prefill server's ``kv_transfer_params`` for the request; None where it failed (logged)."""
         import aiohttp
 
         assert self.session is not None
-        prefill = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
-        prefill.pop("stream_options", None)
-        if "max_completion_tokens" in prefill:
-            prefill["max_completion_tokens"] = 1
         url = next(self._prefill) + path
         try:
-            async with self.session.post(url, json=prefill, headers=headers) as reply:
+            async with self.session.post(url, data=prefill_request(fields), headers=headers) as reply:
                 if reply.status == 200:
-                    answer = await reply.json()
-                    if isinstance(answer, dict):
-                        return answer.get("kv_transfer_params")
-                    why = "the answer is not a JSON object"
-                else:
-                    why = f"HTTP {reply.status}: {(await reply.text())[:300]}"
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+                    return transfer_params(await self._read_answer(reply))
+                why = f"HTTP {reply.status}: {(await reply.content.read(300)).decode(errors='replace')}"
+        except (aiohttp.ClientError, TimeoutError, KVDepotError) as exc:
             why = repr(exc)
         self.counts["prefill_failures"] += 1
+        self.metrics.upstream_errors.labels("prefill").inc()
         log.warning("prefill_failed", url=url, error=why, then="the decode server computes the whole prompt")
         return None
 
+    async def _read_answer(self, reply: ClientResponse) -> bytes:
+        """A prefill server's answer, read up to `--max-body` bytes (AnswerTooLargeError past them)."""
+        answer = bytearray()
+        async for piece in reply.content.iter_any():
+            answer += piece
+            if len(answer) > self.limits.max_body:
+                raise AnswerTooLargeError(f"the prefill answer is larger than {self.limits.max_body} bytes")
+        return bytes(answer)
+
     async def _relay(
-        self, request: web.Request, url: str, body: dict[str, Any], headers: dict[str, str]
+        self, request: web.Request, url: str, body: bytes, headers: dict[str, str], hold: BodyHold
     ) -> web.StreamResponse:
         """POST ``body`` to ``url`` and pass its answer back as it arrives."""
         import aiohttp
         from aiohttp import web
 
         assert self.session is not None
-        response: web.StreamResponse | None = None
         try:
-            async with self.session.post(url, json=body, headers=headers) as reply:
-                response = web.StreamResponse(status=reply.status)
-                response.content_type = reply.content_type
-                await response.prepare(request)
-                async for piece in reply.content.iter_any():
-                    await response.write(piece)
-                await response.write_eof()
-                return response
-        except (aiohttp.ClientError, TimeoutError, ConnectionResetError) as exc:
+            reply_context = self.session.post(url, data=body, headers=headers)
+            del body  # the request holds it until it is sent
+            async with reply_context as reply:
+                hold.release()
+                return await self._pass_back(request, reply, url)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.upstream_errors.labels("decode").inc()
             log.warning("decode_failed", url=url, error=repr(exc))
-            if response is None or not response.prepared:
-                raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
-            return response  # its headers are out: the client sees the stream end early
+            raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
 
-    async def passthrough(self, request: web.Request) -> web.StreamResponse:
-        """Any other GET of the API (``/v1/models``, ...) from a decode server."""
+    async def _pass_back(self, request: web.Request, reply: ClientResponse, url: str) -> web.StreamResponse:
+        """Pass a decode server's answer back as it arrives; one it cuts midway reaches the client cut."""
         import aiohttp
         from aiohttp import web
 
-        assert self.session is not None
-        url = next(self._decode) + request.path_qs
-        headers = {name: request.headers[name] for name in FORWARDED_HEADERS if name in request.headers}
+        response = web.StreamResponse(status=reply.status)
+        response.content_type = reply.content_type
         try:
-            async with self.session.get(url, headers=headers) as reply:
-                return web.Response(status=reply.status, body=await reply.read(), content_type=reply.content_type)
+            await response.prepare(request)
+            pieces = reply.content.iter_any()
+            while True:
+                try:
+                    piece = await pieces.__anext__()
+                except StopAsyncIteration:
+                    break
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    await self._cut(request, response, reply, url, exc)
+                    return response
+                await asyncio.wait_for(response.write(piece), self.timeout)
+            await response.write_eof()
+        except (ConnectionError, TimeoutError) as exc:
+            self.metrics.clients_gone.inc()
+            log.info("client_gone", url=url, error=repr(exc))
+            if request.transport is not None:
+                request.transport.close()
+        return response
+
+    async def _cut(
+        self, request: web.Request, response: web.StreamResponse, reply: ClientResponse, url: str, exc: BaseException
+    ) -> None:
+        """Tell the client its answer was cut: an error event in a stream, then the connection closed before the end."""
+        self.metrics.cut_streams.inc()
+        self.metrics.upstream_errors.labels("decode").inc()
+        log.warning(
+            "answer_cut", url=url, error=repr(exc), then="the client's connection closes without the answer's end"
+        )
+        if reply.content_type == "text/event-stream":
+            with contextlib.suppress(ConnectionError, TimeoutError):
+                await asyncio.wait_for(response.write(CUT_EVENT), self.timeout)
+        if request.transport is not None:
+            request.transport.close()  # what was written still goes out; the final chunk never does
+
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        """Any other GET of the API (``/v1/models``, ...) from a decode server, for normalised paths only."""
+        import aiohttp
+        import yarl
+        from aiohttp import web
+
+        assert self.session is not None
+        url = next(self._decode) + passthrough_target(request.raw_path)
+        try:
+            # encoded: the URL goes out exactly as checked, with no dot segments resolved on the way.
+            async with self.session.get(yarl.URL(url, encoded=True), headers=_forwarded(request)) as reply:
+                return await self._pass_back(request, reply, url)
         except (aiohttp.ClientError, TimeoutError) as exc:
+            self.metrics.upstream_errors.labels("decode").inc()
             raise web.HTTPBadGateway(text=f"the decode server {url} failed: {exc!r}") from None
 
     async def health(self, request: web.Request) -> web.Response:
@@ -149,20 +298,53 @@ class Proxy:
 
         return web.json_response({"status": "ok", **self.counts})
 
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        """The proxy's own figures, in Prometheus text."""
+        from aiohttp import web
 
-def make_app(prefill: Sequence[str], decode: Sequence[str], *, timeout: float = 600.0) -> web.Application:
+        response = web.Response(body=self.metrics.render())
+        response.content_type = "text/plain"
+        response.charset = "utf-8"
+        return response
+
+
+def make_app(
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    *,
+    timeout: float = 600.0,
+    limits: ProxyLimits | None = None,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+) -> web.Application:
     """The proxy as an aiohttp application (`kvdepot proxy` runs it)."""
     from aiohttp import web
 
-    proxy = Proxy(prefill, decode, timeout=timeout)
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    limits = limits or ProxyLimits()
+    proxy = Proxy(prefill, decode, timeout=timeout, limits=limits, body_timeout=body_timeout)
+    app = web.Application(client_max_size=limits.max_body)
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     for path in COMPLETION_PATHS:
-        app.router.add_post(path, proxy.complete)
+        app.router.add_post(path, proxy.route("completion", proxy.completion(path)))
     app.router.add_get("/health", proxy.health)
-    app.router.add_get("/v1/{tail:.*}", proxy.passthrough)
+    app.router.add_get("/metrics", proxy.metrics_page)
+    app.router.add_get("/v1/{tail:.*}", proxy.route("passthrough", proxy.passthrough))
     return app
+
+
+def _positive(parse: Callable[[str], int]) -> Callable[[str], int]:
+    """An argparse type: `parse`, then more than 0 (argparse turns the error into exit code 2)."""
+
+    def convert(text: str) -> int:
+        try:
+            value = parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"{text!r} must be more than 0")
+        return value
+
+    return convert
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -175,7 +357,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument(
-        "--timeout", type=float, default=600.0, help="seconds a vLLM server may stay silent in a request (default 600)"
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a vLLM server may stay silent in a request, or a client leave a piece of its answer unread"
+        " (default 600)",
+    )
+    parser.add_argument(
+        "--max-body",
+        type=_positive(parse_size),
+        default=DEFAULT_MAX_BODY,
+        metavar="SIZE",
+        help=f"the largest request body; larger ones get a 413 (default {format_size(DEFAULT_MAX_BODY)})",
+    )
+    parser.add_argument(
+        "--max-body-total",
+        type=_positive(parse_size),
+        default=DEFAULT_MAX_BODY_TOTAL,
+        metavar="SIZE",
+        help="memory for the request bodies held at once, each counted 3 times (as received and re-encoded for"
+        f" both servers) until the decode server has it; past it a 503 (default {format_size(DEFAULT_MAX_BODY_TOTAL)})",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=_positive(int),
+        default=DEFAULT_MAX_REQUESTS,
+        metavar="N",
+        help=f"requests in flight at once, streams included; past them a 503 (default {DEFAULT_MAX_REQUESTS})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds a client may take to send its request body; then a 408 (default {DEFAULT_BODY_TIMEOUT_S:g})",
     )
 
 
@@ -187,7 +402,12 @@ def run(args: argparse.Namespace) -> int:
         log.error("aiohttp_missing", fix="pip install aiohttp (vLLM's OpenAI server depends on it)")
         return 1
     configure_logging("auto", "info", stream="stderr")
-    app = make_app(args.prefill, args.decode, timeout=args.timeout)
+    try:
+        limits = ProxyLimits(args.max_body, args.max_body_total, args.max_requests)
+    except KVDepotError as exc:
+        log.error("bad_limits", error=exc.message)
+        return 2
+    app = make_app(args.prefill, args.decode, timeout=args.timeout, limits=limits, body_timeout=args.body_timeout)
     log.info("proxy_listening", url=f"http://{args.host}:{args.port}", prefill=args.prefill, decode=args.decode)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     return 0
