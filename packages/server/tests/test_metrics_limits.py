@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdepot.server import ServerProcess
+from kvdepot.server import ServerProcess, main
 from kvdepot.server._metrics import Metrics
-from kvdepot.server._metrics_http import HTTP_WORKERS, HTTPLimits
+from kvdepot.server._metrics_http import FILE_LIMIT_SHARE, HTTP_WORKERS, HTTPLimits
 from kvdepot.transport import CacheClient
 
 pytestmark = pytest.mark.integration
@@ -241,3 +241,29 @@ def test_a_request_with_a_body_gets_400():
         assert _refused(_scrape(url), "body") == 2
     finally:
         metrics.close()
+
+
+def test_the_connection_cap_stays_within_a_share_of_the_file_limit():
+    """Whatever --metrics-max-connections asks, the endpoint keeps at most FILE_LIMIT_SHARE of the
+    soft file limit, leaving the rest to the cache socket and the other listeners; /metrics shows it."""
+    metrics = Metrics()
+    with soft_file_limit(256):
+        url = metrics.serve(0, limits=HTTPLimits(max_connections=1000))
+    try:
+        text = _scrape(url)
+        assert f'kvdepot_listener_max_connections{{listener="metrics"}} {256 * FILE_LIMIT_SHARE:.1f}' in text
+    finally:
+        metrics.close()
+
+
+@pytest.mark.parametrize(
+    "flag", ["--metrics-max-connections=0", "--metrics-request-deadline=0", "--metrics-max-header-bytes=0"]
+)
+def test_metrics_bounds_must_be_positive(flag, capsys):
+    """A bound of zero is a usage error (exit 2) naming the flag and why, before anything starts."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", flag, "--no-metrics"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert flag.split("=")[0] in err
+    assert "must be" in err  # a bound refused, not a flag unknown

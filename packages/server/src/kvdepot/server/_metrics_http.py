@@ -183,7 +183,7 @@ class HTTPEndpoint:
                     if key.fileobj is self._listener:
                         accept = True
                     else:
-                        self._read(key.data)
+                        self._read_guarded(key.data)
                 # reads before accepts: a head that has arrived completes before anyone is displaced
                 if accept:
                     self._accept()
@@ -210,7 +210,7 @@ class HTTPEndpoint:
                     self.refuse("files")
                     self._pause_accepting()
                     return
-                raise
+                continue  # one connection gone before its accept (ECONNABORTED, ...): the next
             sock.setblocking(False)
             with self._lock:
                 busy = self._answering + len(self._pending)
@@ -234,6 +234,15 @@ class HTTPEndpoint:
             self._selector.unregister(self._listener)
             self._accepting = False
         self._resume_accept = time.monotonic() + POLL_INTERVAL_S
+
+    def _read_guarded(self, pending: _Pending) -> None:
+        """`_read`, where a failure drops that connection only, never the endpoint."""
+        try:
+            self._read(pending)
+        except Exception:
+            log.exception("metrics_request_failed", peer=str(pending.peer))
+            if pending.sock.fileno() in self._pending:
+                self._drop(pending)
 
     def _read(self, pending: _Pending) -> None:
         try:
