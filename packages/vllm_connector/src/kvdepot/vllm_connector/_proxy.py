@@ -109,10 +109,11 @@ class Proxy:
     async def start(self, app: web.Application) -> None:
         import aiohttp
 
-        # No cap on connections here (--max-requests bounds them); a silent server fails a request
-        # after `timeout` seconds without a byte, however long a streamed answer runs.
+        # A request holds one connection at a time (prefill, then decode), so --max-requests bounds
+        # them; a silent server fails a request after `timeout` seconds without a byte, however
+        # long a streamed answer runs.
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0),
+            connector=aiohttp.TCPConnector(limit=self.limits.max_requests),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.timeout),
         )
 
