@@ -255,7 +255,7 @@ class HTTPEndpoint:
             self._drop(pending)
             return
         if pending.closing:
-            return  # drained and dropped
+            return  # answered already: what it still sends is read and thrown away
         start = max(0, len(pending.head) - 3)
         pending.head += data
         limit = self.limits.max_header_bytes
