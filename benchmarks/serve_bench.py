@@ -11,7 +11,9 @@ in four configurations:
 - ``kvdepot``: the same, with kvdepot (a fresh `kvdepot serve` per round);
 - ``floor``: no connector, a KV cache of `--floor-kv-cache` (256 MiB) that keeps every prefix:
   reuse as good as it gets, the target;
-- ``lmcache``: LMCache's connector, where the ``lmcache`` package is installed.
+- ``lmcache``: LMCache's connector, where the ``lmcache`` package is installed;
+- `--variant NAME:KEY=VALUE,...`: kvdepot again with these connector settings (measured beside
+  the default, never instead).
 
 At each concurrency (`--concurrency`, default 2 and 8; `--prompts` per level, default 64 and
 128) the configurations run in alternating order over `--rounds` rounds (default 3), each run on
@@ -107,12 +109,12 @@ def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterato
     cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
     kv_cache = args.floor_kv_cache if config == "floor" else args.kv_cache
     cmd += ["--kv-cache-memory-bytes", str(kv_cache)]
-    if config == "kvdepot":
+    if config == "kvdepot" or config in args.variants:
         kvdepot_proc, address = start_server(workdir, "--capacity", args.capacity)
         transfer = {
             "kv_connector": "KVDepotConnector",
             "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvdepot.address": address},
+            "kv_connector_extra_config": {"kvdepot.address": address, **args.variants.get(config, {})},
         }
         cmd += ["--kv-transfer-config", json.dumps(transfer)]
     elif config == "lmcache":
@@ -249,6 +251,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--floor-kv-cache", type=int, default=256 << 20, help="bytes of KV cache for the floor")
     parser.add_argument("--capacity", default="2GiB", help="kvdepot serve --capacity")
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="another kvdepot configuration, with these kv_connector_extra_config keys "
+        "(e.g. sync:kvdepot.sync_load_bytes=67108864)",
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 32 prompts per level")
     parser.add_argument("--model-dir", type=Path, default=MODELS_DIR / "tiny-llama")
     args = parser.parse_args(argv)
@@ -259,6 +269,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.prompts = [64 if c <= 2 else 128 for c in args.concurrency]
     if len(args.prompts) != len(args.concurrency):
         parser.error("--prompts takes one count per --concurrency level")
+    args.variants = {}
+    for item in args.variant:
+        name, sep, pairs = item.partition(":")
+        if not sep or name in CONFIGS:
+            parser.error(f"--variant takes NAME:KEY=VALUE[,KEY=VALUE] with a new name, got {item!r}")
+        settings = dict(pair.split("=", 1) for pair in pairs.split(","))
+        args.variants[name] = {
+            k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v for k, v in settings.items()
+        }
+        args.configs.append(name)
     if "lmcache" in args.configs and not lmcache_installed():
         args.configs = [c for c in args.configs if c != "lmcache"]
         progress("lmcache is not installed here: its configuration is left out")
