@@ -645,8 +645,8 @@ def test_a_clear_ends_the_pins_of_its_salt_and_pins_keep_to_their_share_of_the_p
         if out.reservation_id:
             index.commit("b", out.reservation_id, None, 0.0, pin_s=30.0)
     assert index.stats().pins_refused > 0
-    assert index._pinned_bytes <= budget
+    assert index.pins.pinned_bytes <= budget
     index.clear()
     assert index.stats().leases == 0
-    assert index._pinned_bytes == 0
+    assert index.pins.pinned_bytes == 0
     index.check()

@@ -410,6 +410,8 @@ def stats_reply(
         "expired_reservations": stats.expired_reservations,
         "full_reserves": stats.full_reserves,
         "pins_refused": stats.pins_refused,
+        "pins_refused_share": stats.pins_refused_share,
+        "pins_ended_early": stats.pins_ended_early,
     }
     # The salts holding the most bytes, so a reply stays small however many salts there are.
     listed = stats.largest_salts(MAX_STATS_SALTS)

@@ -33,9 +33,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server._chunk_state import LIVE, MOVES, VISIBLE, ChunkEvent, ChunkState, move
-from kvdepot.server._errors import ServerArgumentError, ServerError, TooManyError, UnknownReservationError
+from kvdepot.server._errors import ServerArgumentError, ServerError, UnknownReservationError
 from kvdepot.server._events import Cleared, Committed, Evicted, IndexEvent
 from kvdepot.server._eviction import EvictionPolicy
+from kvdepot.server._pins import PinShares
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._records import Entry, Lease, Reservation
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome
@@ -43,6 +44,7 @@ from kvdepot.server._sessions import (
     DEFAULT_LEASE_TTL,
     DEFAULT_RESERVATION_TTL,
     DEFAULT_SESSION_TTL,
+    MAX_LEASES_PER_CLIENT,
     Sessions,
 )
 from kvdepot.server._slabs import SlabAllocator
@@ -71,7 +73,10 @@ PIN_CLIENT = f"{RESERVED_CLIENT_PREFIX}pins"
 #: The longest a commit may pin its chunks (seconds), whatever it asks.
 MAX_PIN_S = 60.0
 #: The share of the pool that pins may hold at once; past it a commit's chunks go unpinned.
+#: When a pin does not fit, the salts pinning share this room equally (`_pins.py`).
 MAX_PINNED_SHARE = 0.25
+#: Pins (leases of `PIN_CLIENT`) at once, shared between salts the same way.
+MAX_PIN_LEASES = MAX_LEASES_PER_CLIENT
 
 EntryKey = tuple[str, bytes]
 S, E = ChunkState, ChunkEvent
@@ -122,7 +127,9 @@ class ChunkIndex:
         self.hits = self.misses = self.bytes_stored = self.bytes_loaded = 0
         self.evictions = self.expired_leases = self.expired_reservations = self.full_reserves = 0
         self.pins_refused = 0  # commits whose pin found no room (the chunks are committed unpinned)
-        self._pinned_bytes = 0  # slot bytes held by pins
+        self.pins_refused_share = 0  # ... of those, because their salt held its share while others pinned
+        self.pins_ended_early = 0  # pins of salts past their share ended to make room for another salt
+        self.pins = PinShares(int(MAX_PINNED_SHARE * allocator.capacity), MAX_PIN_LEASES)  # slot bytes per salt
         self._clears = 0  # clears so far (a reservation made before a clear of its salt commits nothing)
         self._cleared: dict[str | None, int] = {}  # per salt (None: all): the number of its last clear
 
@@ -263,24 +270,28 @@ class ChunkIndex:
         return last > reservation.generation
 
     def _pin(self, entries: list[Entry], now: float, seconds: float) -> None:
-        """Lease `entries` to `PIN_CLIENT` for `seconds`; past the pins' share of the pool or of
-        leases, they stay unpinned (counted in `pins_refused`)."""
+        """Lease `entries` (of one salt) to `PIN_CLIENT` for `seconds`. When the pins' room is
+        full, a salt within its share of it ends the oldest pins of salts past theirs; a salt
+        past its share, or no room for a lease, leaves the chunks unpinned (`pins_refused`)."""
         size = sum(entry.slot_size for entry in entries)
         try:
-            if self._pinned_bytes + size > MAX_PINNED_SHARE * self.allocator.capacity:
-                raise TooManyError("pins hold their share of the pool")
+            ended = self.pins.make_room(entries[0].salt, size)
             self.touch(PIN_CLIENT, now, "pins")
             session = self.sessions.active(PIN_CLIENT, now, need_layout=False)
-            self.sessions.check_lease_room(session, 1)
-        except ServerError:
+            self.sessions.check_lease_room(session, 1 - len(ended))
+        except ServerError as exc:
             self.pins_refused += 1
+            self.pins_refused_share += exc.fields.get("reason") == "share"
             return
-        self._pinned_bytes += size
+        for lease_id in ended:
+            self._drop_lease(self.sessions.leases[lease_id])
+        self.pins_ended_early += len(ended)
         for entry in entries:
             entry.leases += 1
             if entry.leases == 1:
                 self._step(entry, _LEASE)
-        self.sessions.new_lease(session, entries, now, ttl=seconds)
+        lease = self.sessions.new_lease(session, entries, now, ttl=seconds)
+        self.pins.add(entries[0].salt, lease.id, size)
 
     def abort(self, client: str, reservation_id: int) -> int:
         """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""
@@ -456,6 +467,8 @@ class ChunkIndex:
             clients=self.sessions.outside_clients(),
             full_reserves=self.full_reserves,
             pins_refused=self.pins_refused,
+            pins_refused_share=self.pins_refused_share,
+            pins_ended_early=self.pins_ended_early,
             salt_bytes=salt_bytes,
             salt_chunks=salt_chunks,
             quotas=dict(self._quotas),
@@ -589,7 +602,7 @@ class ChunkIndex:
     def _drop_lease(self, lease: Lease) -> None:
         self.sessions.end_lease(lease)
         if lease.client == PIN_CLIENT:
-            self._pinned_bytes -= sum(entry.slot_size for entry in lease.entries)
+            self.pins.remove(lease.id)
         for entry in lease.entries:
             entry.leases -= 1
             if not entry.leases:
@@ -615,6 +628,11 @@ class ChunkIndex:
         assert len(pending) == in_state[S.PENDING]
         self.policy.check(entries, self.sessions.clients())
         self.sessions.check()
+        pins = self.sessions.session_of(PIN_CLIENT)
+        leases = [self.sessions.leases[lid] for lid in pins.leases] if pins is not None else []
+        self.pins.check(
+            {lease.id: (lease.entries[0].salt, sum(e.slot_size for e in lease.entries)) for lease in leases}
+        )
 
     def _check_slots(self, entries: list[Entry]) -> None:
         """Assert that every chunk has its own slot, of its size class, inside the pool."""

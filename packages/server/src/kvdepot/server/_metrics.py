@@ -212,6 +212,9 @@ class _Collector:
             ("expired_leases", s.expired_leases, "Leases that ended by expiry, not release."),
             ("expired_reservations", s.expired_reservations, "Reservations that expired uncommitted."),
             ("full_reserves", s.full_reserves, "Reserves that could not place every key."),
+            ("pins_refused", s.pins_refused, "Commits whose pin (pin_s) was refused: committed unpinned."),
+            ("pins_refused_share", s.pins_refused_share, "Pins refused: their salt held its share of the pins."),
+            ("pins_ended_early", s.pins_ended_early, "Pins of a salt past its share ended for another salt."),
         ):
             yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
         doc = " (label: salt_label(cache_salt); the largest 64, the rest as 'other')"

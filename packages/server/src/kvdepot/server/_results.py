@@ -71,6 +71,8 @@ class IndexStats:
     salt_count: int = 0  # salts holding any bytes, whether or not `salt_bytes` lists them all
     #: Slots of reservations that expired or whose client left, held until a late copy cannot land.
     quarantined_chunks: int = 0
+    pins_refused_share: int = 0  # pins refused because their salt held its share of the pins' room
+    pins_ended_early: int = 0  # pins of salts past their share ended for a salt within its share
 
     @property
     def per_salt(self) -> dict[str, SaltUsage]:
