@@ -45,20 +45,32 @@ def zctx() -> Iterator[zmq.Context]:
     ctx.destroy(linger=0)
 
 
+def replay_page(sock: zmq.Socket, start: int, timeout: float = T) -> tuple[list[list[bytes]], list[bytes]]:
+    """Ask the replay endpoint once, from `start`: (the page's batches' frames, the end marker)."""
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    batches = []
+    while True:
+        assert sock.poll(int(timeout * 1000)), "the replay endpoint did not answer"
+        frames = sock.recv_multipart()
+        if frames[2] == END_SEQ:
+            return batches, frames
+        batches.append(frames)
+
+
 def replay(ctx: zmq.Context, endpoint: str, start: int, timeout: float = T) -> tuple[list[list[bytes]], list[bytes]]:
-    """Ask the replay endpoint for every kept batch from `start`: (the batches' frames, the end marker)."""
+    """Every kept batch from `start`, page after page as a subscriber asks for them (each time
+    from the number after the last it got): (the batches' frames, the last end marker)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
     try:
-        sock.send_multipart([b"", start.to_bytes(8, "big")])
-        batches = []
+        batches: list[list[bytes]] = []
         while True:
-            assert sock.poll(int(timeout * 1000)), "the replay endpoint did not answer"
-            frames = sock.recv_multipart()
-            if frames[2] == END_SEQ:
-                return batches, frames
-            batches.append(frames)
+            page, end = replay_page(sock, start, timeout)
+            if not page:
+                return batches, end
+            batches += page
+            start = int.from_bytes(page[-1][2], "big") + 1
     finally:
         sock.close(0)
 
@@ -260,11 +272,14 @@ def test_with_nobody_reading_a_burst_keeps_at_most_max_pending_and_counts_the_re
         assert publisher.dropped == 900
         assert wait_until(lambda: publisher.published_events + publisher.dropped == 1000, T)
         assert publisher.published_events == 100
-        assert publisher.figures() == {
-            "kv_events_batches": publisher.seq,
-            "kv_events_sent": 100,
-            "kv_events_dropped": 900,
-        }
+        assert (
+            publisher.figures().items()
+            >= {
+                "kv_events_batches": publisher.seq,
+                "kv_events_sent": 100,
+                "kv_events_dropped": 900,
+            }.items()
+        )
         batches, _ = replay(zctx, publisher.replay_endpoint, 0)
         assert published_keys([f[3] for f in batches]) == [e.key for e in events[900:]]  # the oldest went
         assert int.from_bytes(batches[0][2], "big") == 1  # number 0 was skipped: the dropped events' gap

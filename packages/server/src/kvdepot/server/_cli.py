@@ -279,6 +279,15 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         metavar="TOPIC",
         help="the events' topic (default kv@node:<host name>@kvdepot)",
     )
+    for flag, kind, default, text in (  # the publisher's bounds (docs/server.md, 'Limits')
+        ("--kv-events-max-connections", _positive_int, 64, "connections per KV-events tcp port (default 64)"),
+        ("--kv-events-subscriber-bytes", _size, 4 << 20, "queued for a subscriber that does not read (default 4MiB)"),
+        ("--kv-events-replay-bytes", _size, 64 << 20, "batches kept for replay, in bytes (default 64MiB)"),
+        ("--kv-events-replay-page", _size, 256 << 10, "payload bytes of one replay answer (default 256KiB)"),
+    ):
+        events.add_argument(
+            flag, type=kind, default=default, metavar="N" if kind is _positive_int else "SIZE", help=text
+        )
     _add_log_flags(parser)
 
 
@@ -348,6 +357,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
+        kv_events_max_connections=args.kv_events_max_connections,
+        kv_events_subscriber_bytes=args.kv_events_subscriber_bytes,
+        kv_events_replay_bytes=args.kv_events_replay_bytes,
+        kv_events_replay_page_bytes=args.kv_events_replay_page,
     )
     try:
         server = CacheServer(config)

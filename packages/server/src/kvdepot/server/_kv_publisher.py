@@ -14,43 +14,81 @@ batch (topic, sequence number as 8 big-endian bytes, payload), the payload a msg
 (ROUTER), a subscriber that sees a gap sends the first sequence number it missed (8 bytes)
 and gets every kept batch from there, then an end marker (sequence number -1, empty payload).
 
-Bounds: the loop only appends to a queue of `MAX_PENDING` events (the oldest are dropped, and
-counted, if the publisher thread falls behind); the PUB socket drops what a slow subscriber
-cannot take at its high-water mark, as ZMQ does; replay keeps the last `REPLAY_BATCHES` batches.
+A reply to a replay request is one page: the kept batches from that number on, up to
+`replay_page_bytes` of payload and `REPLAY_PAGE_BATCHES` batches (the first always), then the
+end marker; a subscriber that wants more asks again from the number after the page's last, as
+vLLM's subscribers do after a gap. A page is sent only when the peer has room for it in its
+queue, so a peer that asks without reading gets nothing more (counted as ``unread``).
+
+Bounds (each a flag of `kvdepot serve`, and a figure in /metrics): the loop only appends to a
+queue of `MAX_PENDING` events (the oldest are dropped, and counted, if the publisher thread falls
+behind); a batch holds at most `MAX_BATCH_EVENTS` events (`MAX_BATCH_BYTES`); a subscriber that
+does not read holds at most ``subscriber_bytes`` queued (the PUB high-water mark, in batches;
+past it ZMQ drops its batches, and it sees a gap); replay keeps the last batches up to
+``replay_bytes`` and ``replay_batches``, and only with a replay endpoint; every tcp listener
+takes at most ``max_connections`` connections (`CappedListener`); a subscription or a replay
+request longer than any valid one (``ZMQ_MAXMSGSIZE``) disconnects its peer.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import structlog
 import zmq
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvdepot.core import KVDepotError
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._events import RAM, ChunkChange, Committed
+from kvdepot.server._kv_listener import CappedListener
+from kvdepot.server._kv_replay import ReplayBuffer
 from kvdepot.transport import check_ipc_trusted, check_not_in_use, is_loopback_tcp, secure_ipc_socket
 
 log = structlog.get_logger(__name__)
 
 #: Events waiting for the publisher thread; past this the oldest are dropped (and counted).
 MAX_PENDING = 100_000
-#: Events per published batch at most (one batch per loop pass otherwise).
-MAX_BATCH_EVENTS = 4096
+#: Events per published batch at most (one batch per loop pass otherwise): a full batch of
+#: 32-byte keys encodes to about 40 KB, under `MAX_BATCH_BYTES`.
+MAX_BATCH_EVENTS = 256
+#: What one batch's payload may take at most: the unit of the subscriber's high-water mark.
+MAX_BATCH_BYTES = 48 * 1024
 #: How long the publisher gathers events after the first one before it sends them (seconds).
 GATHER_S = 0.005
-#: Batches kept for replay.
+#: Batches kept for replay at most (and `DEFAULT_REPLAY_BYTES` of them at most).
 REPLAY_BATCHES = 10_000
-#: The PUB socket's high-water mark (messages per subscriber), as vLLM's default.
-PUB_HWM = 100_000
+DEFAULT_REPLAY_BYTES = 64 << 20
+#: Payload bytes of one reply to a replay request; and batches at most (the socket's high-water
+#: mark fits two pages: libzmq sees what a peer read only every half mark).
+DEFAULT_REPLAY_PAGE_BYTES = 256 << 10
+REPLAY_PAGE_BATCHES = 32
+REPLAY_HWM = 2 * (REPLAY_PAGE_BATCHES + 1) + 2
+#: Replay requests answered per pass of the publisher thread, so that a flood of them never
+#: holds back the events.
+REPLAY_REQUESTS_PER_PASS = 64
+#: What a subscriber that does not read may hold queued on the PUB socket (bytes; the high-water
+#: mark is this many full batches).
+DEFAULT_SUBSCRIBER_BYTES = 4 << 20
+#: Connections each tcp listener (PUB, replay) takes at most; routers are few per node.
+DEFAULT_MAX_CONNECTIONS = 64
+#: The longest incoming frame: a replay request is 8 bytes; a subscription is a prefix of the
+#: topic (longer ones match nothing). A peer that sends more is disconnected by libzmq.
+REPLAY_MAX_FRAME = 64
+MIN_SUBSCRIPTION_MAX_FRAME = 256
+#: Incoming messages queued per peer (subscriptions, replay requests): few are ever needed.
+RECEIVE_HWM = 16
+#: Milliseconds the publisher threads sleep at most when nothing happens (how late they see `close()`).
+POLL_MS = 100
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 MEDIUM = "CPU"
 OWNER = "kvdepot"
@@ -101,40 +139,60 @@ class KVEventPublisher:
         topic: str | None = None,
         max_pending: int = MAX_PENDING,
         replay_batches: int = REPLAY_BATCHES,
+        replay_bytes: int = DEFAULT_REPLAY_BYTES,
+        replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES,
+        subscriber_bytes: int = DEFAULT_SUBSCRIBER_BYTES,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
     ) -> None:
         self.topic = default_topic() if topic is None else topic
         self._topic = self.topic.encode()
         self._pending: collections.deque[ChunkChange] = collections.deque(maxlen=max_pending)
-        self._replay_buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=replay_batches)
-        self._wake = threading.Event()
+        # Only a replay endpoint reads what is kept: without one, nothing is.
+        self._replay_buffer = ReplayBuffer(replay_batches, replay_bytes) if replay_endpoint is not None else None
+        self._page_bytes = replay_page_bytes
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.seq = 0  # the next batch's number
         self.dropped = 0
         self._gap = False  # events were dropped since the last batch: its number skips one
         self.published_events = 0
-        self._context: zmq.Context[Any] = zmq.Context.instance()
-        self._pub = self._bind(zmq.PUB, endpoint)
-        self._pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+        self.replay_pages = 0
+        self.replay_refused = {"bad_request": 0, "unread": 0}
+        self.limits = {
+            "max_connections": max_connections,
+            "subscriber_bytes": subscriber_bytes,
+            "replay_bytes": replay_bytes if replay_endpoint is not None else 0,
+            "replay_page_bytes": replay_page_bytes,
+        }
+        self._max_connections = max_connections
+        self._listeners: dict[str, CappedListener] = {}
+        self._context: zmq.Context[Any] = zmq.Context(io_threads=1)  # its own: closed with the publisher
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._woken = False
         self._replay: zmq.Socket[Any] | None = None
         try:
+            self._pub = self._bind(zmq.PUB, endpoint, "pub")
+            self._pub.setsockopt(zmq.SNDHWM, max(1, subscriber_bytes // MAX_BATCH_BYTES))
             if replay_endpoint is not None:
-                self._replay = self._bind(zmq.ROUTER, replay_endpoint)
-                self._replay.setsockopt(zmq.SNDHWM, 2 * (replay_batches + 1))  # a whole replay and its end
+                self._replay = self._bind(zmq.ROUTER, replay_endpoint, "replay")
         except BaseException:
-            self._pub.close(linger=0)
+            self._close_sockets()
             raise
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT) if self._replay else None
         self._encoder = msgspec.msgpack.Encoder()
         self._thread = threading.Thread(target=self._run, name="kvdepot-kv-events", daemon=True)
         self._thread.start()
+        self._cap_thread = threading.Thread(target=self._count_connections, name="kvdepot-kv-events-cap", daemon=True)
+        self._cap_thread.start()
         log.info("kv_events_publishing", endpoint=self.endpoint, replay=self.replay_endpoint, topic=self.topic)
 
-    def _bind(self, kind: int, endpoint: str) -> zmq.Socket[Any]:
+    def _bind(self, kind: int, endpoint: str, name: str) -> zmq.Socket[Any]:
         """A socket bound at ``endpoint``: an ipc path owner-only and never taken from a live
         process (as the server's own socket); a tcp address beyond loopback is allowed, with a
-        warning (the events carry no salt and no tokens, but say what is cached)."""
+        warning (the events carry no salt and no tokens, but say what is cached); on tcp, at
+        most `max_connections` connections."""
         path = Path(endpoint.removeprefix("ipc://")) if endpoint.startswith("ipc://") else None
         try:
             if path is not None:
@@ -148,10 +206,23 @@ class KVEventPublisher:
             message = getattr(exc, "message", str(exc))
             raise ServerArgumentError(f"cannot publish KV events on {endpoint}: {message}", endpoint=endpoint) from exc
         sock: zmq.Socket[Any] = self._context.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.MAXMSGSIZE, REPLAY_MAX_FRAME)
+            sock.setsockopt(zmq.SNDHWM, REPLAY_HWM)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises: its page is not sent
+        else:
+            sock.setsockopt(zmq.MAXMSGSIZE, max(MIN_SUBSCRIPTION_MAX_FRAME, len(self._topic) + 1))
         try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+            if endpoint.startswith("tcp://"):
+                self._listeners[name] = CappedListener(self._context, sock, endpoint, self._max_connections, name)
+            else:
+                sock.bind(endpoint)
+        except (zmq.ZMQError, ServerArgumentError) as exc:
             sock.close(linger=0)
+            if isinstance(exc, ServerArgumentError):
+                raise
             raise ServerArgumentError(f"cannot publish KV events on {endpoint}: {exc}", endpoint=endpoint) from exc
         if path is not None:
             secure_ipc_socket(path)  # its directory is owner-only already (check_ipc_trusted)
@@ -170,41 +241,82 @@ class KVEventPublisher:
                 self.dropped += len(ram) - room
                 self._gap = True
             self._pending.extend(ram)
-        self._wake.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self._woken:
+            self._woken = True
+            with contextlib.suppress(BlockingIOError):  # a full pipe wakes it as well
+                os.write(self._wake_w, b"\0")
 
     def figures(self) -> dict[str, int]:
-        return {
+        figures = {
             "kv_events_batches": self.seq,
             "kv_events_sent": self.published_events,
             "kv_events_dropped": self.dropped,
+            "kv_events_replay_buffer_bytes": self._replay_buffer.bytes if self._replay_buffer is not None else 0,
+            "kv_events_replay_pages": self.replay_pages,
         }
+        for reason, count in self.replay_refused.items():
+            figures[f"kv_events_replay_refused_{reason}"] = count
+        for name, listener in self._listeners.items():
+            figures[f"kv_events_{name}_connections"] = listener.connections
+            figures[f"kv_events_{name}_full"] = listener.full
+        return figures
+
+    def collector(self) -> _Collector:
+        """A prometheus-client collector of this publisher's figures, for the server's registry."""
+        return _Collector(self)
 
     def close(self) -> None:
         """Stop; what is queued is sent first."""
         self._stop.set()
-        self._wake.set()
+        self._wake()
         self._thread.join(timeout=5.0)
-        for sock in (self._pub, self._replay):
+        self._cap_thread.join(timeout=5.0)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in (getattr(self, "_pub", None), self._replay):
             if sock is not None:
                 sock.close(linger=0)
+        for listener in self._listeners.values():
+            listener.close()  # after its ZMQ socket: libzmq no longer polls the listening socket
+        self._context.term()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # -- the connection counter's thread -------------------------------------------------------
+
+    def _count_connections(self) -> None:
+        poller = zmq.Poller()
+        by_monitor = {listener.monitor: listener for listener in self._listeners.values()}
+        for monitor in by_monitor:
+            poller.register(monitor, zmq.POLLIN)
+        while by_monitor and not self._stop.is_set():
+            for monitor, _ in poller.poll(POLL_MS):
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        by_monitor[monitor].on_monitor_event(monitor.recv_multipart(zmq.NOBLOCK))
 
     # -- the publisher thread ---------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while not self._stop.is_set():
-            if self._replay is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    if poller.poll(0):
-                        self._serve_replay()
-            if not self._wake.wait(0.05):
+            ready = dict(poller.poll(POLL_MS))
+            if self._replay is not None and self._replay in ready:
+                self._serve_replays()
+            if self._wake_r not in ready:
                 continue
             # Gather what the loop's next requests add: fewer, larger batches cost the loop less
             # (each wake and send takes the GIL from it) and delay an event by milliseconds at most.
             self._stop.wait(GATHER_S)
-            self._wake.clear()
+            os.read(self._wake_r, 4096)
+            self._woken = False
             while batch := self._take():
                 self._send(batch)
         while batch := self._take():  # closing: what the loop queued last
@@ -233,19 +345,91 @@ class KVEventPublisher:
             pass
         except zmq.ZMQError as exc:  # never ends the thread: the batch stays in replay
             log.warning("kv_events_send_failed", error=str(exc), seq=self.seq)
-        self._replay_buffer.append((self.seq, payload))
+        if self._replay_buffer is not None:
+            self._replay_buffer.append(self.seq, payload)
         self.seq += 1
         self.published_events += len(events)
 
-    def _serve_replay(self) -> None:
+    def _serve_replays(self) -> None:
         assert self._replay is not None
-        frames = self._replay.recv_multipart()
+        for _ in range(REPLAY_REQUESTS_PER_PASS):
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._serve_replay(frames)
+
+    def _serve_replay(self, frames: list[bytes]) -> None:
+        """One page from the number asked for, then the end marker; nothing to a peer that has
+        not read its last page (its queue is full)."""
+        assert self._replay is not None
+        assert self._replay_buffer is not None
         if len(frames) != 3 or len(frames[2]) != 8:
+            self.replay_refused["bad_request"] += 1
             log.warning("kv_events_bad_replay_request", frames=len(frames))
             return
         client, _, first = frames
-        start = int.from_bytes(first, "big")
-        for seq, payload in list(self._replay_buffer):
-            if seq >= start:
-                self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
+        page = self._replay_buffer.page(int.from_bytes(first, "big"), self._page_bytes, REPLAY_PAGE_BATCHES)
+        try:
+            for seq, payload in page:
+                self._replay.send_multipart(
+                    (client, b"", self._topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK
+                )
+            self._replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.replay_refused["unread"] += 1
+        except zmq.ZMQError:  # EHOSTUNREACH: the peer left
+            pass
+        else:
+            self.replay_pages += 1
+
+
+class _Collector:
+    """The publisher's figures in /metrics (duck-typed prometheus-client collector)."""
+
+    def __init__(self, publisher: KVEventPublisher) -> None:
+        self._publisher = publisher
+
+    def collect(self) -> Iterator[Any]:
+        p = self._publisher
+        for name, value, doc in (
+            ("batches", p.seq, "KV-event batches numbered (published, or skipped for dropped events)."),
+            ("sent", p.published_events, "KV events published."),
+            ("dropped", p.dropped, "KV events dropped because the publisher fell behind (subscribers see a gap)."),
+            ("replay_pages", p.replay_pages, "Replay requests answered (one page each)."),
+        ):
+            yield CounterMetricFamily(f"kvdepot_kv_events_{name}", doc, value=value)
+        refused = CounterMetricFamily(
+            "kvdepot_kv_events_replay_refused",
+            "Replay requests not answered: bad_request (not one 8-byte number), unread (the peer has not "
+            "read its last page).",
+            labels=["reason"],
+        )
+        for reason, count in p.replay_refused.items():
+            refused.add_metric([reason], count)
+        yield refused
+        buffer = p._replay_buffer
+        yield GaugeMetricFamily(
+            "kvdepot_kv_events_replay_buffer_bytes",
+            "Payload bytes of the batches kept for replay (0 without a replay endpoint).",
+            value=buffer.bytes if buffer is not None else 0,
+        )
+        connections = GaugeMetricFamily(
+            "kvdepot_kv_events_connections", "Open connections per KV-events tcp listener.", labels=["listener"]
+        )
+        full = CounterMetricFamily(
+            "kvdepot_kv_events_listener_full",
+            "Times a KV-events tcp listener reached --kv-events-max-connections and began refusing connections.",
+            labels=["listener"],
+        )
+        for name, listener in p._listeners.items():
+            connections.add_metric([name], listener.connections)
+            full.add_metric([name], listener.full)
+        yield connections
+        yield full
+        limits = GaugeMetricFamily(
+            "kvdepot_kv_events_limit", "The KV-events publisher's bounds (flags of kvdepot serve).", labels=["limit"]
+        )
+        for name, value in p.limits.items():
+            limits.add_metric([name], value)
+        yield limits

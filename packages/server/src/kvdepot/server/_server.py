@@ -24,7 +24,13 @@ from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
-from kvdepot.server._kv_publisher import KVEventPublisher
+from kvdepot.server._kv_publisher import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REPLAY_BYTES,
+    DEFAULT_REPLAY_PAGE_BYTES,
+    DEFAULT_SUBSCRIBER_BYTES,
+    KVEventPublisher,
+)
 from kvdepot.server._metrics import (
     MAX_SALT_LABELS,
     BadFrameCounter,
@@ -111,6 +117,10 @@ class ServerConfig:
     kv_events: str | None = None  # a ZMQ PUB endpoint for the RAM tier's KV events (None: none)
     kv_events_replay: str | None = None  # ... and a ROUTER endpoint to replay missed batches from
     kv_events_topic: str | None = None  # None: `default_topic()`
+    kv_events_max_connections: int = DEFAULT_MAX_CONNECTIONS  # per tcp listener
+    kv_events_subscriber_bytes: int = DEFAULT_SUBSCRIBER_BYTES  # queued for one subscriber
+    kv_events_replay_bytes: int = DEFAULT_REPLAY_BYTES  # kept for replay
+    kv_events_replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES  # one replay answer
     health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
 
 
@@ -169,9 +179,16 @@ class CacheServer:
             self.kv_events: KVEventPublisher | None = None
             if config.kv_events is not None:
                 self.kv_events = KVEventPublisher(
-                    config.kv_events, replay_endpoint=config.kv_events_replay, topic=config.kv_events_topic
+                    config.kv_events,
+                    replay_endpoint=config.kv_events_replay,
+                    topic=config.kv_events_topic,
+                    max_connections=config.kv_events_max_connections,
+                    subscriber_bytes=config.kv_events_subscriber_bytes,
+                    replay_bytes=config.kv_events_replay_bytes,
+                    replay_page_bytes=config.kv_events_replay_page_bytes,
                 )
                 parts.callback(self.kv_events.close)
+                self.metrics.registry.register(self.kv_events.collector())
             server_id = uuid.uuid4().hex
             self.handler = CacheHandler(
                 self.index,
