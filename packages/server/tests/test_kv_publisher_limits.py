@@ -206,7 +206,8 @@ def test_a_replay_from_zero_gets_one_bounded_page_and_the_next_from_where_it_got
         assert first[-1] == [b"", b"", END_SEQ, b""]
         page = first[:-1]
         assert 1 <= len(page) <= REPLAY_PAGE_BATCHES
-        assert sum(len(frames[3]) for frames in page) <= page_bytes
+        # a busy publisher gathers more events per batch: one batch past the bound still goes alone
+        assert sum(len(frames[3]) for frames in page) <= page_bytes or len(page) == 1
         seen = [int.from_bytes(frames[2], "big") for frames in page]
         while True:
             more = ask(sock, seen[-1] + 1)[:-1]
