@@ -1,25 +1,41 @@
-"""Soak: hostile peers against a real `kvdepot serve` while a good client stores and verifies bytes.
+"""Soak: hostile local users of every listener of a real `kvdepot serve` while good clients work.
 
-Several processes attack one server for a bounded time: random and mutated frames, requests
-whose replies are never read, unterminated multipart messages, Hello churn under ever new
-client ids, and stores under thousands of salts. Meanwhile a good client (`CacheClient`)
-stores chunks whose bytes are a function of their key, looks them up, reads every byte back
-and releases. The same good client first runs alone against an idle server: its round trips
-there are the baseline. Reported: the good client's lookup round trip p50/p99 under attack
-against idle (target: p99 within 10x), its errors and wrong bytes (target: 0 and 0), and the
-server's peak RSS against the bound docs/server.md states (the index under 1 KiB per chunk,
-at most 4 MiB of unread replies per peer besides its latest two reply messages, plus a fixed base).
+The server runs with its metrics endpoint on a loopback port and KV events on loopback tcp
+(PUB and replay), so every listener a local user can reach without a secret exists; by default
+it runs with a file limit of 1,024 it cannot raise (systemd's default soft limit, which issue 45's
+server had when idle connections made libzmq abort it). Eighteen processes attack it for a
+bounded time (`_soak_peers.py`): on the cache socket, random and mutated frames, requests whose
+replies are never read, unterminated multipart messages, Hello churn, stores under thousands of
+salts, messages of 4,096 `changes` frames of limit 16,384, and floods of one-byte requests; on
+the metrics port, 1,100 idle connections, header lines dripped every 3 s, and 6.4 MB heads that
+never end; on the KV-events ports, 1,100 idle tcp connections and subscribers that never read
+(PUB), 16 MiB subscriptions, "from 0" replay requests from peers that never read, and 4 x 64 MiB
+replay messages that never end.
+
+Meanwhile the good side works: a cache client (`CacheClient`) stores chunks whose bytes are a
+function of their key, looks them up, reads every byte back and releases; a scraper reads
+/metrics every 0.25 s; and a new cache client connects over ipc every 0.5 s (the client that
+used to abort the server). The same good side first runs alone against the idle server: its
+round trips there are the baseline. Reported: the good client's lookup round trip p50/p99 under
+attack against idle (target: p99 within 10x), its errors and wrong bytes (target: 0 and 0), the
+scrapes and fresh connections that failed (target: 0), the server's RSS and private (anonymous)
+memory before the attack, at its peak and after it (once the attackers have left, a fresh client
+was answered and `--settle` seconds passed), the peak against a bound worked out from the
+server's limits, what the server refused, and the count of aborted servers (target: 0; an
+aborted server is started again so the run goes on).
 
 Every hostile process runs in a session of its own, as another user's processes would: in
 the good client's session, Linux's autogroup scheduling counted their CPU load against the good
 client's own group, and its round trips waited on the OS rather than on the server (p99 13-15
 ms instead of 4-5 on this machine). A last phase measures the same client against the idle
 server while plain busy loops take the CPU the attack took (with --pin: one loop on the
-server's CPU, which the server's own work on hostile traffic occupies; without: one loop per
-hostile process). That is the share of the figure that belongs to the OS scheduler, not to the
-server: on a 2-core machine a single busy loop beside the client puts its p99 near 10x idle.
+server's CPU, which the server's own work on hostile traffic occupies; without: as many loops as
+the hostile processes used CPUs, on average). That is the share of the figure that belongs to
+the OS scheduler, not to the server: on a 2-core machine a single busy loop beside the client
+puts its p99 near 10x idle.
 
-Run: python benchmarks/soak_bench.py [--quick] [--seconds N] [--pin]
+Run: python benchmarks/soak_bench.py [--quick] [--seconds N] [--pin] [--settle S] [--nofile N]
+                                     [--attackers KIND,...]
 
 With --pin the hostile peers run on the last CPU and the server and the good client on the
 others, so the figure shows what the server does (fair queueing, bounded work per message)
@@ -29,44 +45,100 @@ rather than how the OS shares a CPU among busy processes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import multiprocessing as mp
 import os
-import random
+import re
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
+import structlog
+
 sys.path.insert(0, str(Path(__file__).parent))
-import contextlib
 
 import kvdepot.server
+from _soak_peers import ATTACK, KINDS, Tally, Targets, connect_afresh, fill_change_log, good_side, hostile
 from _util import progress, table
-from kvdepot.transport import PROTOCOL_VERSION, CacheClient, TransportError
-from kvdepot.transport._codec import encode_request
+from kvdepot.server import ServerProcess
+from kvdepot.server._kv_publisher import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_REPLAY_BYTES,
+    DEFAULT_SUBSCRIBER_BYTES,
+    MAX_BATCH_BYTES,
+    REPLAY_HWM,
+)
+from kvdepot.server._metrics_http import DEFAULT_MAX_CONNECTIONS as METRICS_MAX_CONNECTIONS
+from kvdepot.server._metrics_http import DEFAULT_MAX_HEADER_BYTES
+from kvdepot.server.testing import free_port
+from kvdepot.transport import CacheClient, TransportError
 from kvdepot.transport._dispatch import MAX_MESSAGE_BYTES
-from kvdepot.transport._messages import Hello, Lookup, LookupItem, Register, Request, Reserve, Stats
 from kvdepot.transport._server import MAX_UNREAD_BYTES
 
 CHUNK = 64 * 1024 - 64
 CAPACITY = "256MiB"
 P99_TARGET = 10.0
+#: The server's file limit, soft and hard: systemd's default soft limit, which the server of issue
+#: 45's finding 1 had (here it cannot raise it either).
+NOFILE = 1024
+#: The hostile kinds that talk to the cache socket: each may hold its unread replies.
+CACHE_KINDS = {"fuzz", "deaf", "multipart", "churn", "salts", "changes", "one-byte"}
+#: Counters worth showing after the attack: what the server refused, dropped or cut.
+REFUSALS = re.compile(r"refused|full|dropped|too_large|bad_frames|unread|gone|unauthorized")
+LISTENER_REFUSED = re.compile(r'^kvdepot_listener_refused_total\{listener="(\w+)",reason="(\w+)"\} (\S+)$', re.M)
+# Starts `kvdepot serve` (the rest of argv) with a soft and hard file limit of argv[1].
+_WITH_FILE_LIMIT = (
+    "import os, resource, sys; n = int(sys.argv[1]); "
+    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])"
+)
 
 
-def rss_bytes(pid: int) -> int:
+class Server(ServerProcess):
+    """`kvdepot serve` with metrics and KV events on loopback tcp, and a file limit of `nofile`."""
+
+    def __init__(self, workdir: Path, nofile: int) -> None:
+        self.targets = Targets(f"ipc://{workdir}/kvdepot.sock", free_port(), free_port(), free_port())
+        self.nofile = nofile
+        super().__init__(
+            self.targets.address,
+            capacity=CAPACITY,
+            args=[
+                *("--metrics-port", str(self.targets.metrics_port)),
+                *("--kv-events", f"tcp://127.0.0.1:{self.targets.pub_port}"),
+                *("--kv-events-replay", f"tcp://127.0.0.1:{self.targets.replay_port}"),
+                *("--log-level", "warning", "--log-format", "json"),
+            ],
+            log_path=workdir / "server.log",
+        )
+
+    def command(self) -> list[str]:
+        command = super().command()
+        return [sys.executable, "-c", _WITH_FILE_LIMIT, str(self.nofile), *command] if self.nofile else command
+
+
+def memory(pid: int) -> tuple[int, int]:
+    """`pid`'s resident bytes, and those of them that are private (anonymous: not the pool)."""
+    fields = {}
     with open(f"/proc/{pid}/status") as status:
         for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "RssAnon"):
+                fields[name] = int(value.split()[0]) * 1024
+    return fields.get("VmRSS", 0), fields.get("RssAnon", 0)
 
 
 def cpu_seconds(pid: int) -> float:
-    """User and system CPU time of every thread of `pid` so far."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
+    """User and system CPU time of every thread of `pid` so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -74,114 +146,49 @@ def chunk_bytes(key: bytes) -> bytes:
     return hashlib.sha256(key).digest() * (CHUNK // 32) + b"\0" * (CHUNK % 32)
 
 
-# -- hostile peers (each in its own process) ------------------------------------------------------
-
-
-def _socket(address: str):
-    import zmq
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.connect(address)
-    return ctx, sock
-
-
-def _hello(i: int = 0) -> bytes:
-    return encode_request(Request(i + 1, Hello(PROTOCOL_VERSION, os.urandom(16).hex(), "hostile")))
-
-
-def hostile(kind: str, address: str, seconds: float, seed: int, cpus: set[int] | None = None) -> None:
-    import zmq
-
-    os.setsid()  # another user's process: not in the good client's scheduling group
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-    rng = random.Random(seed)
-    ctx, sock = _socket(address)
-    end = time.monotonic() + seconds
-    key = os.urandom(32)
-    valid = [
-        _hello(),
-        encode_request(Request(2, Register("hostile", 256, 1000))),
-        encode_request(Request(3, Lookup([LookupItem("s", [key] * 64)]))),
-        encode_request(Request(4, Reserve("s", [key], 1000))),
-    ]
-    try:
-        if kind in ("deaf", "salts"):
-            sock.send(_hello())
-        n = 0
-        while time.monotonic() < end:
-            n += 1
-            if kind == "fuzz":
-                frame = bytearray(rng.choice(valid))
-                for _ in range(rng.randint(1, 4)):
-                    frame[rng.randrange(len(frame))] = rng.randrange(256)
-                sock.send_multipart([bytes(frame), rng.randbytes(rng.randint(0, 64))])
-                while sock.poll(0):
-                    sock.recv_multipart()
-            elif kind == "deaf":  # requests whose replies are never read
-                sock.send(encode_request(Request(n + 1, Stats())))
-                if n % 1000 == 0:
-                    time.sleep(0.01)
-            elif kind == "multipart":  # parts of a message that never ends, on new connections
-                for _ in range(8):
-                    sock.send(rng.randbytes(1 << 20), zmq.SNDMORE)
-                sock.close(0)
-                sock = ctx.socket(zmq.DEALER)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(address)
-                time.sleep(0.05)
-            elif kind == "churn":  # Hello under a new client id, again and again
-                sock.send(_hello(n))
-                if sock.poll(1000):
-                    sock.recv_multipart()
-            elif kind == "salts":  # stores under ever new salts
-                with CacheClient(address, timeout=5.0) as client:
-                    client.register("hostile-salts", 256, 960).result(5)
-                    while time.monotonic() < end:
-                        with client.batch() as batch:
-                            futures = [batch.reserve(f"s-{rng.random()}", [os.urandom(32)], 960) for _ in range(64)]
-                        with client.batch() as batch:
-                            for future in futures:
-                                with contextlib.suppress(TransportError):
-                                    batch.commit(future.result(5).reservation_id)
-                return
-    finally:
-        sock.close(0)
-        ctx.term()
-
-
-# -- the good client ----------------------------------------------------------------------------------
+# -- the good side ---------------------------------------------------------------------------------
 
 
 def good_client(address: str, seconds: float) -> dict[str, object]:
     rtts: list[float] = []
     errors = wrong = 0
-    with CacheClient(address, timeout=5.0) as client:
-        reply = client.register("good", 256, CHUNK).result(5)
-        with kvdepot.server.PoolMapping(reply.pool.path, reply.pool.size) as pool:
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                keys = [os.urandom(32) for _ in range(4)]
-                try:
-                    res = client.reserve("good", keys, CHUNK).result(5)
-                    for slot in res.slots:
-                        pool.write(slot.offset, chunk_bytes(keys[slot.index]))
-                    if res.reservation_id:
-                        client.commit(res.reservation_id).result(5)
-                    start = time.perf_counter()
-                    (hit,) = client.lookup([("good", keys)]).result(5).results
-                    rtts.append(time.perf_counter() - start)
-                    for key, slot in zip(keys, hit.slots, strict=False):
-                        wrong += pool.read(slot.offset, slot.length) != chunk_bytes(key)
-                    if hit.lease_id:
-                        client.release([hit.lease_id]).result(5)
-                except TransportError:
-                    errors += 1
+    end = time.monotonic() + seconds
+    try:
+        with CacheClient(address, timeout=5.0) as client:
+            reply = client.register("good", 256, CHUNK).result(5)
+            with kvdepot.server.PoolMapping(reply.pool.path, reply.pool.size) as pool:
+                while time.monotonic() < end:
+                    keys = [os.urandom(32) for _ in range(4)]
+                    try:
+                        res = client.reserve("good", keys, CHUNK).result(5)
+                        for slot in res.slots:
+                            pool.write(slot.offset, chunk_bytes(keys[slot.index]))
+                        if res.reservation_id:
+                            client.commit(res.reservation_id).result(5)
+                        start = time.perf_counter()
+                        (hit,) = client.lookup([("good", keys)]).result(5).results
+                        rtts.append(time.perf_counter() - start)
+                        for key, found in zip(keys, hit.slots, strict=False):
+                            wrong += pool.read(found.offset, found.length) != chunk_bytes(key)
+                        if hit.lease_id:
+                            client.release([hit.lease_id]).result(5)
+                    except TransportError:
+                        errors += 1
+    except Exception:  # no client at all (the server is gone): one error
+        errors += 1
+        time.sleep(max(0.0, end - time.monotonic()))
     return {"rtts": rtts, "errors": errors, "wrong": wrong}
+
+
+def run_phase(targets: Targets, seconds: float) -> tuple[dict[str, object], dict[str, Tally]]:
+    """The good cache client here, the scraper and the fresh clients beside it, for `seconds`."""
+    receive, send = mp.Pipe(duplex=False)
+    side = mp.Process(target=good_side, args=(targets, seconds, send), daemon=True)
+    side.start()
+    result = good_client(targets.address, seconds)
+    tallies = receive.recv() if receive.poll(seconds + 30) else {"scrapes": Tally(), "fresh": Tally()}
+    side.join(10)
+    return result, tallies
 
 
 def spin(cpus: set[int], seconds: float) -> None:
@@ -193,12 +200,65 @@ def spin(cpus: set[int], seconds: float) -> None:
         pass
 
 
+# -- after the attack ------------------------------------------------------------------------------
+
+
+def settle(server: Server, seconds: float) -> float | None:
+    """Seconds until a fresh client was answered (None: not within 30 s), then `seconds` more."""
+    start = time.monotonic()
+    answered = None
+    while time.monotonic() < start + 30:
+        try:
+            connect_afresh(server.address)
+        except Exception:  # not yet: try again
+            time.sleep(0.2)
+            continue
+        answered = time.monotonic() - start
+        break
+    time.sleep(seconds)
+    return answered
+
+
+def refusals(server: Server) -> list[tuple[str, str]]:
+    """The server's counters of what it refused, dropped or cut (those not zero)."""
+    counted: dict[str, float] = {}
+    try:
+        for name, value in server.stats().extra.items():
+            if isinstance(value, int | float) and not isinstance(value, bool) and REFUSALS.search(name):
+                counted[name] = value
+        with urllib.request.urlopen(server.targets.metrics_url, timeout=5) as resp:
+            text = resp.read().decode()
+        for match in LISTENER_REFUSED.finditer(text):
+            counted[f"{match.group(1)} listener: {match.group(2)}"] = float(match.group(3))
+    except Exception as exc:  # the figures are missing, not the run
+        return [("(could not read the counters)", f"{type(exc).__name__}: {exc}"[:100])]
+    return [(name, f"{value:,.0f}") for name, value in counted.items() if value]
+
+
+def rss_bound(base: int, kinds: list[str]) -> int:
+    """What the server may hold by its limits: the pool; each hostile cache peer's unread
+    replies besides its latest two reply messages; the replay buffer, every PUB connection's
+    queue and every replay connection's queue; every metrics connection's head."""
+    cache_peers = sum(kind in CACHE_KINDS for kind in kinds)
+    return (
+        base
+        + kvdepot.server.parse_size(CAPACITY)
+        + cache_peers * (MAX_UNREAD_BYTES + 2 * MAX_MESSAGE_BYTES)
+        + DEFAULT_REPLAY_BYTES
+        + DEFAULT_MAX_CONNECTIONS * (DEFAULT_SUBSCRIBER_BYTES + REPLAY_HWM * MAX_BATCH_BYTES)
+        + METRICS_MAX_CONNECTIONS * DEFAULT_MAX_HEADER_BYTES
+    )
+
+
+# -- the run -----------------------------------------------------------------------------------------
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 s phases instead of 30 s")
     parser.add_argument("--seconds", type=float, default=None)
@@ -208,20 +268,86 @@ def main() -> None:
         help="hostile peers on the last CPU, the server and the good client on the others: what the server "
         "does for fairness, without the OS scheduler's share of the CPU in the figure",
     )
+    parser.add_argument(
+        "--settle", type=float, default=5.0, help="seconds after the attack before the RSS is read (default 5)"
+    )
+    parser.add_argument(
+        "--nofile",
+        type=int,
+        default=NOFILE,
+        help=f"the server's soft and hard file limit (default {NOFILE}; 0: this process's own)",
+    )
+    parser.add_argument(
+        "--attackers",
+        default=",".join(ATTACK),
+        help=f"hostile processes, one per name (default: all of them); kinds: {', '.join(KINDS)}",
+    )
     args = parser.parse_args()
+    args.attackers = [kind for kind in args.attackers.split(",") if kind]
+    if unknown := set(args.attackers) - set(KINDS):
+        parser.error(f"unknown attackers: {', '.join(sorted(unknown))}")
+    return args
+
+
+class Watch:
+    """Samples the server's memory (peaks) and the hostile processes' CPU time, every 0.1 s."""
+
+    def __init__(self, server: Server, procs: Sequence[mp.process.BaseProcess]) -> None:
+        assert server.pid is not None
+        self.pid = server.pid
+        self.procs = procs
+        self.peak = memory(self.pid)
+        self.hostile_cpu: dict[int, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(OSError):
+                rss, anon = memory(self.pid)
+                self.peak = (max(self.peak[0], rss), max(self.peak[1], anon))
+            for proc in self.procs:
+                if proc.pid and (used := cpu_seconds(proc.pid)):
+                    self.hostile_cpu[proc.pid] = used
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def main() -> None:
+    args = parse_args()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))  # the clients' own: warnings
     seconds = args.seconds or (10.0 if args.quick else 30.0)
     workdir = Path(tempfile.mkdtemp(prefix="kvd-soak-"))
     os.chmod(workdir, 0o700)
-    address = f"ipc://{workdir}/kvdepot.sock"
-    print(f"kvdepot soak: a good client alone, then under hostile peers, {seconds:.0f} s each", flush=True)
-    with kvdepot.server.ServerProcess(address, capacity=CAPACITY) as server:
+    print(
+        f"kvdepot soak: the good side alone, then under {len(args.attackers)} hostile processes, {seconds:.0f} s each",
+        flush=True,
+    )
+    server = Server(workdir, args.nofile)
+    targets = server.targets
+    aborted: list[str] = []
+
+    def check(phase: str) -> None:
+        """An aborted server is counted, and started again so the run goes on."""
+        if not server.alive():
+            assert server.process is not None
+            log = server.log_path.read_text(errors="replace").strip() if server.log_path else ""
+            last = log.splitlines()[-1][-200:] if log else "(no log)"
+            aborted.append(f"{phase}: exit {server.process.returncode}, last log line: {last}")
+            progress(f"the server ABORTED {aborted[-1]}; starting it again")
+            server.start()
+
+    with server:
         assert server.pid is not None
-        base_rss = rss_bytes(server.pid)
-        progress("idle server: the good client alone")
+        start_rss = memory(server.pid)
+        progress(f"idle server (file limit {args.nofile or 'inherited'}): the good side alone")
         cpu = {"idle": -cpu_seconds(server.pid)}
-        idle = good_client(address, seconds)
+        idle, idle_side = run_phase(targets, seconds)
         cpu["idle"] += cpu_seconds(server.pid)
-        kinds = ["fuzz", "fuzz", "deaf", "multipart", "churn", "salts"]
         cpus = sorted(os.sched_getaffinity(0))
         pinned = args.pin and len(cpus) > 1
         hostile_cpus = {cpus[-1]} if pinned else set(cpus)
@@ -230,85 +356,148 @@ def main() -> None:
                 os.sched_setaffinity(int(task.name), set(cpus[:-1]))
             os.sched_setaffinity(0, set(cpus[:-1]))
             progress(f"pinned: hostile peers on CPU {cpus[-1]}, the server and the good client on {cpus[:-1]}")
-        progress(f"under attack: {', '.join(kinds)} (one process each)")
+        progress(f"under attack: {', '.join(args.attackers)} (one process each)")
         procs = [
-            mp.Process(target=hostile, args=(k, address, seconds, i, hostile_cpus), daemon=True)
-            for i, k in enumerate(kinds)
+            mp.Process(target=hostile, args=(kind, targets, seconds, i, hostile_cpus), daemon=True)
+            for i, kind in enumerate(args.attackers)
         ]
-        peak = [base_rss]
-        stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], rss_bytes(server.pid or 0))
-                time.sleep(0.1)
-
-        sampler = threading.Thread(target=sample, daemon=True)
-        sampler.start()
+        if "changes" in args.attackers:
+            progress("the change log filled past what one `changes` reads (one-byte chunks)")
+            fill_change_log(targets.address)
+        before = memory(server.pid)
+        watch = Watch(server, procs)
         for proc in procs:
             proc.start()
         cpu["attack"] = -cpu_seconds(server.pid)
-        attacked = good_client(address, seconds)
+        attacked, attacked_side = run_phase(targets, seconds)
         cpu["attack"] += cpu_seconds(server.pid)
         for proc in procs:
-            proc.join(seconds + 30)
-        time.sleep(1)
-        stop.set()
-        sampler.join()
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+        watch.stop()
+        check("under attack")
+        progress(f"the attackers have left: a fresh client, then {args.settle:.0f} s")
+        answered = settle(server, args.settle)
+        check("after the attack")
+        assert server.pid is not None
+        after = memory(server.pid)
+        restarted = ", a server started again" if aborted else ""
+        refused = refusals(server)
         chunks = server.stats().chunks
+        hostile_cpu = sum(watch.hostile_cpu.values())
+        loops = max(1, round(hostile_cpu / seconds))
         spinners = (
             [mp.Process(target=spin, args=(set(cpus[:-1]), seconds), daemon=True)]
             if pinned
-            else [mp.Process(target=spin, args=(hostile_cpus, seconds), daemon=True) for _ in kinds]
+            else [mp.Process(target=spin, args=(hostile_cpus, seconds), daemon=True) for _ in range(loops)]
         )
-        progress(f"idle server again, {len(spinners)} plain busy loop(s) where the attack's CPU load was")
+        progress(
+            f"idle server again, {len(spinners)} plain busy loop(s) where the attack's CPU load was "
+            f"(the attackers used {hostile_cpu / seconds:.1f} CPUs)"
+        )
         for proc in spinners:
             proc.start()
         cpu["busy"] = -cpu_seconds(server.pid)
-        busy = good_client(address, seconds)
+        busy, busy_side = run_phase(targets, seconds)
         cpu["busy"] += cpu_seconds(server.pid)
         for proc in spinners:
             proc.join(seconds + 5)
-    capacity = 256 << 20
-    # The index: at most capacity / 1 KiB chunks (MIN_SLOT_BYTES) of under 1 KiB each; the
-    # unread replies: a peer is dropped past MAX_UNREAD_BYTES besides its latest reply messages.
-    bound = base_rss + capacity + MAX_UNREAD_BYTES + 2 * MAX_MESSAGE_BYTES
-    p50_i, p99_i = percentile(idle["rtts"], 0.5), percentile(idle["rtts"], 0.99)  # type: ignore[arg-type]
-    p50_b, p99_b = percentile(busy["rtts"], 0.5), percentile(busy["rtts"], 0.99)  # type: ignore[arg-type]
-    p50_a, p99_a = percentile(attacked["rtts"], 0.5), percentile(attacked["rtts"], 0.99)  # type: ignore[arg-type]
-    ratio = p99_a / p99_i
+        check("beside busy loops")
+    report(
+        seconds,
+        cpu,
+        {"idle": idle, "busy": busy, "attack": attacked},
+        {"idle": idle_side, "busy": busy_side, "attack": attacked_side},
+    )
+    bound = rss_bound(start_rss[0], args.attackers)
+    mib = 2**20
     table(
-        "Good client under hostile peers",
+        "Server memory (RSS; private: anonymous memory, not the shared pool)",
         [
-            ("lookup round trip p50", f"{p50_i * 1e3:.2f} ms", f"{p50_b * 1e3:.2f} ms", f"{p50_a * 1e3:.2f} ms",
-             f"{p50_a / p50_i:.1f}x", f"{p50_a / p50_b:.1f}x", ""),
-            ("lookup round trip p99", f"{p99_i * 1e3:.2f} ms", f"{p99_b * 1e3:.2f} ms", f"{p99_a * 1e3:.2f} ms",
-             f"{ratio:.1f}x", f"{p99_a / p99_b:.1f}x", "met" if ratio <= P99_TARGET else "MISSED"),
-            ("longest round trip", f"{max(idle['rtts']) * 1e3:.1f} ms", f"{max(busy['rtts']) * 1e3:.1f} ms",  # type: ignore[call-overload]
-             f"{max(attacked['rtts']) * 1e3:.1f} ms", "", "", ""),  # type: ignore[call-overload]
-            ("server CPU use", *(f"{cpu[phase] / seconds:.0%}" for phase in ("idle", "busy", "attack")),
-             "", "", ""),
-            ("round trips", str(len(idle["rtts"])), str(len(busy["rtts"])), str(len(attacked["rtts"])),  # type: ignore[arg-type]
-             "", "", ""),
-            ("errors", str(idle["errors"]), str(busy["errors"]), str(attacked["errors"]), "", "",
-             "met" if not attacked["errors"] else "MISSED"),
-            ("wrong bytes (chunks)", str(idle["wrong"]), str(busy["wrong"]), str(attacked["wrong"]), "", "",
-             "met" if not attacked["wrong"] else "MISSED"),
+            ("at start", f"{start_rss[0] / mib:.0f} MiB", f"{start_rss[1] / mib:.0f} MiB"),
+            ("before the attack", f"{before[0] / mib:.0f} MiB", f"{before[1] / mib:.0f} MiB"),
+            ("peak under attack", f"{watch.peak[0] / mib:.0f} MiB", f"{watch.peak[1] / mib:.0f} MiB"),
+            (f"after the attack (+{args.settle:.0f} s){restarted}", f"{after[0] / mib:.0f} MiB",
+             f"{after[1] / mib:.0f} MiB"),
+            ("after - before", f"{(after[0] - before[0]) / mib:+.0f} MiB", f"{(after[1] - before[1]) / mib:+.0f} MiB"),
+            ("bound by the server's limits", f"{bound / mib:.0f} MiB", ""),
+            ("peak within the bound", "yes" if watch.peak[0] <= bound else "NO", ""),
+            ("chunks at the end", str(chunks), ""),
+        ],
+        ("figure", "RSS", "private"),
+    )  # fmt: skip
+    table(
+        "What the server refused, dropped or cut (counted up to the end of the attack)",
+        refused or [("(nothing)", "")],
+        ("counter", "count"),
+    )
+    table(
+        "Aborted servers",
+        [
+            ("aborted servers", str(len(aborted)), "met" if not aborted else "MISSED"),
+            (
+                "a fresh client after the attack",
+                f"answered in {answered:.2f} s" if answered is not None else "NOT answered in 30 s",
+                "met" if answered is not None else "MISSED",
+            ),
+            *((f"abort {i + 1}", text, "") for i, text in enumerate(aborted)),
+        ],
+        ("figure", "value", "target (0; answered)"),
+    )
+
+
+def report(
+    seconds: float, cpu: dict[str, float], runs: dict[str, dict[str, object]], sides: dict[str, dict[str, Tally]]
+) -> None:
+    rtts: dict[str, list[float]] = {phase: run["rtts"] for phase, run in runs.items()}  # type: ignore[misc]
+    p50 = {phase: percentile(values, 0.5) for phase, values in rtts.items()}
+    p99 = {phase: percentile(values, 0.99) for phase, values in rtts.items()}
+    phases = ("idle", "busy", "attack")
+    ratio = p99["attack"] / p99["idle"]
+
+    def ms(values: dict[str, float], digits: int = 2) -> list[str]:
+        return [f"{values[phase] * 1e3:.{digits}f} ms" for phase in phases]
+
+    def side(name: str, figure: str) -> list[str]:
+        tallies = [sides[phase][name] for phase in phases]
+        if figure == "ok":
+            return [str(len(t.times)) for t in tallies]
+        if figure == "failed":
+            return [str(t.failures) for t in tallies]
+        return [f"{percentile(t.times, 0.99) * 1e3:.1f} ms" for t in tallies]
+
+    failed = sides["attack"]["scrapes"].failures + sides["attack"]["fresh"].failures
+    table(
+        "Good clients under hostile peers",
+        [
+            ("lookup round trip p50", *ms(p50), f"{p50['attack'] / p50['idle']:.1f}x",
+             f"{p50['attack'] / p50['busy']:.1f}x", ""),
+            ("lookup round trip p99", *ms(p99), f"{ratio:.1f}x", f"{p99['attack'] / p99['busy']:.1f}x",
+             "met" if ratio <= P99_TARGET else "MISSED"),
+            ("longest round trip", *ms({p: max(v, default=float("nan")) for p, v in rtts.items()}, 1), "", "", ""),
+            ("server CPU use", *(f"{cpu[phase] / seconds:.0%}" for phase in phases), "", "", ""),
+            ("round trips", *(str(len(rtts[phase])) for phase in phases), "", "", ""),
+            ("errors", *(str(runs[phase]["errors"]) for phase in phases), "", "",
+             "met" if not runs["attack"]["errors"] else "MISSED"),
+            ("wrong bytes (chunks)", *(str(runs[phase]["wrong"]) for phase in phases), "", "",
+             "met" if not runs["attack"]["wrong"] else "MISSED"),
+            ("/metrics scrapes answered", *side("scrapes", "ok"), "", "", ""),
+            ("/metrics scrape p99", *side("scrapes", "p99"), "", "", ""),
+            ("/metrics scrapes failed", *side("scrapes", "failed"), "", "",
+             "met" if not sides["attack"]["scrapes"].failures else "MISSED"),
+            ("fresh ipc clients answered", *side("fresh", "ok"), "", "", ""),
+            ("fresh ipc client p99", *side("fresh", "p99"), "", "", ""),
+            ("fresh ipc clients failed", *side("fresh", "failed"), "", "",
+             "met" if not sides["attack"]["fresh"].failures else "MISSED"),
         ],
         ("figure", "idle", "busy loops", "under attack", "attack/idle", "attack/busy",
          f"target (p99 <= {P99_TARGET:.0f}x idle, 0, 0)"),
     )  # fmt: skip
-    table(
-        "Server memory",
-        [
-            ("RSS at start", f"{base_rss / 2**20:.0f} MiB"),
-            ("peak RSS under attack", f"{peak[0] / 2**20:.0f} MiB"),
-            ("stated bound", f"{bound / 2**20:.0f} MiB"),
-            ("within the bound", "yes" if peak[0] <= bound else "NO"),
-            ("chunks at the end", str(chunks)),
-        ],
-        ("figure", "value"),
-    )
+    if failed:
+        for name in ("scrapes", "fresh"):
+            if first := sides["attack"][name].first_failure:
+                print(f"  first failed {name} under attack: {first}")
 
 
 if __name__ == "__main__":
