@@ -6,8 +6,11 @@ import urllib.request
 
 from prometheus_client import generate_latest
 
+from kvdepot.core import SaltLabeler
 from kvdepot.server import ChunkIndex, SlabAllocator
-from kvdepot.server._metrics import MAX_PEER_LABELS, BadFrameCounter, Metrics, MetricsSnapshot, salt_label
+from kvdepot.server._metrics import MAX_PEER_LABELS, BadFrameCounter, Metrics, MetricsSnapshot
+
+LABEL = SaltLabeler(bytes(range(32)))  # a server's labeler
 
 
 def test_metrics_text_has_figures_and_bad_frames_per_peer():
@@ -19,11 +22,11 @@ def test_metrics_text_has_figures_and_bad_frames_per_peer():
     bad = BadFrameCounter()
     bad.add("peer-1")
     bad.add("peer-1")
-    metrics = Metrics()
+    metrics = Metrics(label=LABEL)
     metrics.publish(MetricsSnapshot(index.stats(), {"requests": 5}, bad.snapshot()))
     text = generate_latest(metrics.registry).decode()
     assert "kvdepot_capacity_bytes 32768.0" in text
-    assert f'kvdepot_salt_used_bytes{{salt="{salt_label("tenant")}"}} 1024.0' in text
+    assert f'kvdepot_salt_used_bytes{{salt="{LABEL("tenant")}"}} 1024.0' in text
     assert 'kvdepot_bad_frames_total{peer="peer-1"} 2.0' in text
     assert 'kvdepot_transport_events_total{event="requests"} 5.0' in text
 
@@ -41,7 +44,7 @@ def test_bad_frame_labels_are_bounded():
 def test_metrics_served_over_http_on_loopback():
     """The metrics endpoint answers on 127.0.0.1."""
     index = ChunkIndex(SlabAllocator(8 * 4096, 4096))
-    metrics = Metrics()
+    metrics = Metrics(label=LABEL)
     metrics.publish(MetricsSnapshot(index.stats(), {}, {}))
     url = metrics.serve(0)
     try:
@@ -95,13 +98,13 @@ def test_salt_series_are_bounded_and_labelled_by_digest():
         out = index.reserve("a", f"tenant-secret-{i}", [b"k" * 32], 960, 0.0)
         index.commit("a", out.reservation_id, None, 0.0)
     index.set_quota("tenant-secret-7", 1 << 20)
-    metrics = Metrics()
+    metrics = Metrics(label=LABEL)
     metrics.publish(MetricsSnapshot(index.stats(), {}, {}))
     text = generate_latest(metrics.registry).decode()
     assert "tenant-secret" not in text
     series = [line for line in text.splitlines() if line.startswith("kvdepot_salt_used_bytes{")]
     assert len(series) == MAX_SALT_LABELS + 1
-    assert f'kvdepot_salt_quota_bytes{{salt="{salt_label("tenant-secret-7")}"}} 1.048576e+06' in text
+    assert f'kvdepot_salt_quota_bytes{{salt="{LABEL("tenant-secret-7")}"}} 1.048576e+06' in text
     other = next(line for line in series if 'salt="other"' in line)
     assert float(other.split()[-1]) == (3000 - MAX_SALT_LABELS) * 1024
 
@@ -110,7 +113,7 @@ def test_metrics_have_each_tier_below_ram():
     """Each tier's figures are a `kvdepot_tier` series labelled by tier and figure; its state is `up`."""
     index = ChunkIndex(SlabAllocator(8 * 4096, 4096))
     tiers = {"tier:disk:hits": 3, "tier:disk:state": "up", "tier:remote:state": "down", "tier:remote:capacity": None}
-    metrics = Metrics()
+    metrics = Metrics(label=LABEL)
     metrics.publish(MetricsSnapshot(index.stats(), {}, {}, tiers))
     text = generate_latest(metrics.registry).decode()
     assert 'kvdepot_tier{figure="hits",tier="disk"} 3.0' in text

@@ -9,6 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvdepot.core import SaltLabeler
 from kvdepot.server import ChunkIndex, SlabAllocator
 from kvdepot.server._events import RAM, Cleared, Committed, Evicted
 from kvdepot.server._metrics import (
@@ -21,7 +22,6 @@ from kvdepot.server._metrics import (
     MetricsSnapshot,
     RequestLatency,
     SaltLookups,
-    salt_label,
 )
 from kvdepot.server._results import LookupOutcome
 from kvdepot.server._tiering import TIER_CLIENT
@@ -29,6 +29,7 @@ from kvdepot.transport import CacheClient
 
 T = 5.0
 CHUNK = 960
+LABEL = SaltLabeler(bytes(range(32)))  # a server's labeler
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -40,7 +41,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _scrape(latency: RequestLatency | None = None, lookups: SaltLookups | None = None) -> dict:
-    metrics = Metrics()
+    metrics = Metrics(label=LABEL)
     index = ChunkIndex(SlabAllocator(8 * 4096, 4096))
     latency_figures = latency.snapshot() if latency else {}
     lookup_figures = lookups.snapshot() if lookups else {}
@@ -73,22 +74,22 @@ def test_latency_histograms_are_cumulative_per_request_type():
 
 
 def test_salt_lookups_are_labelled_by_digest_and_bounded():
-    """Per-salt hits and misses carry the salt's digest; past MAX_TRACKED_SALTS salts no more are
+    """Per-salt hits and misses carry the salt's keyed digest; past MAX_TRACKED_SALTS salts no more are
     counted one by one, and /metrics names the MAX_SALT_LABELS with the most keys looked up."""
-    lookups = SaltLookups()
+    lookups = SaltLookups(LABEL)
     keys = [b"k" * 32] * 4
     lookups.add([("busy", keys)] * 3, [LookupOutcome(3, 1, [])] * 3)
     for i in range(MAX_TRACKED_SALTS + 10):
         lookups.add([(f"tenant-secret-{i}", keys[:1])], [LookupOutcome(0, 0, [])])
     figures = lookups.snapshot()
     assert len(figures) == MAX_SALT_LABELS
-    assert figures[salt_label("busy")] == (9, 3)
+    assert figures[LABEL("busy")] == (9, 3)
     samples = _scrape(lookups=lookups)
-    assert samples[("kvdepot_salt_hits_total", (("salt", salt_label("busy")),))] == 9
-    assert samples[("kvdepot_salt_misses_total", (("salt", salt_label("busy")),))] == 3
+    assert samples[("kvdepot_salt_hits_total", (("salt", LABEL("busy")),))] == 9
+    assert samples[("kvdepot_salt_misses_total", (("salt", LABEL("busy")),))] == 3
     assert not [key for key in samples if "tenant-secret" in str(key)]
     lookups.add([(f"tenant-secret-{MAX_TRACKED_SALTS + 5}", keys * 100)], [LookupOutcome(0, 0, [])])
-    assert salt_label(f"tenant-secret-{MAX_TRACKED_SALTS + 5}") not in lookups.snapshot()
+    assert LABEL(f"tenant-secret-{MAX_TRACKED_SALTS + 5}") not in lookups.snapshot()
 
 
 def test_a_server_counts_its_requests_and_each_salts_lookups(make_server):
@@ -101,7 +102,7 @@ def test_a_server_counts_its_requests_and_each_salts_lookups(make_server):
         client.commit(res.reservation_id).result(T)
         (hit,) = client.lookup([("tenant", [b"a" * 32, b"b" * 32, b"c" * 32])]).result(T).results
         assert hit.num_hits == 2
-    label = (("salt", salt_label("tenant")),)
+    label = (("salt", server.labeler("tenant")),)
     samples = _scrape_when(server, lambda s: ("kvdepot_salt_hits_total", label) in s)
     assert samples[("kvdepot_salt_misses_total", label)] == 1
     assert samples[("kvdepot_salt_hits_total", label)] == 2

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvdepot.core import salt_label
+from kvdepot.core import SaltLabeler, salt_label
 from kvdepot.server import ServerProcess
 from kvdepot.server._change_log import CHANGE_WORK_BYTES
 from kvdepot.server.testing import free_port
@@ -122,13 +122,15 @@ def _stats_text(address: str) -> tuple[dict[str, int], bytes]:
 
 def test_stats_names_salts_only_by_label_to_a_peer_that_may_not_be_the_owner(short_tmp, server):
     """Over tcp without a shared secret (any local user may connect), Stats lists each tenant by the
-    label /metrics uses, and its salt appears nowhere in the reply; over the owner-only ipc socket,
-    it still names the salt (`kvdepot stats` for the operator)."""
+    keyed label /metrics uses (not its unkeyed digest), and its salt appears nowhere in the reply;
+    over the owner-only ipc socket, it still names the salt (`kvdepot stats` for the operator)."""
     address = f"tcp://127.0.0.1:{free_port()}"
-    args = ["--no-metrics", "--pool-dir", str(short_tmp)]
+    key_file = short_tmp / "label.key"
+    args = ["--no-metrics", "--pool-dir", str(short_tmp), "--label-key-file", str(key_file)]
     with ServerProcess(address, capacity="4MiB", args=args) as proc:
         salt_bytes, text = _stats_text(proc.address)
-    assert list(salt_bytes) == [salt_label(TENANT)]
+    assert list(salt_bytes) == [SaltLabeler(key_file.read_bytes())(TENANT)]  # keyed: no guess reverses it
+    assert salt_label(TENANT) not in text.decode()
     assert TENANT.encode() not in text
     salt_bytes, _ = _stats_text(server.address)
     assert list(salt_bytes) == [TENANT]

@@ -19,11 +19,12 @@ pytest.importorskip("vllm")
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvdepot.core import salt_label
+from kvdepot.core import LABEL_KEY_BYTES, SaltLabeler, salt_label
 from kvdepot.transport import MAX_SALTS_PER_CHANGES, Change, ChangesReply, QueryReply, QueryResult
 from kvdepot.vllm_connector._kv_events import EventAnnouncer
 
 BLOCK, CHUNK = 4, 8
+LABEL_KEY = bytes(range(LABEL_KEY_BYTES))  # the fake server's salt-label key
 
 
 def digest(text: str) -> bytes:
@@ -35,6 +36,7 @@ class FakeServer:
 
     def __init__(self) -> None:
         self.server_id = "server-1"
+        self.label_key = LABEL_KEY  # what its HelloReply hands the owner's engines
         self.held: set[bytes] = set()
         self.below: set[bytes] = set()  # the tiers below RAM (a disk tier)
         self.log: list[tuple[bool, str, bytes]] = []
@@ -102,6 +104,10 @@ class FakeClient:
     @property
     def server_id(self) -> str:
         return self.server.server_id
+
+    @property
+    def label_key(self) -> bytes:
+        return self.server.label_key
 
     def batch(self) -> FakeBatch:
         return FakeBatch(self.server)
@@ -251,15 +257,35 @@ def test_a_reset_removes_everything_announced_and_never_clears_all(server, clock
 
 
 def test_events_carry_the_salts_label_never_the_salt(server, clock):
+    """The first block's extra keys name the salt by the server's keyed label (its /metrics' label),
+    neither the salt nor its unkeyed digest, which a list of guessed salts reverses."""
     events = announcer(server)
     req = request(8, lora="adapter-a")
     events.hit(req, 0, keys_of(8), "tenant-secret")
     out = events.take()
     wire = msgspec.msgpack.encode(out)
     assert b"tenant-secret" not in wire
-    assert out[0].extra_keys == [("adapter-a", salt_label("tenant-secret")), ("adapter-a",)]
+    assert salt_label("tenant-secret").encode() not in wire
+    assert out[0].extra_keys == [("adapter-a", SaltLabeler(LABEL_KEY)("tenant-secret")), ("adapter-a",)]
     assert out[1].extra_keys == [("adapter-a",), ("adapter-a",)]
     assert (out[0].lora_name, out[0].lora_id) == ("adapter-a", 7)
+
+
+def test_without_the_servers_label_key_events_leave_the_salt_out(server, clock):
+    """A server that keeps its key (tcp without a shared secret), or an older one, sends none: the
+    extra keys then carry no salt at all rather than a label anyone could compute; a key that
+    arrives later (a reconnect) labels the chunks seen after it."""
+    server.label_key = b""
+    events = announcer(server)
+    events.hit(request(8, lora="adapter-a"), 0, keys_of(8), "tenant-secret")
+    out = events.take()
+    assert salt_label("tenant-secret").encode() not in msgspec.msgpack.encode(out)
+    assert out[0].extra_keys == [("adapter-a",), ("adapter-a",)]
+    events.hit(request(9), 0, keys_of(9), "tenant-secret")
+    assert events.take()[0].extra_keys is None
+    server.label_key = bytes(LABEL_KEY_BYTES)
+    events.hit(request(10), 0, keys_of(10), "tenant-secret")
+    assert events.take()[0].extra_keys == [(SaltLabeler(bytes(LABEL_KEY_BYTES))("tenant-secret"),), None]
 
 
 def test_a_chunk_that_leaves_ram_for_a_tier_below_is_announced_there(server, clock):

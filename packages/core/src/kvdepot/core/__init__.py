@@ -11,7 +11,7 @@ from kvdepot.core._errors import (
     UnknownRequestError,
 )
 from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace, chunk_keys, pack_tokens
-from kvdepot.core._labels import salt_label
+from kvdepot.core._labels import LABEL_KEY_BYTES, SaltLabeler, salt_label
 from kvdepot.core._parallel import ParallelStrategy
 from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
 from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
@@ -28,6 +28,7 @@ from kvdepot.core._version import __version__
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "KEY_SIZE",
+    "LABEL_KEY_BYTES",
     "SLOT_GENERATION_OFFSET",
     "SLOT_HEADER_BYTES",
     "TRANSITIONS",
@@ -45,6 +46,7 @@ __all__ = [
     "RequestState",
     "RequestTracker",
     "RetrievePlan",
+    "SaltLabeler",
     "StorePlan",
     "UnknownRequestError",
     "__version__",

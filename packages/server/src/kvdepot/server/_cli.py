@@ -28,7 +28,7 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
-from kvdepot.server import _admin_cli, _dashboard, _query_cli
+from kvdepot.server import _admin_cli, _dashboard, _label_key, _query_cli
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._metrics_http import (
     DEFAULT_MAX_CONNECTIONS,
@@ -220,6 +220,7 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--auth-secret-file", type=Path, default=None, help="file with a shared secret clients must present (tcp)"
     )
+    _label_key.add_flag(parser, "the key of salt labels in /metrics, logs and KV events; made (0600) if absent")
     tiers = parser.add_argument_group("tiers below RAM (docs/server.md, 'Tiers below RAM')")
     tiers.add_argument("--disk-dir", type=Path, default=None, help="a local disk tier in this directory")
     tiers.add_argument(
@@ -361,6 +362,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events_subscriber_bytes=args.kv_events_subscriber_bytes,
         kv_events_replay_bytes=args.kv_events_replay_bytes,
         kv_events_replay_page_bytes=args.kv_events_replay_page,
+        label_key_file=args.label_key_file,
     )
     try:
         server = CacheServer(config)
@@ -465,6 +467,9 @@ BUILTIN_COMMANDS: list[Command] = [
         _admin_cli.run_clear,
     ),
     SimpleCommand("quota", "get, set or unset a salt's quota", _admin_cli.configure_quota, _admin_cli.run_quota),
+    SimpleCommand(
+        "label", "print the label /metrics, logs and KV events give a salt", _label_key.configure, _label_key.run
+    ),
     _dashboard.command,
 ]
 

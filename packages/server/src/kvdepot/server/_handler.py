@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from kvdepot.core import salt_label
+from kvdepot.core import SaltLabeler
 from kvdepot.server._change_log import CHANGE_WORK_BYTES, ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
+from kvdepot.server._label_key import random_labeler
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
 from kvdepot.server._slabs import SLOT_ALIGNMENT
@@ -99,6 +100,7 @@ class CacheHandler:
         extra_stats: Callable[[], dict[str, str | int | float | bool | None]] = dict,
         client_connected: Callable[[str], bool] = lambda client: False,
         admin_allowed: bool = True,
+        labeler: SaltLabeler | None = None,
         consumers: Sequence[Callable[[Sequence[IndexEvent]], None]] = (),
         timed: Callable[[str, float], None] | None = None,
         looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
@@ -107,7 +109,9 @@ class CacheHandler:
         written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
-        socket, or tcp with a shared secret), so that Clear and SetQuota may be served and Stats may name salts;
+        socket, or tcp with a shared secret), so that Clear and SetQuota may be served, Stats may name salts
+        and Hello hands out the label key; ``labeler``: how Stats to others and logs name a salt (the
+        server's, whose key its owner's engines get in `HelloReply.label_key`; default: a key of its own);
         ``consumers``: take the index's events too, after the change log and the tiers (the
         server's metrics and its KV event publisher); ``timed``:
         told each request's type name and the seconds it took; ``looked_up``: told each lookup
@@ -124,6 +128,7 @@ class CacheHandler:
         self.extra_stats = extra_stats
         self.client_connected = client_connected
         self.admin_allowed = admin_allowed
+        self.label = labeler if labeler is not None else random_labeler()
         self.tiers = tiers
         self.changes = ChangeLog(server_id)
         self.consumers = tuple(consumers)
@@ -216,7 +221,12 @@ class CacheHandler:
 
     def _hello(self, client: str, body: Hello, now: float) -> ReplyBody:
         self.index.touch(client, now, body.client_name)
-        return HelloReply(protocol_version=PROTOCOL_VERSION, server_version=__version__, server_id=self.server_id)
+        return HelloReply(
+            protocol_version=PROTOCOL_VERSION,
+            server_version=__version__,
+            server_id=self.server_id,
+            label_key=self.label.key if self.admin_allowed else b"",  # an engine names salts as /metrics does
+        )
 
     def _register(self, client: str, body: Register, now: float) -> ReplyBody:
         held = self.layouts.get(body.layout)
@@ -334,7 +344,7 @@ class CacheHandler:
         }
         stats = self.index.stats(self._ranking.listed(MAX_STATS_SALTS, now))
         # A salt is a tenant's secret: a peer that may not be the owner sees it as /metrics names it.
-        return stats_reply(stats, extra, name=str if self.admin_allowed else salt_label)
+        return stats_reply(stats, extra, name=str if self.admin_allowed else self.label)
 
     def _check_admin(self, client: str, request: str) -> None:
         if not self.admin_allowed:
@@ -354,7 +364,7 @@ class CacheHandler:
         if tiers is not None:
             tiers.discard(body.salt)
         removed, more = self.index.clear(body.salt)
-        label = "*" if body.salt is None else salt_label(body.salt)
+        label = "*" if body.salt is None else self.label(body.salt)
         log.info("chunks_cleared", peer=client, salt=label, removed=removed, more=more, tiers=body.tiers)
         if more:
             return ClearReply(removed=removed, more=True)
@@ -370,7 +380,7 @@ class CacheHandler:
     def _set_quota(self, client: str, body: SetQuota, now: float) -> ReplyBody:
         self._check_admin(client, "set_quota")
         quotas = self.index.set_quota(body.salt, body.max_bytes)
-        log.info("quota_set", peer=client, salt=salt_label(body.salt), max_bytes=body.max_bytes)
+        log.info("quota_set", peer=client, salt=self.label(body.salt), max_bytes=body.max_bytes)
         return QuotaReply(quotas=quotas)
 
     def _query(self, client: str, body: Query, now: float) -> ReplyBody | Deferred:
@@ -398,7 +408,7 @@ def stats_reply(
     stats: IndexStats, extra: dict[str, str | int | float | bool | None], *, name: Callable[[str], str] = str
 ) -> StatsReply:
     """The Stats reply for an index snapshot; figures beyond the protocol's go in `extra`; each
-    salt appears as ``name(salt)`` (`salt_label` for a peer that may not be the owner)."""
+    salt appears as ``name(salt)`` (its label for a peer that may not be the owner)."""
     more: dict[str, str | int | float | bool | None] = {
         "page_size": stats.page_size,
         "pages_total": stats.pages_total,

@@ -20,9 +20,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from kvdepot.core import salt_label
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._events import RAM, Cleared, Committed, IndexEvent
+from kvdepot.server._label_key import random_labeler
 from kvdepot.server._metrics_http import HTTPEndpoint, HTTPLimits, ListenerFigures
 from kvdepot.server._results import IndexStats, LookupOutcome
 from kvdepot.transport import RESERVED_CLIENT_PREFIX
@@ -35,7 +35,8 @@ MAX_PEER_LABELS = 64
 
 
 # cache_salt series in /metrics: the salts holding the most bytes, the rest summed as "other".
-# Labels are digests: a salt is a tenant's secret, and /metrics is readable by every local user.
+# Labels are keyed digests (the server's `SaltLabeler`): a salt is a tenant's secret, and /metrics
+# is readable by every local user.
 MAX_SALT_LABELS = 64
 # Salts whose lookups are counted one by one: the first this many looked up since the start (a
 # client inventing salts cannot grow the server's memory); /metrics names the MAX_SALT_LABELS of
@@ -49,10 +50,10 @@ LATENCY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e
 TIMED_FROM_START = ("Lookup", "Reserve", "Commit")
 
 
-def _largest_salts(stats: IndexStats) -> dict[str, tuple[int, int]]:
+def _largest_salts(stats: IndexStats, label: Callable[[str], str]) -> dict[str, tuple[int, int]]:
     """(bytes, chunks) per label for the `MAX_SALT_LABELS` salts holding the most bytes, plus "other"."""
     top = stats.largest_salts(MAX_SALT_LABELS)
-    out = {salt_label(salt): (stats.salt_bytes[salt], stats.salt_chunks.get(salt, 0)) for salt in top}
+    out = {label(salt): (stats.salt_bytes[salt], stats.salt_chunks.get(salt, 0)) for salt in top}
     if stats.salt_count > len(top):  # every byte and chunk belongs to a salt: the rest is the others'
         listed_bytes = sum(stats.salt_bytes[salt] for salt in top)
         listed_chunks = sum(stats.salt_chunks.get(salt, 0) for salt in top)
@@ -119,11 +120,13 @@ def _snake(name: str) -> str:
 
 
 class SaltLookups:
-    """Keys found and not found by lookups, per salt, for at most `MAX_TRACKED_SALTS` salts (loop thread)."""
+    """Keys found and not found by lookups, per salt, for at most `MAX_TRACKED_SALTS` salts (loop thread),
+    named by ``label`` (the server's labeler; default: a key of its own)."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: Callable[[str], str] | None = None) -> None:
         self._counts: dict[str, list[int]] = {}  # salt -> [hits, misses]
         self._labels: dict[str, str] = {}
+        self._label = label if label is not None else random_labeler()
 
     def add(self, items: Sequence[tuple[str, Sequence[bytes]]], outcomes: Sequence[LookupOutcome]) -> None:
         """Count a lookup's answer: per item, its hits and the keys past them."""
@@ -133,7 +136,7 @@ class SaltLookups:
                 if len(self._counts) >= MAX_TRACKED_SALTS:
                     continue
                 counts = self._counts[salt] = [0, 0]
-                self._labels[salt] = salt_label(salt)
+                self._labels[salt] = self._label(salt)
             counts[0] += outcome.num_hits
             counts[1] += len(keys) - outcome.num_hits
 
@@ -174,7 +177,8 @@ class ChunkChanges:
 class _Collector:
     """A prometheus-client collector (duck-typed: `collect()`), reading the latest snapshot."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: Callable[[str], str]) -> None:
+        self.label = label
         self.snapshot: MetricsSnapshot | None = None
         #: listener name -> its figures now (read at scrape time, from the HTTP thread)
         self.listeners: dict[str, Callable[[], ListenerFigures]] = {}
@@ -217,19 +221,19 @@ class _Collector:
             ("pins_ended_early", s.pins_ended_early, "Pins of a salt past its share ended for another salt."),
         ):
             yield CounterMetricFamily(f"kvdepot_{name}", doc, value=value)
-        doc = " (label: salt_label(cache_salt); the largest 64, the rest as 'other')"
+        doc = " (label: the server's keyed label of cache_salt; the largest 64, the rest as 'other')"
         salt_bytes = GaugeMetricFamily("kvdepot_salt_used_bytes", "Bytes held per cache_salt" + doc, labels=["salt"])
         salt_chunks = GaugeMetricFamily("kvdepot_salt_chunks", "Committed chunks per cache_salt" + doc, labels=["salt"])
-        for label, (used, chunks) in _largest_salts(s).items():
+        for label, (used, chunks) in _largest_salts(s, self.label).items():
             salt_bytes.add_metric([label], used)
             salt_chunks.add_metric([label], chunks)
         yield salt_bytes
         yield salt_chunks
         quota = GaugeMetricFamily("kvdepot_salt_quota_bytes", "Quota per cache_salt" + doc, labels=["salt"])
         for salt, limit in sorted(s.quotas.items(), key=lambda item: -item[1])[:MAX_SALT_LABELS]:
-            quota.add_metric([salt_label(salt)], limit)
+            quota.add_metric([self.label(salt)], limit)
         yield quota
-        doc = " (label: salt_label(cache_salt); the 64 salts with the most keys looked up)"
+        doc = " (label: the server's keyed label of cache_salt; the 64 salts with the most keys looked up)"
         salt_hits = CounterMetricFamily(
             "kvdepot_salt_hits", "Chunk keys found by lookups per cache_salt" + doc, labels=["salt"]
         )
@@ -326,11 +330,12 @@ class Metrics:
     """The server's Prometheus registry and, when started, its HTTP endpoint on 127.0.0.1.
 
     ``health`` says why the server is not healthy (None: it is); `/healthz` asks it on every
-    request, from the HTTP thread."""
+    request, from the HTTP thread. ``label`` names salts (the server's labeler; default: a key of
+    its own)."""
 
-    def __init__(self, health: Callable[[], str | None] = _healthy) -> None:
+    def __init__(self, health: Callable[[], str | None] = _healthy, label: Callable[[str], str] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
-        self._collector = _Collector()
+        self._collector = _Collector(label if label is not None else random_labeler())
         self.registry.register(self._collector)
         self.health = health
         self._http: HTTPEndpoint | None = None

@@ -31,6 +31,7 @@ from kvdepot.server._kv_publisher import (
     DEFAULT_SUBSCRIBER_BYTES,
     KVEventPublisher,
 )
+from kvdepot.server._label_key import server_labeler
 from kvdepot.server._metrics import (
     MAX_SALT_LABELS,
     BadFrameCounter,
@@ -122,6 +123,7 @@ class ServerConfig:
     kv_events_replay_bytes: int = DEFAULT_REPLAY_BYTES  # kept for replay
     kv_events_replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES  # one replay answer
     health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
+    label_key_file: Path | None = None  # the salt-label key (None: `default_label_key_path()`)
 
 
 class CacheServer:
@@ -142,10 +144,12 @@ class CacheServer:
                 free=free,
             )
         self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
-        self.metrics = Metrics(health=self.health)
+        #: How /metrics, Stats to a peer that may not be the owner, logs and engines' KV events name a salt.
+        self.labeler = server_labeler(config.label_key_file)
+        self.metrics = Metrics(health=self.health, label=self.labeler)
         self.bad_frames = BadFrameCounter()
         self.latency = RequestLatency()
-        self.salt_lookups = SaltLookups()
+        self.salt_lookups = SaltLookups(self.labeler)
         self.chunk_changes = ChunkChanges()
         #: When the loop last turned (monotonic; None: not yet), for /healthz.
         self.heartbeat: float | None = None
@@ -200,6 +204,7 @@ class CacheServer:
                 extra_stats=self._extra_stats,
                 client_connected=self._client_connected,
                 admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
+                labeler=self.labeler,
                 consumers=(self.chunk_changes.add, *(() if self.kv_events is None else (self.kv_events,))),
                 timed=self.latency.observe,
                 looked_up=self.salt_lookups.add,
@@ -364,6 +369,7 @@ class CacheServer:
                 wake=waker.wake,
                 read_deadline=config.tier_deadline,
                 read_deadline_per_chunk=config.tier_deadline_per_chunk,
+                label=self.labeler,
             )
             opened.pop_all()  # the tier set closes them now
         parts.callback(tier_set.close)

@@ -41,10 +41,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import structlog
 
-from kvdepot.core import SLOT_HEADER_BYTES, salt_label, slot_digest, slot_header_holds
+from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
 from kvdepot.server._errors import ServerError, TooManyError
 from kvdepot.server._events import Committed, IndexEvent
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
+from kvdepot.server._label_key import random_labeler
 from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
 from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, TierRead, fill, probe, up
 from kvdepot.server._tiers import Tier, WarnLimiter
@@ -167,8 +168,11 @@ class TierSet:
         wake: Callable[[], None],
         read_deadline: float = DEFAULT_READ_DEADLINE,
         read_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK,
+        label: Callable[[str], str] | None = None,
     ) -> None:
-        """``wake``: ends the loop's wait (any thread), so that it runs `run` soon."""
+        """``wake``: ends the loop's wait (any thread), so that it runs `run` soon; ``label``:
+        how logs name a salt (the server's labeler; default: a key of its own)."""
+        self._salt_label = label if label is not None else random_labeler()
         self.tiers = list(tiers)
         self.index = index
         self.pool = pool
@@ -425,7 +429,7 @@ class TierSet:
                 self._clear_done(job, tier.kind, "the server is closing")()
         if not self.tiers:
             self._answers.append(Answer(deferred, "", [], cleared=job))
-        log.info("tiers_clearing", salt=_label(salt))
+        log.info("tiers_clearing", salt=self._label(salt))
         return job
 
     def discard(self, salt: str | None) -> int:
@@ -440,7 +444,7 @@ class TierSet:
         return count
 
     def _clear_on_writer(self, job: TierClear, tier: Tier) -> None:
-        self._post(self._clear_done(job, tier.kind, _clear_tier(tier, job.salt)))
+        self._post(self._clear_done(job, tier.kind, _clear_tier(tier, job.salt, self._label(job.salt))))
 
     def _clear_done(self, job: TierClear, kind: str, outcome: int | str) -> Callable[[], None]:
         """What the loop runs once a tier is done clearing: count it, answer after the last one."""
@@ -455,7 +459,7 @@ class TierSet:
                 # A read that started before every tier was done may hold bytes they deleted.
                 self._clears += 1
                 self._cleared[job.salt] = self._clears
-                log.info("tiers_cleared", salt=_label(job.salt), deleted=job.tiers, errors=job.errors)
+                log.info("tiers_cleared", salt=self._label(job.salt), deleted=job.tiers, errors=job.errors)
                 self._answers.append(Answer(job.deferred, "", [], cleared=job))
 
         return done
@@ -507,6 +511,10 @@ class TierSet:
     def _post_probed(self, read: TierRead, found: Probed) -> None:
         self._post(lambda: self._probed(read, found))
 
+    def _label(self, salt: str | None) -> str:
+        """How logs name a salt (never the salt itself: it may be a tenant's secret)."""
+        return "*" if salt is None else self._salt_label(salt)
+
     def _post_filled(self, read: TierRead, filled: list[dict[int, int]]) -> None:
         self._post(lambda: self._filled(read, filled))
 
@@ -516,15 +524,11 @@ class TierSet:
             item.load.done()
 
 
-def _clear_tier(tier: Tier, salt: str | None) -> int | str:
-    """Clear ``tier`` of ``salt`` (a writer thread); the objects deleted, or why it failed."""
+def _clear_tier(tier: Tier, salt: str | None, label: str) -> int | str:
+    """Clear ``tier`` of ``salt`` (labelled ``label`` in logs; a writer thread); the objects
+    deleted, or why it failed."""
     try:
         return tier.clear(salt)
     except Exception as exc:  # a tier down, or a bug: the operator is told, the server goes on
-        log.warning("tier_clear_failed", tier=tier.kind, salt=_label(salt), error=str(exc))
+        log.warning("tier_clear_failed", tier=tier.kind, salt=label, error=str(exc))
         return getattr(exc, "message", None) or str(exc)
-
-
-def _label(salt: str | None) -> str:
-    """How logs name a salt (never the salt itself: it may be a tenant's secret)."""
-    return "*" if salt is None else salt_label(salt)

@@ -83,6 +83,30 @@ def free_port(*, bus: bool = False) -> int:
     raise RuntimeError("no free loopback port pair for a cluster node")
 
 
+def metrics_salt_labels(url: str, timeout: float = 10.0) -> set[str]:
+    """The salt labels of `kvdepot_salt_used_bytes` at a server's /metrics ``url``, once its
+    snapshot shows one (it is published every half second), or none after ``timeout`` seconds."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"not a metrics URL: {url!r}")
+    deadline = time.monotonic() + timeout
+    while True:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (http only, checked above)
+            text = resp.read().decode()
+        labels = {
+            sample.labels["salt"]
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvdepot_salt_used_bytes"
+            for sample in family.samples
+        }
+        if labels or time.monotonic() > deadline:
+            return labels
+        time.sleep(0.1)
+
+
 class ValkeyNode:
     """One valkey-server process on 127.0.0.1:port with its own directory; restartable on the same port."""
 

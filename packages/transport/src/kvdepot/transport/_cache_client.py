@@ -239,6 +239,13 @@ class CacheClient(_Operations):
         return self._conn.server_id
 
     @property
+    def label_key(self) -> bytes:
+        """The server's salt-label key from the last handshake (`HelloReply.label_key`): empty
+        before it, from a server that keeps it to its owner, or from an older server."""
+        hello = self._conn.proto.hello_reply
+        return hello.label_key if hello is not None else b""
+
+    @property
     def connected(self) -> bool:
         """True while the handshake is done and the connection is up."""
         return self._conn.state is State.READY

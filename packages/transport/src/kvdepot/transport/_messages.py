@@ -36,6 +36,7 @@ MAX_IDS_PER_RELEASE = 1 << 16
 MAX_NAME_LENGTH = 1024  # salts, names, layout fingerprints, paths
 MAX_SALTS_PER_CHANGES = 1 << 10
 MAX_CHANGES_PER_REPLY = 1 << 14
+MAX_LABEL_KEY_BYTES = 64  # HelloReply.label_key: a server sends 32
 MAX_INT = (1 << 63) - 1
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_SIZE, max_length=KEY_SIZE)]
@@ -46,6 +47,7 @@ Id = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
 Ids = Annotated[list[Id], msgspec.Meta(max_length=MAX_IDS_PER_RELEASE)]
 Indices = Annotated[list[Count], msgspec.Meta(max_length=MAX_KEYS_PER_REQUEST)]
 FieldValue = str | int | float | bool | None
+LabelKey = Annotated[bytes, msgspec.Meta(max_length=MAX_LABEL_KEY_BYTES)]
 
 
 # Every message struct is declared with gc=False: messages hold only strings, bytes, numbers
@@ -238,11 +240,15 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply", gc=False):
     """The server's protocol version, package version and random per-process id.
 
     A changed `server_id` after a reconnect means the server restarted and lost all state.
+    `label_key` is the server's salt-label key (`kvdepot.core.SaltLabeler`), sent only to a
+    peer that proved it is the owner (the server's own user on ipc, the shared secret on tcp),
+    so that its engines name salts as the server's /metrics does; empty to anyone else.
     """
 
     protocol_version: int
     server_version: str
     server_id: str
+    label_key: LabelKey = b""
 
 
 class PoolInfo(msgspec.Struct, frozen=True, gc=False):

@@ -41,10 +41,13 @@ planned for a store that never shows up (its store failed, or another engine's c
 first) is checked with the server after `CHECK_AFTER_S`, and forgotten after `PENDING_TTL_S`.
 
 Tenancy: vLLM puts a request's ``cache_salt`` in plaintext in the first block's extra keys.
-kvdepot's events carry its label instead (`kvdepot.core.salt_label`, the digest that /metrics
-shows), so subscribers can tell tenants apart but never learn a salt. A router that rebuilds
-block keys from the extra keys will therefore not match kvdepot's salted chunks to vLLM's;
-routers that use vLLM's block hashes do (they are salted digests already).
+kvdepot's events carry its label instead: the server's keyed label (`kvdepot.core.SaltLabeler`
+with the key the server hands its owner's engines in `HelloReply.label_key`), the one its
+/metrics shows, so subscribers can tell tenants apart but never learn a salt, even from a list
+of guesses. A server that keeps its key (tcp without a shared secret), or one too old to send
+it, leaves the salt out of the extra keys: an unkeyed digest of a guessable salt would name it.
+A router that rebuilds block keys from the extra keys will therefore not match kvdepot's salted
+chunks to vLLM's; routers that use vLLM's block hashes do (they are salted digests already).
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvdepot.core import salt_label
+from kvdepot.core import InvalidArgumentError, SaltLabeler
 from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, MAX_SALTS_PER_CHANGES, LookupItem
 
 if TYPE_CHECKING:
@@ -191,6 +194,7 @@ class EventAnnouncer:
         self._order = itertools.count()
         self._salts: collections.Counter[str] = collections.Counter()
         self._finer_hashes_logged = False
+        self._labeler: SaltLabeler | None = None  # keyed by the server's label key, once it sent one
 
     # -- what the scheduler tells it ------------------------------------------------------
 
@@ -261,7 +265,8 @@ class EventAnnouncer:
         lora_name = lora.name if lora is not None else None
         extra: list[tuple[Any, ...] | None] = []
         for block in blocks:
-            keys_of_block = ([lora_name] if lora_name else []) + ([salt_label(salt)] if block == 0 and salt else [])
+            label = self._label(salt) if block == 0 and salt else None
+            keys_of_block = ([lora_name] if lora_name else []) + ([label] if label else [])
             extra.append(tuple(keys_of_block) or None)
         now = time.monotonic()
         chunk = _Chunk(
@@ -280,6 +285,18 @@ class EventAnnouncer:
         self._salts[salt] += 1
         self._check_ram(chunk, now + CHECK_AFTER_S)
         return chunk
+
+    def _label(self, salt: str) -> str | None:
+        """The server's label of ``salt`` (as its /metrics names it); None without its key."""
+        key = self.client.label_key
+        if not key:
+            return None
+        if self._labeler is None or self._labeler.key != key:  # first, or a server with a new key
+            try:
+                self._labeler = SaltLabeler(key)
+            except InvalidArgumentError:  # too short to be a key: no label rather than a guessable one
+                return None
+        return self._labeler(salt)
 
     def _check_ram(self, chunk: _Chunk, at: float) -> None:
         chunk.check_at = at

@@ -1,0 +1,186 @@
+"""The server's salt-label key: random bytes in a file of the server's user alone, made at its
+first start and read at every start after, so that salt labels (`kvdepot.core.SaltLabeler`)
+stay the same across restarts and nobody without the file can tell which salt a label names.
+
+The file lives under the user's state directory, not the runtime directory (which a reboot
+empties). Deleting it rotates the labels: the next start makes a new key. `kvdepot label`
+prints a salt's label from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import sys
+from pathlib import Path
+
+import structlog
+
+from kvdepot.core import LABEL_KEY_BYTES, SaltLabeler
+from kvdepot.server._errors import ServerArgumentError
+
+log = structlog.get_logger(__name__)
+
+FLAG = "--label-key-file"
+FILE_NAME = "salt-label.key"
+# Bytes read of a key file at most: a key is LABEL_KEY_BYTES; more says the file is something else.
+_READ_LIMIT = 4 * LABEL_KEY_BYTES
+
+
+class LabelKeyError(ServerArgumentError):
+    """The salt-label key file is not the server's user's alone, is not a key, or cannot be read
+    or made: the server does not start (fields ``path``, ``reason``)."""
+
+
+def default_label_key_path() -> Path:
+    """``$XDG_STATE_HOME/kvdepot/salt-label.key``, or ``~/.local/state/kvdepot/salt-label.key``."""
+    state = os.environ.get("XDG_STATE_HOME", "")
+    base = Path(state) if os.path.isabs(state) else Path.home() / ".local" / "state"
+    return base / "kvdepot" / FILE_NAME
+
+
+def random_labeler() -> SaltLabeler:
+    """A labeler with a key of its own, kept nowhere: labels no one else can make or reverse."""
+    return SaltLabeler(secrets.token_bytes(LABEL_KEY_BYTES))
+
+
+def server_labeler(path: Path | None) -> SaltLabeler:
+    """The server's labeler, keyed by the file at ``path`` (None: `default_label_key_path()`),
+    made there at the first start. A file at the default place that cannot be made (a user
+    without a home directory) leaves the server a key of this run alone, with a warning: labels
+    then change at every restart. Any other problem is a `LabelKeyError`: no start."""
+    try:
+        return SaltLabeler(load_label_key(path if path is not None else default_label_key_path()))
+    except LabelKeyError as exc:
+        if path is not None or exc.reason != "cannot_create":
+            raise
+        log.warning("label_key_not_kept", path=exc.path, reason=exc.message)
+    except RuntimeError as exc:  # Path.home(): no HOME and no home directory in the user database
+        log.warning("label_key_not_kept", reason=f"no state directory ({exc}); pass {FLAG} PATH")
+    return random_labeler()
+
+
+def load_label_key(path: Path, *, create: bool = True) -> bytes:
+    """The key in ``path``; with ``create``, a new random one written there (mode 0600, in a
+    0700 directory) if there is none yet. A file that another user owns, that others may read,
+    or that does not hold exactly `LABEL_KEY_BYTES` bytes is refused with `LabelKeyError`."""
+    key = _read(path)
+    if key is None and create:
+        _create(path)
+        key = _read(path)
+    if key is None:
+        raise LabelKeyError(
+            f"there is no salt-label key file {path}: start `kvdepot serve` (which makes it), or pass {FLAG}",
+            path=str(path),
+            reason="missing",
+        )
+    return key
+
+
+def _read(path: Path) -> bytes | None:
+    # No symlink followed; O_NONBLOCK: a FIFO planted there does not hang the open.
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _error(path, f"cannot be opened ({exc.strerror})", "unreadable") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _error(path, "is not a regular file", "not_a_file")
+        mode = stat.S_IMODE(st.st_mode)
+        if st.st_uid != os.getuid() or mode & 0o077:
+            raise _error(
+                path,
+                f"belongs to uid {st.st_uid} with mode {mode:o}; it must be yours alone (`chmod 600 {path}`): "
+                "anyone who reads it can tell which salt each label names",
+                "unsafe",
+                owner=st.st_uid,
+                mode=f"{mode:o}",
+            )
+        key = os.read(fd, _READ_LIMIT)  # a regular file: one read returns it whole
+    finally:
+        os.close(fd)
+    if len(key) != LABEL_KEY_BYTES:
+        raise _error(path, f"holds {len(key)} bytes, not a key of {LABEL_KEY_BYTES}", "malformed")
+    return key
+
+
+def _create(path: Path) -> None:
+    """Write a new key to ``path`` whole (a temporary file linked into place, so that a server
+    starting at the same moment reads either no file or the whole key, and only one key wins)."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except OSError as exc:
+        raise _error(path, f"cannot be made ({exc.strerror})", "cannot_create") from exc
+    try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(secrets.token_bytes(LABEL_KEY_BYTES))
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(temporary, path)
+        except FileExistsError:
+            pass  # another server made it first: its key is the one
+        except OSError as exc:
+            if exc.errno not in {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP}:
+                raise
+            os.rename(temporary, path)  # a filesystem without hard links
+    except OSError as exc:
+        raise _error(path, f"cannot be made ({exc.strerror})", "cannot_create") from exc
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()
+
+
+def _error(path: Path, what: str, reason: str, **fields: object) -> LabelKeyError:
+    return LabelKeyError(
+        f"the salt-label key file {path} {what}; fix it, delete it (the next start makes a new key, and "
+        f"every salt label changes once), or pass {FLAG} PATH",
+        path=str(path),
+        reason=reason,
+        **fields,
+    )
+
+
+# -- the flag, and `kvdepot label` --------------------------------------------------------
+
+
+def add_flag(parser: argparse.ArgumentParser, text: str) -> None:
+    """`--label-key-file PATH` (None: the default place)."""
+    try:
+        default = str(default_label_key_path())
+    except RuntimeError:  # no home directory
+        default = f"$XDG_STATE_HOME/kvdepot/{FILE_NAME}"
+    parser.add_argument(FLAG, type=Path, default=None, metavar="PATH", help=f"{text} (default {default})")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "salts",
+        nargs="*",
+        metavar="SALT",
+        help="a cache_salt (none: one per line on stdin, which other users cannot read in the process list)",
+    )
+    add_flag(parser, "the key file of the server whose labels to print")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Each salt's label under the server's key (read, never made: no key, no label)."""
+    try:
+        labeler = SaltLabeler(load_label_key(args.label_key_file or default_label_key_path(), create=False))
+    except (ServerArgumentError, RuntimeError) as exc:
+        sys.stderr.write(f"kvdepot label: {getattr(exc, 'message', None) or exc}\n")
+        return 1
+    salts = args.salts or [line.rstrip("\n") for line in sys.stdin]
+    for salt in salts:
+        sys.stdout.write(f"{labeler(salt)}\n")
+    return 0
