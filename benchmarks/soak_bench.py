@@ -29,10 +29,11 @@ the good client's session, Linux's autogroup scheduling counted their CPU load a
 client's own group, and its round trips waited on the OS rather than on the server (p99 13-15
 ms instead of 4-5 on this machine). A last phase measures the same client against the idle
 server while plain busy loops take the CPU the attack took (with --pin: one loop on the
-server's CPU, which the server's own work on hostile traffic occupies; without: as many loops as
-the hostile processes used CPUs, on average). That is the share of the figure that belongs to
-the OS scheduler, not to the server: on a 2-core machine a single busy loop beside the client
-puts its p99 near 10x idle.
+server's CPU, which the server's own work on hostile traffic occupies; without: one loop per
+hostile process, each in a session of its own and busy for the share of a CPU that process
+used, so the OS shares the CPUs among as many groups as under attack). That is the share of
+the figure that belongs to the OS scheduler, not to the server: on a 2-core machine a single
+busy loop beside the client puts its p99 near 10x idle.
 
 Run: python benchmarks/soak_bench.py [--quick] [--seconds N] [--pin] [--settle S] [--nofile N]
                                      [--attackers KIND,...]
@@ -86,6 +87,8 @@ P99_TARGET = 10.0
 #: The server's file limit, soft and hard: systemd's default soft limit, which the server of issue
 #: 45's finding 1 had (here it cannot raise it either).
 NOFILE = 1024
+#: The period of a busy loop that takes part of a CPU (`spin`).
+SPIN_PERIOD_S = 0.01
 #: The hostile kinds that talk to the cache socket: each may hold its unread replies.
 CACHE_KINDS = {"fuzz", "deaf", "multipart", "churn", "salts", "changes", "one-byte"}
 #: Counters worth showing after the attack: what the server refused, dropped or cut.
@@ -150,33 +153,36 @@ def chunk_bytes(key: bytes) -> bytes:
 
 
 def good_client(address: str, seconds: float) -> dict[str, object]:
+    """Stores, looks up, verifies and releases chunks for `seconds`; a failed request is an error,
+    and so is a failed connection or Register (tried again 0.1 s later)."""
     rtts: list[float] = []
     errors = wrong = 0
     end = time.monotonic() + seconds
-    try:
-        with CacheClient(address, timeout=5.0) as client:
-            reply = client.register("good", 256, CHUNK).result(5)
-            with kvdepot.server.PoolMapping(reply.pool.path, reply.pool.size) as pool:
-                while time.monotonic() < end:
-                    keys = [os.urandom(32) for _ in range(4)]
-                    try:
-                        res = client.reserve("good", keys, CHUNK).result(5)
-                        for slot in res.slots:
-                            pool.write(slot.offset, chunk_bytes(keys[slot.index]))
-                        if res.reservation_id:
-                            client.commit(res.reservation_id).result(5)
-                        start = time.perf_counter()
-                        (hit,) = client.lookup([("good", keys)]).result(5).results
-                        rtts.append(time.perf_counter() - start)
-                        for key, found in zip(keys, hit.slots, strict=False):
-                            wrong += pool.read(found.offset, found.length) != chunk_bytes(key)
-                        if hit.lease_id:
-                            client.release([hit.lease_id]).result(5)
-                    except TransportError:
-                        errors += 1
-    except Exception:  # no client at all (the server is gone): one error
-        errors += 1
-        time.sleep(max(0.0, end - time.monotonic()))
+    while time.monotonic() < end:
+        try:
+            with CacheClient(address, timeout=5.0) as client:
+                reply = client.register("good", 256, CHUNK).result(5)
+                with kvdepot.server.PoolMapping(reply.pool.path, reply.pool.size) as pool:
+                    while time.monotonic() < end:
+                        keys = [os.urandom(32) for _ in range(4)]
+                        try:
+                            res = client.reserve("good", keys, CHUNK).result(5)
+                            for slot in res.slots:
+                                pool.write(slot.offset, chunk_bytes(keys[slot.index]))
+                            if res.reservation_id:
+                                client.commit(res.reservation_id).result(5)
+                            start = time.perf_counter()
+                            (hit,) = client.lookup([("good", keys)]).result(5).results
+                            rtts.append(time.perf_counter() - start)
+                            for key, found in zip(keys, hit.slots, strict=False):
+                                wrong += pool.read(found.offset, found.length) != chunk_bytes(key)
+                            if hit.lease_id:
+                                client.release([hit.lease_id]).result(5)
+                        except TransportError:
+                            errors += 1
+        except Exception:  # no client (the server is gone or did not answer Register)
+            errors += 1
+            time.sleep(0.1)
     return {"rtts": rtts, "errors": errors, "wrong": wrong}
 
 
@@ -191,13 +197,17 @@ def run_phase(targets: Targets, seconds: float) -> tuple[dict[str, object], dict
     return result, tallies
 
 
-def spin(cpus: set[int], seconds: float) -> None:
-    """A plain busy loop: the OS's share of the figure, without any kvdepot traffic."""
+def spin(cpus: set[int], seconds: float, duty: float = 1.0) -> None:
+    """A plain busy loop in a session of its own, busy `duty` of each `SPIN_PERIOD_S` (sleeping
+    the rest): the OS's share of the figure, without any kvdepot traffic."""
     os.setsid()
     os.sched_setaffinity(0, cpus)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
+    while (now := time.monotonic()) < end:
+        while time.monotonic() < now + duty * SPIN_PERIOD_S:
+            pass
+        if duty < 1:
+            time.sleep((1 - duty) * SPIN_PERIOD_S)
 
 
 # -- after the attack ------------------------------------------------------------------------------
@@ -356,14 +366,14 @@ def main() -> None:
                 os.sched_setaffinity(int(task.name), set(cpus[:-1]))
             os.sched_setaffinity(0, set(cpus[:-1]))
             progress(f"pinned: hostile peers on CPU {cpus[-1]}, the server and the good client on {cpus[:-1]}")
+        if "changes" in args.attackers:
+            progress("the change log filled past what one `changes` reads (one-byte chunks)")
+            fill_change_log(targets.address)
         progress(f"under attack: {', '.join(args.attackers)} (one process each)")
         procs = [
             mp.Process(target=hostile, args=(kind, targets, seconds, i, hostile_cpus), daemon=True)
             for i, kind in enumerate(args.attackers)
         ]
-        if "changes" in args.attackers:
-            progress("the change log filled past what one `changes` reads (one-byte chunks)")
-            fill_change_log(targets.address)
         before = memory(server.pid)
         watch = Watch(server, procs)
         for proc in procs:
@@ -385,16 +395,15 @@ def main() -> None:
         restarted = ", a server started again" if aborted else ""
         refused = refusals(server)
         chunks = server.stats().chunks
-        hostile_cpu = sum(watch.hostile_cpu.values())
-        loops = max(1, round(hostile_cpu / seconds))
+        duties = [min(1.0, watch.hostile_cpu.get(proc.pid or 0, 0.0) / seconds) for proc in procs]
         spinners = (
             [mp.Process(target=spin, args=(set(cpus[:-1]), seconds), daemon=True)]
             if pinned
-            else [mp.Process(target=spin, args=(hostile_cpus, seconds), daemon=True) for _ in range(loops)]
+            else [mp.Process(target=spin, args=(hostile_cpus, seconds, duty), daemon=True) for duty in duties]
         )
         progress(
             f"idle server again, {len(spinners)} plain busy loop(s) where the attack's CPU load was "
-            f"(the attackers used {hostile_cpu / seconds:.1f} CPUs)"
+            f"(the attackers used {sum(duties):.1f} CPUs)"
         )
         for proc in spinners:
             proc.start()
@@ -427,6 +436,14 @@ def main() -> None:
         ],
         ("figure", "RSS", "private"),
     )  # fmt: skip
+    used: dict[str, float] = {}
+    for kind, duty in zip(args.attackers, duties, strict=True):
+        used[kind] = used.get(kind, 0.0) + duty
+    table(
+        "Hostile processes",
+        [(kind, str(args.attackers.count(kind)), KINDS[kind] or "-", f"{share:.0%}") for kind, share in used.items()],
+        ("kind", "processes", "issue 45 finding", "CPU used (of one CPU)"),
+    )
     table(
         "What the server refused, dropped or cut (counted up to the end of the attack)",
         refused or [("(nothing)", "")],
