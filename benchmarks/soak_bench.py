@@ -474,7 +474,10 @@ def report(
     ratio = p99["attack"] / p99["idle"]
 
     def ms(values: dict[str, float], digits: int = 2) -> list[str]:
-        return [f"{values[phase] * 1e3:.{digits}f} ms" for phase in phases]
+        return [f"{values[p] * 1e3:.{digits}f} ms" if values[p] == values[p] else "none" for p in phases]  # NaN: none
+
+    def times(a: float, b: float) -> str:
+        return f"{a / b:.1f}x" if a / b == a / b else "n/a"  # not NaN: both phases had round trips
 
     def side(name: str, figure: str) -> list[str]:
         tallies = [sides[phase][name] for phase in phases]
@@ -482,15 +485,15 @@ def report(
             return [str(len(t.times)) for t in tallies]
         if figure == "failed":
             return [str(t.failures) for t in tallies]
-        return [f"{percentile(t.times, 0.99) * 1e3:.1f} ms" for t in tallies]
+        return ms({phase: percentile(t.times, 0.99) for phase, t in zip(phases, tallies, strict=True)}, 1)
 
     failed = sides["attack"]["scrapes"].failures + sides["attack"]["fresh"].failures
     table(
         "Good clients under hostile peers",
         [
-            ("lookup round trip p50", *ms(p50), f"{p50['attack'] / p50['idle']:.1f}x",
-             f"{p50['attack'] / p50['busy']:.1f}x", ""),
-            ("lookup round trip p99", *ms(p99), f"{ratio:.1f}x", f"{p99['attack'] / p99['busy']:.1f}x",
+            ("lookup round trip p50", *ms(p50), times(p50["attack"], p50["idle"]), times(p50["attack"], p50["busy"]),
+             ""),
+            ("lookup round trip p99", *ms(p99), times(p99["attack"], p99["idle"]), times(p99["attack"], p99["busy"]),
              "met" if ratio <= P99_TARGET else "MISSED"),
             ("longest round trip", *ms({p: max(v, default=float("nan")) for p, v in rtts.items()}, 1), "", "", ""),
             ("server CPU use", *(f"{cpu[phase] / seconds:.0%}" for phase in phases), "", "", ""),
