@@ -184,7 +184,8 @@ def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir, wait
 
 def test_fuzz_hostile_frames_while_a_good_client_gets_correct_answers(serve, workers):
     """100,000+ malformed or hostile frames from several peers leave the server up and a good client served."""
-    server = serve("--capacity", "32MiB", "--page-size", "1MiB")
+    # The bad-frame bound lifted: every hostile frame is decoded and answered, not its peer muted.
+    server = serve("--capacity", "32MiB", "--page-size", "1MiB", "--max-bad-frames", "1000000")
     peers = [workers.spawn("fuzz", server.address, "--frames", "35000", "--seed", str(i)) for i in range(3)]
     good_rounds = full_hits = 0
     with CacheClient(server.address, timeout=10.0) as client:

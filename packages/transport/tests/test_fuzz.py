@@ -96,10 +96,11 @@ def test_dispatcher_answers_every_frame(frames: list[bytes]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("make_pair", [MemoryPair, ZmqPair], ids=["memory", "ipc"])
 def test_endpoint_survives_ten_thousand_bad_frames(make_pair: Callable[[], TransportPair]) -> None:
-    """10,000 bad frames get one reply each while a good client keeps getting correct answers."""
+    """10,000 bad frames get one reply each while a good client keeps getting correct answers
+    (with the bad-frame bound off: at it, a peer is muted, `test_bad_frames_past_the_bound_mute_the_peer`)."""
     rng = random.Random(1234)
     with make_pair() as pair:
-        endpoint = pair.start_server(DictHandler(), max_frame_bytes=MAX_FRAME)
+        endpoint = pair.start_server(DictHandler(), max_frame_bytes=MAX_FRAME, limits=t.PeerLimits(bad_frames=0))
         good = pair.client()
         good.register("fp", 256, 4096).result(5)
         stop = threading.Event()
@@ -142,3 +143,35 @@ def test_endpoint_survives_ten_thousand_bad_frames(make_pair: Callable[[], Trans
         assert good_count[0] > 0
         assert endpoint.counters["bad_frames"] > 1000
         assert isinstance(good.ping().result(5), t.Pong)
+
+
+@pytest.mark.integration
+def test_bad_frames_past_the_bound_mute_the_peer(monkeypatch) -> None:
+    """A peer that sends more frames that are not requests than `PeerLimits.bad_frames` allows gets
+    replies up to the frame past the bound and none after it: it is muted, its messages discarded
+    unread (`bad_discarded`), its session ended (`peers_muted`); a good client is served throughout."""
+    import time
+
+    monkeypatch.setattr("kvdepot.transport._server.BAD_MUTE_S", 3600.0)  # muted for the whole test
+    with ZmqPair() as pair:
+        endpoint = pair.start_server(DictHandler(), limits=t.PeerLimits(bad_frames=10))
+        good = pair.client()
+        good.register("fp", 256, 4096).result(5)
+        peer = pair.raw_peer()
+        peer.send([hello_frame(1, "fuzzer")])
+        assert peer.recv(5) is not None
+        peer.send([b"\x00"] * 100)
+        replies = peer.recv(5)
+        assert replies is not None
+        assert len(replies) == 11  # the frames up to the one past the bound, each answered `protocol`
+        peer.send([hello_frame(2, "fuzzer")])
+        deadline = time.monotonic() + 10
+        while endpoint.counters["bad_discarded"] < 1:  # muted: discarded unread
+            assert time.monotonic() < deadline, "the muted peer's message was not discarded"
+            time.sleep(0.05)
+        assert peer.recv(0) is None
+        assert good.set_quota("g", 1).result(5).quotas["g"] == 1
+        counters = endpoint.counters
+    assert counters["peers_muted"] == 1
+    assert counters["bad_discarded"] == 1
+    assert counters["peers_gone"] == 1  # the greeted peer's session ended

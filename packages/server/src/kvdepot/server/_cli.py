@@ -217,6 +217,24 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-timeout", type=_seconds, default=None, help="seconds of silence before a client is gone"
     )
+    flood = parser.add_argument_group("what one peer's flood may cost (docs/server.md, 'Limits')")
+    flood.add_argument(
+        "--peer-queue", type=_positive_int, default=16, metavar="N", help="messages queued per peer (default 16)"
+    )
+    flood.add_argument(
+        "--max-bad-frames",
+        type=_positive_int,
+        default=256,
+        metavar="N",
+        help="frames that are not requests a peer may send per second before it is muted for a second (default 256)",
+    )
+    flood.add_argument(
+        "--trim-after",
+        type=_size,
+        default=64 << 20,
+        metavar="SIZE",
+        help="bytes taken in after which a quiet moment gives free memory back to the system (default 64MiB)",
+    )
     parser.add_argument(
         "--auth-secret-file", type=Path, default=None, help="file with a shared secret clients must present (tcp)"
     )
@@ -314,6 +332,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvdepot.server._server import CacheServer, ServerConfig
     from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
     from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK
+    from kvdepot.transport import PeerLimits
 
     fmt = configure_logging(args.log_format, args.log_level)
     log = structlog.get_logger("kvdepot.server")
@@ -344,6 +363,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
         default_quota=args.default_quota,
         peer_timeout=args.peer_timeout,
+        peer_limits=PeerLimits(args.peer_queue, args.max_bad_frames, args.trim_after),
         auth_secret=secret,
         disk_dir=args.disk_dir,
         disk_capacity=args.disk_capacity,

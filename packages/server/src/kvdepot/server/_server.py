@@ -51,7 +51,7 @@ from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import Waker, open_endpoint
+from kvdepot.transport import PeerLimits, Waker, open_endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -104,6 +104,7 @@ class ServerConfig:
     reservation_ttl: float = DEFAULT_RESERVATION_TTL
     default_quota: int | None = None  # bytes a salt without its own quota may hold
     peer_timeout: float | None = None
+    peer_limits: PeerLimits = attrs.field(factory=PeerLimits)  # what one peer's flood may cost
     auth_secret: str | None = None
     disk_dir: Path | None = None  # a disk tier below RAM
     disk_capacity: int | None = None  # None: half the free space of its filesystem
@@ -209,7 +210,7 @@ class CacheServer:
                 timed=self.latency.observe,
                 looked_up=self.salt_lookups.add,
             )
-            kwargs: dict[str, Any] = {"auth_secret": config.auth_secret}
+            kwargs: dict[str, Any] = {"auth_secret": config.auth_secret, "limits": config.peer_limits}
             if config.peer_timeout is not None:
                 kwargs["peer_timeout"] = config.peer_timeout
             self.endpoint = open_endpoint(

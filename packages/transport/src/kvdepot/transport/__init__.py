@@ -49,6 +49,7 @@ from kvdepot.transport._errors import (
     UntrustedAddressError,
     VersionMismatchError,
 )
+from kvdepot.transport._flood import PeerLimits
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo, Waker
 from kvdepot.transport._messages import (
     MAX_ITEMS_PER_LOOKUP,
@@ -144,6 +145,7 @@ __all__ = [
     "LookupResult",
     "NotRegisteredError",
     "PeerInfo",
+    "PeerLimits",
     "Ping",
     "Pong",
     "PoolFullError",

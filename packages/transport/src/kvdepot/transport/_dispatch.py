@@ -157,9 +157,11 @@ class Dispatcher:
 
     # -- one message ---------------------------------------------------------------------
 
-    def dispatch(self, identity: bytes, frames: list[bytes]) -> list[bytes]:
+    def dispatch(self, identity: bytes, frames: list[bytes], *, bad_allowed: int | None = None) -> list[bytes]:
         """Reply frames for one message of request frames, one per frame, in order, less the
-        replies the handler deferred (`Deferred`)."""
+        replies the handler deferred (`Deferred`). With ``bad_allowed``, the frames after the
+        one that passes that many bad frames (not requests) are left unread and unanswered: the
+        endpoint mutes such a peer (`PeerLimits.bad_frames`)."""
         self.counters["messages"] += 1
         now = self.clock()
         peer = self.peers.get(identity)
@@ -172,7 +174,11 @@ class Dispatcher:
             ]
         budget = _Budget(MAX_MESSAGE_BYTES, MAX_MESSAGE_BYTES)
         out: list[bytes | None] = []
+        counters = self.counters
+        bad_before = counters["bad_frames"]
         for i, frame in enumerate(frames):
+            if bad_allowed is not None and counters["bad_frames"] - bad_before > bad_allowed:
+                break
             budget.requests -= len(frame)
             if i == 0 or (budget.requests >= 0 and budget.replies > 0):  # the first frame always is handled
                 reply = self._one(identity, frame, now, budget, bounded=i > 0)

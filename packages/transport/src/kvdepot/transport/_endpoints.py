@@ -18,8 +18,9 @@ def open_endpoint(
     ipc:// and tcp:// give a ZMQ `ServerEndpoint`; memory:// gives an in-process endpoint
     with the same interface (for tests and in-process servers). `options` are those of
     `ServerEndpoint`: `max_frame_bytes`, `peer_timeout`, `auth_secret`, `curve_secret_key`,
-    `context`, `server_id` (default: a fresh one), and `on_bad_frame`, told of every frame
-    refused before the handler saw it. ``waker``: made before the endpoint, it wakes this
+    `context`, `server_id` (default: a fresh one), `limits` (`PeerLimits`: what one peer's
+    flood may cost, ZMQ only), and `on_bad_frame`, told of every frame refused before the
+    handler saw it. ``waker``: made before the endpoint, it wakes this
     endpoint's loop from then on (`Waker`).
     """
     memory = address is not None and address.startswith(MEMORY_SCHEME)

@@ -78,6 +78,7 @@ class MemoryServerEndpoint(ServerEndpoint):
         context: Any = None,
         on_bad_frame: Callable[[BadFrame], None] | None = None,
         server_id: str | None = None,
+        limits: Any = None,  # a flood's bounds are the ZMQ socket's: ignored
     ) -> None:
         if not address or not address.startswith(MEMORY_SCHEME):
             raise LocalProtocolError(f"a memory endpoint needs a memory://NAME address, not {address!r}")

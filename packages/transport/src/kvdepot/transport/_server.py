@@ -32,8 +32,9 @@ from kvdepot.transport._address import (
     secure_ipc_socket,
 )
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, HARD_LIMIT_FACTOR
-from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, Dispatcher
+from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, MAX_FRAMES_PER_MESSAGE, Dispatcher
 from kvdepot.transport._errors import LocalProtocolError, TransportClosedError
+from kvdepot.transport._flood import BAD_MUTE_S, FRAME_OVERHEAD, BadFrames, MemoryTrim, PeerLimits
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import ReplyBody
 from kvdepot.transport._peercred import PLAIN_USER, ZAP_DOMAIN, PeerUserCheck
@@ -51,7 +52,8 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE) | int(zmq.NOBLOCK)
 MAX_MESSAGES_PER_POLL = 256
 POLL_BUDGET_S = 0.05
 # Reply messages queued for one peer that has not read them. A client has far fewer requests in
-# flight than this; a peer whose queue is full is dropped (its session ends).
+# flight than this; a peer whose queue is full is dropped (its session ends). The messages queued
+# from a peer are bounded by `PeerLimits.queue` (`_flood.py`).
 SEND_HWM = 1024
 # Bytes of replies queued for one peer that has not read them, besides its latest reply messages.
 # ZMQ counts messages, not bytes, and one message may hold thousands of replies: a peer that sent
@@ -218,7 +220,9 @@ class ServerEndpoint(_EndpointBase):
     `auth_secret`, which every client must then present in its Hello. `curve_secret_key`
     (a Z85 key from `zmq.curve_keypair()`) additionally encrypts every connection, so the
     secret and the traffic cannot be read off the network. `on_bad_frame` is told of every
-    frame refused before the handler (on the loop thread).
+    frame refused before the handler (on the loop thread). `limits` bound what a peer's flood
+    costs (`PeerLimits`: its queue, its frames that are not requests) and give the memory a
+    flood leaves free back to the system.
     """
 
     def __init__(
@@ -233,6 +237,7 @@ class ServerEndpoint(_EndpointBase):
         context: zmq.Context[Any] | None = None,
         on_bad_frame: Callable[[BadFrame], None] | None = None,
         server_id: str | None = None,
+        limits: PeerLimits | None = None,
     ) -> None:
         address = address or default_address()
         if address.startswith(MEMORY_SCHEME):
@@ -260,7 +265,8 @@ class ServerEndpoint(_EndpointBase):
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full or gone peer raises, instead of a silent drop
         sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * HARD_LIMIT_FACTOR)
         sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        sock.setsockopt(zmq.RCVHWM, SEND_HWM)
+        self.limits = limits = limits or PeerLimits()
+        sock.setsockopt(zmq.RCVHWM, limits.queue)
         self._authenticator: Any = None
         self._peer_check: PeerUserCheck | None = None
         if self._ipc is not None and self._own_context:
@@ -291,7 +297,11 @@ class ServerEndpoint(_EndpointBase):
             secure_ipc_socket(self._ipc)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
         self._sock = sock
-        self._muted: dict[bytes, float] = {}  # identity -> until when its messages are discarded
+        self._muted: dict[bytes, tuple[float, str]] = {}  # identity -> (until when, counter of its discards)
+        self._bad = BadFrames(limits.bad_frames, MAX_MUTED)
+        self._trim = MemoryTrim(limits.trim_after, self.dispatcher.counters)
+        for name in ("bad_discarded", "peers_muted"):
+            self.dispatcher.counters[name] = 0
         self._unread: dict[bytes, _Unread] = {}  # identity -> the replies it may not have read
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -313,24 +323,45 @@ class ServerEndpoint(_EndpointBase):
         handled = 0
         now = time.monotonic()
         budget_end = now + POLL_BUDGET_S
+        counters = self.dispatcher.counters
+        trim = self._trim
         while handled < MAX_MESSAGES_PER_POLL and int(sock.getsockopt(_EVENTS)) & _POLLIN:
             msg = sock.recv_multipart(_NOBLOCK)
             handled += 1
+            trim.taken += sum(map(len, msg)) + FRAME_OVERHEAD * len(msg)
             if len(msg) >= 2 and not (self._muted and self._muted_now(msg[0], now)):
                 # ROUTER always prefixes the identity; else nothing to answer
-                self._reply(msg[0], self.dispatcher.dispatch(msg[0], msg[1:]))
+                bad = counters["bad_frames"]
+                allowed = self._bad.allowed(msg[0], now)
+                self._reply(msg[0], self.dispatcher.dispatch(msg[0], msg[1:], bad_allowed=allowed))
+                if counters["bad_frames"] != bad:
+                    self._bad_frames(msg, counters["bad_frames"] - bad, now)
             now = time.monotonic()
             if now > budget_end:
                 break
+        if not handled and trim.due():  # quiet after a flood: give back what it left free
+            trim.run()
         return handled
 
+    def _bad_frames(self, msg: list[bytes], bad: int, now: float) -> None:
+        """Counts a message's bad frames against its peer; mutes a peer past `PeerLimits.bad_frames`."""
+        if len(msg) - 1 > MAX_FRAMES_PER_MESSAGE:  # refused whole, counted once: every frame was bad
+            bad = len(msg) - 1
+        if self._bad.add(msg[0], bad, now):
+            reason = f"more than {self._bad.limit} frames that are not requests in {BAD_MUTE_S:g} s"
+            log.warning("peer_muted", peer=msg[0].hex(), reason=reason, muted_s=BAD_MUTE_S)
+            self.dispatcher.counters["peers_muted"] += 1
+            self.dispatcher.drop(msg[0])
+            self._mute(msg[0], BAD_MUTE_S, "bad_discarded")
+
     def _muted_now(self, identity: bytes, now: float) -> bool:
-        """Whether a message from `identity` is discarded: its replies went unread lately."""
-        until = self._muted.get(identity)
-        if until is None:
+        """Whether a message from `identity` is discarded: its replies went unread lately, or it
+        sent frames that are not requests."""
+        muted = self._muted.get(identity)
+        if muted is None:
             return False
-        if now < until:
-            self.dispatcher.counters["unread_discarded"] += 1
+        if now < muted[0]:
+            self.dispatcher.counters[muted[1]] += 1
             return True
         del self._muted[identity]
         return False
@@ -383,14 +414,15 @@ class ServerEndpoint(_EndpointBase):
         log.warning("peer_dropped", peer=identity.hex(), reason=reason, muted_s=UNREAD_MUTE_S)
         self.dispatcher.counters["peers_dropped"] += 1
         self.dispatcher.drop(identity)
-        self._mute(identity)
+        self._mute(identity, UNREAD_MUTE_S, "unread_discarded")
 
-    def _mute(self, identity: bytes) -> None:
+    def _mute(self, identity: bytes, seconds: float, counter: str) -> None:
+        """Discards what `identity` sends for `seconds`, counting each message as `counter`."""
         now = time.monotonic()
         if len(self._muted) >= MAX_MUTED:
-            self._muted = {peer: until for peer, until in self._muted.items() if until > now}
+            self._muted = {peer: muted for peer, muted in self._muted.items() if muted[0] > now}
         if len(self._muted) < MAX_MUTED:
-            self._muted[identity] = now + UNREAD_MUTE_S
+            self._muted[identity] = (now + seconds, counter)
 
     def _wake(self) -> None:
         if self._closed:
