@@ -111,14 +111,15 @@ def test_a_flood_of_one_byte_frames_is_bounded_per_peer_and_its_memory_goes_back
 
             assert _wait_until(taken), "the server did not take the flood in"
         good.ping().result(OUTCOME_S)
+        assert _wait_until(lambda: good.stats().result(T).extra.get("transport_memory_trims")), (
+            "the server did not give memory back"
+        )
         assert _wait_until(lambda: _rss(server.pid) - rss_before < RSS_BOUND), (
             f"the server kept {(_rss(server.pid) - rss_before) >> 20} MiB more than before the flood"
         )
         extra = good.stats().result(T).extra
     assert extra["transport_peers_muted"] >= PEERS
     assert extra["transport_bad_discarded"] > 0
-    assert extra["transport_memory_trims"] >= 1
-    assert extra["transport_memory_trimmed_bytes"] > 0
 
 
 def test_a_good_client_is_answered_between_the_flood_messages_of_each_peer(server):
