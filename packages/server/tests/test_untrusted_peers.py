@@ -18,6 +18,7 @@ from kvdepot.server.testing import free_port
 from kvdepot.transport import PROTOCOL_VERSION, CacheClient, LookupItem
 from kvdepot.transport._codec import decode_reply, encode_request
 from kvdepot.transport._dispatch import MAX_FRAMES_PER_MESSAGE, MAX_MESSAGE_BYTES
+from kvdepot.transport._flood import MAX_BAD_FRAMES
 from kvdepot.transport._messages import (
     MAX_CHANGES_PER_REPLY,
     Changes,
@@ -70,13 +71,15 @@ def _raw_peer(address: str) -> zmq.Socket:
 def test_a_message_of_changes_frames_does_a_bounded_amount_of_work(server):
     """A message of 4,095 `changes` frames each asking for the most changes (16,384) and a Ping: the
     frames whose reading would pass the message's work budget are answered `too_large` without
-    being read (counted as `work_refused`), the Ping after them is answered, and the changes read
-    for the whole message stay within the budget (it was 4,095 x 16,384 reads: seconds of loop).
-    What the vLLM connector sends each poll (a `changes` of 4,096 per group of salts, with
+    being read (counted as `work_refused`); past `MAX_BAD_FRAMES` such refusals the peer is muted,
+    the rest of its message read and dropped unanswered, and another client is served. The changes
+    read for the whole message stay within the budget (it was 4,095 x 16,384 reads: seconds of
+    loop). What the vLLM connector sends each poll (a `changes` of 4,096 per group of salts, with
     queries, in one message) still fits: every part of it is answered."""
     limit = MAX_CHANGES_PER_REPLY
     with CacheClient(server.address, timeout=T) as client:
         head = _churn(client, 2 * limit)
+        muted_before = client.stats().result(T).extra.get("transport_peers_muted", 0)
     assert head > limit  # every frame below reads `limit` changes
     sock = _raw_peer(server.address)
     try:
@@ -90,16 +93,17 @@ def test_a_message_of_changes_frames_does_a_bounded_amount_of_work(server):
         replies = [decode_reply(frame) for frame in sock.recv_multipart()]
     finally:
         sock.close(0)
-    assert len(replies) == len(frames)
     read = [r for r in replies if isinstance(r.body, ChangesReply)]
     refused = [r for r in replies if isinstance(r.body, ErrorReply)]
     assert all(r.body.next == head for r in read)  # each read all `limit` of them
     assert 1 <= len(read) <= MAX_MESSAGE_BYTES // (limit * CHANGE_WORK_BYTES) + 1  # the first is always read
     assert {r.body.code for r in refused} == {"too_large"}
     assert refused[0].body.fields["work"] == limit * CHANGE_WORK_BYTES
-    assert isinstance(replies[-1].body, Pong)
-    assert replies[-1].id == 99_999
-    assert len(read) + len(refused) + 1 == len(frames)
+    assert len(read) + len(refused) == len(replies)
+    assert len(refused) == MAX_BAD_FRAMES + 1  # then muted: the rest, the Ping too, unanswered
+    with CacheClient(server.address, timeout=T) as other:
+        assert isinstance(other.ping().result(T), Pong)
+        assert other.stats().result(T).extra["transport_peers_muted"] == muted_before + 1
 
     with CacheClient(server.address, timeout=T) as engine:
         with engine.batch() as batch:

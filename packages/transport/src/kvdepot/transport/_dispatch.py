@@ -215,6 +215,10 @@ class Dispatcher:
             if bounded and work > budget.requests:
                 self.counters["too_large"] += 1
                 self.counters["work_refused"] += 1
+                # No client of this protocol asks for more work than a message allows, frame after
+                # frame: past `PeerLimits.bad_frames` of these, the peer is muted like a flood of
+                # malformed frames (its refusals cost the loop a decode and a reply each).
+                self._count_bad(self.peers.get(identity), identity, "work", len(frame))
                 message = (
                     f"this {type(request.body).__name__} request would do {work} bytes' worth of work, and this"
                     f" message has {max(0, budget.requests)} left of its {MAX_MESSAGE_BYTES}; send it in another"
