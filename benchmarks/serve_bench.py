@@ -17,12 +17,18 @@ in four configurations:
 
 At each concurrency (`--concurrency`, default 2 and 8; `--prompts` per level, default 64 and
 128) the configurations run in alternating order over `--rounds` rounds (default 3), each run on
-a freshly started vLLM server. For each run: median and p90 TTFT and requests/s from
+a freshly started vLLM server. For each run: median and p90 TTFT, median TPOT and requests/s from
 `bench serve`'s result file, and the prompt tokens served from a cache, read from the server's
 /metrics before and after (``vllm:prefix_cache_hits`` plus ``vllm:external_prefix_cache_hits``).
 The report gives each configuration's medians over rounds, its ratios to the floor, and the
 share of the tokens that repeat an earlier prefix ((prompts - prefixes) x prefix length) that a
 cache served.
+
+vLLM's CPU worker reserves one core per rank for its scheduler, and one more when a connector
+is configured (for NIXL); on a machine with too few cores the reservation is dropped, and the
+engine with a connector computes on more OpenMP cores than the one without (docs/vllm.md,
+"CPU engines: cores and threads"). `--env VLLM_CPU_NUM_OF_RESERVED_CPU=1` gives every configuration the same cores:
+run it beside the defaults.
 
 Run it in the test environment (it has vllm-cpu): ``.nox/tests-vllm-0-32-cpu/bin/python
 benchmarks/serve_bench.py``; ``--quick`` runs one round of 32 prompts per level. Nothing is
@@ -121,7 +127,8 @@ def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterato
         cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
     log_path = workdir / f"vllm-{config}-{port}.log"
     log = log_path.open("wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=ENV)
+    env = {**ENV, **args.env}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     try:
         deadline = time.monotonic() + SERVER_START_S
         while True:
@@ -157,7 +164,7 @@ def bench_serve(args: argparse.Namespace, port: int, concurrency: int, prompts: 
     cmd += ["--prefix-repetition-num-prefixes", str(args.prefixes)]
     cmd += ["--prefix-repetition-output-len", str(args.output_len)]
     cmd += ["--max-concurrency", str(concurrency), "--seed", "0", "--disable-tqdm"]
-    cmd += ["--percentile-metrics", "ttft", "--metric-percentiles", "50,90"]
+    cmd += ["--percentile-metrics", "ttft,tpot", "--metric-percentiles", "50,90"]
     cmd += ["--save-result", "--result-dir", str(out.parent), "--result-filename", out.name]
     log_path = out.parent / f"{out.stem}.log"
     with log_path.open("wb") as log:
@@ -188,13 +195,15 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: int, workdir:
                     "median_ttft_ms": float(result["median_ttft_ms"]),
                     "p90_ttft_ms": float(result["p90_ttft_ms"]),
                     "request_throughput": float(result["request_throughput"]),
+                    "median_tpot_ms": float(result["median_tpot_ms"]),
                     "cached_tokens": served,
                 }
             )
             row = runs[config][-1]
             progress(
                 f"  median TTFT {row['median_ttft_ms']:.1f} ms, p90 {row['p90_ttft_ms']:.1f} ms, "
-                f"{row['request_throughput']:.2f} req/s, {served:,.0f} prompt tokens from a cache"
+                f"{row['request_throughput']:.2f} req/s, TPOT {row['median_tpot_ms']:.1f} ms, "
+                f"{served:,.0f} prompt tokens from a cache"
             )
     return runs
 
@@ -207,15 +216,15 @@ def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs)
     floor = "floor" in runs
     rows = []
     for config in runs:
-        ttft, p90, rps, cached = (
-            med(config, k) for k in ("median_ttft_ms", "p90_ttft_ms", "request_throughput", "cached_tokens")
-        )
+        keys = ("median_ttft_ms", "p90_ttft_ms", "request_throughput", "median_tpot_ms", "cached_tokens")
+        ttft, p90, rps, tpot, cached = (med(config, k) for k in keys)
         rows.append(
             (
                 config,
                 f"{ttft:.1f}",
                 f"{p90:.1f}",
                 f"{rps:.2f}",
+                f"{tpot:.1f}",
                 f"{cached:,.0f} ({cached / max(repeats, 1):.1%})",
                 f"{ttft / med('floor', 'median_ttft_ms'):.2f}x" if floor else "-",
                 f"{rps / med('floor', 'request_throughput'):.2f}x" if floor else "-",
@@ -259,6 +268,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="another kvdepot configuration, with these kv_connector_extra_config keys "
         "(e.g. sync:kvdepot.sync_load_bytes=67108864)",
     )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for every vLLM server, e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=1: the same "
+        "OpenMP cores with and without a connector (vLLM reserves one more core per rank for a connector)",
+    )
     parser.add_argument("--quick", action="store_true", help="one round of 32 prompts per level")
     parser.add_argument("--model-dir", type=Path, default=MODELS_DIR / "tiny-llama")
     args = parser.parse_args(argv)
@@ -269,6 +286,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.prompts = [64 if c <= 2 else 128 for c in args.concurrency]
     if len(args.prompts) != len(args.concurrency):
         parser.error("--prompts takes one count per --concurrency level")
+    args.env = dict(item.split("=", 1) for item in args.env)
     args.variants = {}
     for item in args.variant:
         name, sep, pairs = item.partition(":")
