@@ -139,7 +139,11 @@ def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterato
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vllm serve ({config}) did not become healthy:\n{log_tail(log_path)}")
             time.sleep(0.5)
-        yield port
+        try:
+            yield port
+        except Exception:
+            progress(f"vllm serve ({config}) failed; the end of its log:\n{log_tail(log_path)}")
+            raise
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGINT)
