@@ -244,6 +244,7 @@ def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs)
         "median TTFT ms",
         "p90 TTFT ms",
         "req/s",
+        "median TPOT ms",
         "prompt tokens from a cache",
         "TTFT/floor",
         "req/s/floor",
