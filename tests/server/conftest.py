@@ -49,6 +49,8 @@ class ServerProcess:
             "warning",
             *self.args,
         ]
+        if "--settings-file" not in self.args:  # kept in the test's directory, not the user's state
+            cmd += ["--settings-file", str(self.workdir / "settings.json")]
         self.log = open(self.workdir / "server.log", "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT

@@ -222,3 +222,76 @@ def test_the_commands_exist_in_the_help():
     helptext = kvdepot("--help").stdout
     for name in ("ping", "clear", "quota"):
         assert name in helptext
+
+
+def quotas(address: str) -> dict:
+    done = kvdepot("quota", "get", "--address", address, "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_quotas_survive_a_restart(serve, workdir, stop):
+    """Quotas set and removed with `kvdepot quota` are in force again after the server restarts,
+    stopped cleanly or killed right after the change: nobody sets them twice."""
+    server = serve(*POOL)
+    for salt, size in (("S", "256KiB"), ("T", "1MiB"), ("U", "2MiB")):
+        assert kvdepot("quota", "set", salt, size, "--address", server.address).returncode == 0
+    assert kvdepot("quota", "unset", "U", "--address", server.address).returncode == 0
+    server.stop(stop)
+    again = serve(*POOL)
+    assert quotas(again.address) == {"S": 256 << 10, "T": 1 << 20}
+    with CacheClient(again.address, timeout=T) as client:  # the quota is in force, not just listed
+        client.register("layout", 256, 64 << 10).result(T)
+        capped = client.reserve("S", keys("after-restart", 8), 64 << 10).result(T)
+        roomy = client.reserve("T", keys("after-restart", 8), 64 << 10).result(T)
+    assert capped.full and len(capped.slots) < 4  # 256 KiB holds fewer than four 64 KiB chunks and their headers
+    assert len(roomy.slots) == 8
+    assert (workdir / "settings.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_server_without_a_settings_file_starts_with_no_quotas(serve):
+    """`--settings-file none` keeps quotas in memory only, as before."""
+    server = serve(*POOL, "--settings-file", "none")
+    assert kvdepot("quota", "set", "S", "1MiB", "--address", server.address).returncode == 0
+    server.stop()
+    assert quotas(serve(*POOL, "--settings-file", "none").address) == {}
+
+
+@pytest.mark.parametrize(
+    ("content", "mode", "said"),
+    [
+        (b'{"version": 1, "quotas": {"S": 1}}', 0o644, "it must be yours alone"),
+        (b'{"version": 99, "quotas": {}}', 0o600, "written by a newer kvdepot"),
+        (b'{"version": 1, "quotas": {"S": -5}}', 0o600, "is not a settings file"),
+        (b"\x00not json", 0o600, "is not a settings file"),
+    ],
+    ids=["readable-by-others", "newer-format", "negative-quota", "garbage"],
+)
+def test_a_settings_file_the_server_cannot_trust_stops_its_start_with_a_clear_message(workdir, content, mode, said):
+    """A settings file of another format, others can read, or that is not one: the server says
+    why and does not start (exit 2), rather than run without the operator's quotas."""
+    path = workdir / "settings.json"
+    path.write_bytes(content)
+    path.chmod(mode)
+    address = f"ipc://{workdir}/kvdepot.sock"
+    done = kvdepot("serve", "--address", address, *POOL, "--no-metrics", "--settings-file", str(path))
+    assert done.returncode == 2
+    assert said in done.stderr
+    assert str(path) in done.stderr
+    assert path.read_bytes() == content  # left as it was
+
+
+def test_a_quota_that_cannot_be_kept_is_not_set(serve, workdir):
+    """When the settings file cannot be written, `kvdepot quota set` fails, says why, and the
+    quota is not in force: what an operator is told has been set always survives a restart."""
+    state = workdir / "state"
+    server = serve(*POOL, "--settings-file", str(state / "settings.json"))
+    assert kvdepot("quota", "set", "S", "1MiB", "--address", server.address).returncode == 0
+    (state / "settings.json").unlink()
+    state.rmdir()
+    state.write_bytes(b"")  # a file where the directory was: nothing can be written under it
+    done = kvdepot("quota", "set", "T", "1MiB", "--address", server.address)
+    assert done.returncode != 0
+    assert "was not made" in done.stderr
+    assert quotas(server.address) == {"S": 1 << 20}

@@ -22,6 +22,7 @@ from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._label_key import random_labeler
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
+from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
 
@@ -104,6 +105,7 @@ class CacheHandler:
         consumers: Sequence[Callable[[Sequence[IndexEvent]], None]] = (),
         timed: Callable[[str, float], None] | None = None,
         looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
+        settings: SettingsFile | None = None,
     ) -> None:
         """``tiers``: the tiers below RAM, if any (lookups that miss RAM ask them, commits are
         written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
@@ -115,7 +117,8 @@ class CacheHandler:
         ``consumers``: take the index's events too, after the change log and the tiers (the
         server's metrics and its KV event publisher); ``timed``:
         told each request's type name and the seconds it took; ``looked_up``: told each lookup
-        answered and its outcomes (the server's metrics)."""
+        answered and its outcomes (the server's metrics); ``settings``: where quota changes are
+        written before they take effect (default: nowhere, they end with the process)."""
         self.index = index
         # layout name -> (fingerprint, chunk bytes) of the first client that registered it
         self.layouts: dict[str, tuple[str, int]] = {}
@@ -134,6 +137,7 @@ class CacheHandler:
         self.consumers = tuple(consumers)
         self.timed = timed
         self.looked_up = looked_up
+        self.settings = settings if settings is not None else SettingsFile(None)
         self._ranking = SaltRanking(index, SALT_RANKING_S)
         self._table: dict[type, Callable[[str, Any, float], ReplyBody | Deferred]] = {
             Hello: self._hello,
@@ -379,6 +383,12 @@ class CacheHandler:
 
     def _set_quota(self, client: str, body: SetQuota, now: float) -> ReplyBody:
         self._check_admin(client, "set_quota")
+        kept = self.index.quotas()
+        if body.max_bytes is None:
+            kept.pop(body.salt, None)
+        else:
+            kept[body.salt] = body.max_bytes
+        self.settings.save_quotas(kept)  # before it takes effect: what the operator is told survives a restart
         quotas = self.index.set_quota(body.salt, body.max_bytes)
         log.info("quota_set", peer=client, salt=self.label(body.salt), max_bytes=body.max_bytes)
         return QuotaReply(quotas=quotas)

@@ -10,11 +10,8 @@ prints a salt's label from it.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import errno
 import os
 import secrets
-import stat
 import sys
 from pathlib import Path
 
@@ -22,6 +19,7 @@ import structlog
 
 from kvdepot.core import LABEL_KEY_BYTES, SaltLabeler
 from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._owner_file import OwnerFileProblem, read_owner_only, write_owner_only
 
 log = structlog.get_logger(__name__)
 
@@ -82,63 +80,27 @@ def load_label_key(path: Path, *, create: bool = True) -> bytes:
 
 
 def _read(path: Path) -> bytes | None:
-    # No symlink followed; O_NONBLOCK: a FIFO planted there does not hang the open.
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise _error(path, f"cannot be opened ({exc.strerror})", "unreadable") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise _error(path, "is not a regular file", "not_a_file")
-        mode = stat.S_IMODE(st.st_mode)
-        if st.st_uid != os.getuid() or mode & 0o077:
-            raise _error(
-                path,
-                f"belongs to uid {st.st_uid} with mode {mode:o}; it must be yours alone (`chmod 600 {path}`): "
-                "anyone who reads it can tell which salt each label names",
-                "unsafe",
-                owner=st.st_uid,
-                mode=f"{mode:o}",
-            )
-        key = os.read(fd, _READ_LIMIT)  # a regular file: one read returns it whole
-    finally:
-        os.close(fd)
-    if len(key) != LABEL_KEY_BYTES:
+        key = read_owner_only(path, _READ_LIMIT)
+    except OwnerFileProblem as exc:
+        what = (
+            exc.what + ": anyone who reads it can tell which salt each label names"
+            if exc.reason == "unsafe"
+            else exc.what
+        )
+        raise _error(path, what, exc.reason, **exc.fields) from exc
+    if key is not None and len(key) != LABEL_KEY_BYTES:
         raise _error(path, f"holds {len(key)} bytes, not a key of {LABEL_KEY_BYTES}", "malformed")
     return key
 
 
 def _create(path: Path) -> None:
-    """Write a new key to ``path`` whole (a temporary file linked into place, so that a server
-    starting at the same moment reads either no file or the whole key, and only one key wins)."""
+    """Write a new key to ``path`` whole, so that a server starting at the same moment reads
+    either no file or the whole key, and only one key wins."""
     try:
-        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
-    except OSError as exc:
-        raise _error(path, f"cannot be made ({exc.strerror})", "cannot_create") from exc
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(secrets.token_bytes(LABEL_KEY_BYTES))
-            out.flush()
-            os.fsync(out.fileno())
-        try:
-            os.link(temporary, path)
-        except FileExistsError:
-            pass  # another server made it first: its key is the one
-        except OSError as exc:
-            if exc.errno not in {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP}:
-                raise
-            os.rename(temporary, path)  # a filesystem without hard links
-    except OSError as exc:
-        raise _error(path, f"cannot be made ({exc.strerror})", "cannot_create") from exc
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            temporary.unlink()
+        write_owner_only(path, secrets.token_bytes(LABEL_KEY_BYTES), replace=False)
+    except OwnerFileProblem as exc:
+        raise _error(path, exc.what, exc.reason) from exc
 
 
 def _error(path: Path, what: str, reason: str, **fields: object) -> LabelKeyError:
