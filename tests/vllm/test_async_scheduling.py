@@ -460,3 +460,38 @@ def test_a_hit_in_ram_joins_the_step_that_finds_it_when_sync_loads_are_on(
     assert far.status is RequestStatus.WAITING_FOR_REMOTE_KVS
     assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("far", False)]
     scheduler.shutdown()
+
+
+def test_a_request_sharing_a_sync_load_waits_until_it_is_known_good_and_a_failed_loads_blocks_leave_vllms_cache(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """vLLM caches a sync-loaded request's blocks when it allocates them, before the copy is known
+    good. A request admitted in the same pass with the same prefix would take them as its own
+    prefix hit and compute over a load that may fail; it is asked again at the next pass instead.
+    When the load fails, its blocks leave vLLM's prefix cache: the request that shares the prefix
+    never reads them, in that step or later (it loads the prefix into blocks of its own)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvdepot.vllm_connector._meta import KVDepotWorkerMetadata
+
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True, connector={"kvdepot.sync_load_bytes": 64 << 20})
+    prefix = [89 + i % 1900 for i in range(2 * CHUNK)]
+    store_prefix(scheduler, server.address, prefix)
+    a = make_request(scheduler, "a", [*prefix, 5, 6, 7], max_tokens=2)
+    b = make_request(scheduler, "b", [*prefix, 8, 9], max_tokens=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    out = scheduler.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert (load.req_id, load.sync) == ("a", True)
+    assert "b" not in out.num_scheduled_tokens  # its hit in vLLM's cache would be a's loading blocks
+    failed = set(load.block_ids[0])
+    reported = KVConnectorOutput(invalid_block_ids=failed, kv_connector_worker_meta=KVDepotWorkerMetadata({"a"}))
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests, connector_output=reported))
+    pool = scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[block_id].block_hash is None for block_id in failed)  # out of vLLM's prefix cache
+    run_until(scheduler, lambda: b.num_computed_tokens > 0)
+    (b_blocks,) = scheduler.kv_cache_manager.get_block_ids("b")
+    assert failed.isdisjoint(b_blocks)
+    run_until(scheduler, lambda: a.is_finished() and b.is_finished())
+    scheduler.shutdown()

@@ -72,18 +72,6 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 #: Hits that load before the forward pass of the step that finds them (experimental, off by default).
 SYNC = {"kvdepot.sync_load_bytes": 64 << 20}
 BOTH_MODES = [pytest.param({}, id="async"), pytest.param(SYNC, id="sync")]
-LOAD_MODES = [
-    pytest.param({}, id="async"),
-    pytest.param(
-        SYNC,
-        id="sync",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="vLLM caches a sync-loaded block at allocation: a request sharing it in the same step decodes "
-            "over a failed load (why kvdepot's hits load asynchronously by default)",
-        ),
-    ),
-]
 
 
 def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdepot_server):
@@ -310,11 +298,12 @@ def test_explicit_address_that_does_not_answer_fails_fast(tiny_llama, vllm_engin
 P = prompt(512, seed=30)  # two chunks: the shared prefix every scenario loads
 
 
-@pytest.mark.parametrize("mode", LOAD_MODES)
+@pytest.mark.parametrize("mode", BOTH_MODES)
 def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, kvdepot_server, mode):
     """Two requests sharing a prefix whose load fails in one batch: neither stores KV computed over it,
-    and both decode as recompute. With synchronous loads the second request shares the failed blocks
-    in the same step (vLLM cached them at allocation)."""
+    and both decode as recompute. With synchronous loads vLLM caches the loading blocks at allocation:
+    the second request waits for them to be known good rather than share them in the same step, and
+    once the load failed they are out of vLLM's prefix cache."""
     a, b = P + prompt(300, seed=31), P + prompt(300, seed=32)
     reference = vllm_engine(tiny_llama, [a, b], sequential=False).check()
     vllm_engine(tiny_llama, [P], kv_transfer_config=kvdepot_server.connector_config()).check()
@@ -333,9 +322,10 @@ def test_readers_of_a_failed_load_never_store_garbage(tiny_llama, vllm_engine, k
     assert_nothing_left(kvdepot_server.stats())
 
 
+@pytest.mark.parametrize("mode", BOTH_MODES)
 @pytest.mark.parametrize("abort_after", [1, 2, 3])
 def test_failed_load_then_abort_leaves_nothing_wrong_in_vllms_cache(
-    tiny_llama, vllm_engine, kvdepot_server, abort_after
+    tiny_llama, vllm_engine, kvdepot_server, abort_after, mode
 ):
     """A request whose load failed, aborted right after, leaves no unwritten block in vLLM's prefix cache."""
     x, y = P + prompt(200, seed=33), P + prompt(200, seed=34)
@@ -345,7 +335,7 @@ def test_failed_load_then_abort_leaves_nothing_wrong_in_vllms_cache(
         tiny_llama,
         [x, y],
         abort_after_steps={0: abort_after},
-        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True}),
+        kv_transfer_config=kvdepot_server.connector_config(**{"kvdepot.test.fail_loads": True, **mode}),
     ).check()
     assert run.finish_reasons[0] != "length"
     assert run.outputs[1] == reference.outputs[0]

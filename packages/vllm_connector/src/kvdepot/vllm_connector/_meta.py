@@ -89,6 +89,7 @@ STAT_COUNTERS = (
     "loaded_tokens",
     "loaded_bytes",
     "load_failures",
+    "sync_share_waits",
     "stored_chunks",
     "stored_bytes",
     "store_skipped",

@@ -49,6 +49,7 @@ from kvdepot.vllm_connector._lease_book import LeaseBook
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._prefill import PrefillRate
 from kvdepot.vllm_connector._record import Record
+from kvdepot.vllm_connector._sync_guard import SyncGuard
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -125,6 +126,7 @@ class SchedulerSide:
         self.sync_load_bytes = sync_load_bytes
         self._sync_budget = sync_load_bytes
         self._sync_loading: list[str] = []
+        self._sync_guard = SyncGuard()  # their blocks, kept from other requests until known good
         # The last two steps scheduled: (whether it stored, its sync loads). A step has ended by the
         # time the one after the next is scheduled, with async scheduling too (one step in flight):
         # then its sync loads are done (their leases go back), and if it stored, waiting requests
@@ -144,6 +146,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
+        if self._sync_guard.reaches(req_id, request.block_hashes, num_computed_tokens // self.planner.block_size):
+            self.stats.add("sync_share_waits")  # its local hit takes blocks a sync load is still filling
+            return None, False
         record = self._records.get(req_id) or self._track(request)
         if record is None:
             return 0, False
@@ -264,6 +269,9 @@ class SchedulerSide:
             )
             if self._records[req_id].sync_load:
                 self._sync_loading.append(req_id)
+                # Its blocks from the first loaded one on: the loaded ones, and those computed
+                # over them in the same step, which vLLM caches now too.
+                self._sync_guard.loading(req_id, request.block_hashes[start:], block_ids[0][start:])
         self._flush_releases()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
@@ -274,6 +282,7 @@ class SchedulerSide:
             if stored:
                 self._stores_ended_at = time.monotonic()
             for req_id in synced:  # copied (a failure was reported already)
+                self._sync_guard.settle(req_id)
                 if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
                     self.planner.on_load_done(req_id)
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
@@ -313,6 +322,7 @@ class SchedulerSide:
         # but it lists the load as finished only once every worker reported it, which with several
         # ranks can be steps later (and in a step whose reports say nothing of it): remember it.
         for req_id in failed:
+            self._evict_failed_sync_load(req_id)
             record = self._records.get(req_id)
             if record is not None and self.planner.is_loading(req_id):
                 record.load_failed = True
@@ -398,6 +408,18 @@ class SchedulerSide:
         self._flush_releases()
 
     # -- internals --------------------------------------------------------------------
+
+    def _evict_failed_sync_load(self, req_id: str) -> None:
+        """Take a failed sync load's blocks out of vLLM's prefix cache (`_sync_guard.py`): the
+        request recomputes into them, and nobody else can take them for a hit in the meantime,
+        nor after it was aborted."""
+        blocks = self._sync_guard.failed(req_id)
+        if not blocks:
+            return
+        try:
+            self.kv_cache_manager.evict_blocks(set(blocks))
+        except Exception:  # a vLLM without it: the blocks stay cached, as vLLM's own recovery leaves them
+            log.exception("kvdepot: could not take the blocks of %s's failed load out of vLLM's prefix cache", req_id)
 
     def _track(self, request: Request) -> Record | None:
         """The request's record, created on first sight; None if it cannot be cached."""
