@@ -16,9 +16,9 @@ import gc
 import time
 from collections.abc import Callable
 
-import structlog
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Seconds between full collections: cycles that outlived the young generations wait this long.
 FULL_COLLECTION_INTERVAL_S = 60.0

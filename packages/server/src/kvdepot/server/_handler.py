@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import structlog
-
 from kvdepot.core import SaltLabeler
 from kvdepot.server._change_log import CHANGE_WORK_BYTES, ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
@@ -25,6 +23,7 @@ from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
 from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
+from kvdepot.transport._log import get_logger
 
 if TYPE_CHECKING:
     from kvdepot.server._events import IndexEvent
@@ -71,7 +70,7 @@ from kvdepot.transport import (
     error_reply_from,
 )
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 
 #: Layout names whose fingerprints the server remembers. Past this many it starts over, so a

@@ -15,13 +15,12 @@ import secrets
 import sys
 from pathlib import Path
 
-import structlog
-
 from kvdepot.core import LABEL_KEY_BYTES, SaltLabeler
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._owner_file import OwnerFileProblem, read_owner_only, write_owner_only
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FLAG = "--label-key-file"
 FILE_NAME = "salt-label.key"

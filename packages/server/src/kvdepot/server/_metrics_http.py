@@ -33,10 +33,11 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 import attrs
-import structlog
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-log = structlog.get_logger(__name__)
+from kvdepot.transport._log import get_logger
+
+log = get_logger(__name__)
 
 # Connections open at once: a Prometheus and a probe or two need a handful; the rest is slack
 # for scrapes that overlap. Each costs one file descriptor and at most a header's bytes.

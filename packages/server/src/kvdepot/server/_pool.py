@@ -19,12 +19,11 @@ import stat
 import tempfile
 from pathlib import Path
 
-import structlog
-
 from kvdepot.core import SLOT_GENERATION_OFFSET, SLOT_HEADER_BYTES, pack_slot_header, slot_digest
 from kvdepot.server._errors import PoolError
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - the pool is created O_EXCL|O_NOFOLLOW, 0o600, random name
 _STALE_NAME = re.compile(r"^kvdepot-(\d+)-(\d+)-[0-9a-f]+\.pool$")

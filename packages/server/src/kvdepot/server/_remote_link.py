@@ -17,13 +17,12 @@ import threading
 import time
 from typing import Any
 
-import structlog
-
 from kvdepot.server._remote_send import zero_copy_connection
 from kvdepot.server._remote_url import RemoteAddress
 from kvdepot.server._tiers import Counters, TierState, WarnLimiter
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Seconds to open a connection: loopback and a LAN answer in well under a millisecond.
 CONNECT_TIMEOUT = 0.5

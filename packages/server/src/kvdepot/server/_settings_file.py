@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Annotated
 
 import msgspec
-import structlog
 
 from kvdepot.server._errors import ServerArgumentError, ServerError
 from kvdepot.server._owner_file import OwnerFileProblem, read_owner_only, write_owner_only
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 FLAG = "--settings-file"
 #: The format this server writes; it reads this one and every older one.

@@ -39,13 +39,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import structlog
 
 from kvdepot.core import InvalidTransitionError
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
 from kvdepot.transport import Deferred
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Keys per item the first probe asks the tiers about; each later probe of the items whose run
 #: goes on asks 4x more. An engine's lookup (a few hundred keys) takes one probe.

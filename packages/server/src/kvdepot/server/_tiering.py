@@ -39,7 +39,6 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
-import structlog
 
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
 from kvdepot.server._errors import ServerError, TooManyError
@@ -51,8 +50,9 @@ from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, Tier
 from kvdepot.server._tiers import Tier, WarnLimiter
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
 from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: The server's own session in the index: its leases pin chunks being copied out, its
 #: reservations hold the slots that lower-tier reads fill.

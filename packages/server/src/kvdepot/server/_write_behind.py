@@ -23,12 +23,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
-import structlog
 
 from kvdepot.server._tier_format import Buffer
 from kvdepot.server._tiers import ChunkWrite, Tier, WarnLimiter
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Defaults: enough to absorb a burst of stores (a few hundred chunks) without holding much RAM
 # beyond the pool; a batch is what one pipeline or one pass over files should carry.

@@ -14,8 +14,6 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-import structlog
-
 from kvdepot.transport._client import (
     DEFAULT_HEARTBEAT_INTERVAL,
     DEFAULT_TIMEOUT,
@@ -25,6 +23,7 @@ from kvdepot.transport._client import (
 )
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._connection import State
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     Abort,
@@ -61,7 +60,7 @@ from kvdepot.transport._messages import (
     StatsReply,
 )
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 R = TypeVar("R")
 LookupInput = LookupItem | tuple[str, Sequence[bytes]]
 

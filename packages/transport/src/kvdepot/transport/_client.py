@@ -19,16 +19,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, Protocol
 
-import structlog
-
 from kvdepot.transport._address import MEMORY_SCHEME, check_ipc_trusted, default_address, ipc_path
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES
 from kvdepot.transport._connection import Call, ClientConnection, Note, Reconnected, Send, Settle, State
 from kvdepot.transport._errors import TransportClosedError
 from kvdepot.transport._io import Callback, IOLoop, ReplyFuture, settle
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._messages import HelloReply, RegisterReply, RequestBody
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # A client gives up on a reply after this long unless told otherwise: long enough for a
 # loaded server, short enough that "nothing is listening" surfaces within seconds.

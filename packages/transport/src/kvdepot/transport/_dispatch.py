@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import structlog
-
 from kvdepot.core import InvalidArgumentError
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, decode_request, encode_reply
 from kvdepot.transport._errors import (
@@ -29,6 +27,7 @@ from kvdepot.transport._errors import (
     RemoteProtocolError,
 )
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._messages import (
     PROTOCOL_VERSION,
     REPLY_FOR,
@@ -45,7 +44,7 @@ from kvdepot.transport._messages import (
     RequestBody,
 )
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # A peer silent for this long is reported gone. Clients ping every second by default, so
 # this tolerates several lost heartbeats and a stalled (e.g. swapping) engine process.

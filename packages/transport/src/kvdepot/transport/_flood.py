@@ -23,9 +23,10 @@ import time
 from collections.abc import Callable
 
 import attrs
-import structlog
 
-log = structlog.get_logger(__name__)
+from kvdepot.transport._log import get_logger
+
+log = get_logger(__name__)
 
 #: Messages libzmq queues for one peer before it stops reading that peer's connection (RCVHWM).
 #: A client waits for its replies long before it has this many messages in flight; a faster one

@@ -25,12 +25,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
-import structlog
 import zmq
 
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._peercred import PeerUserCheck
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 SETTLER_THREAD_NAME = "kvdepot-transport-io"
 LOOP_THREAD_NAME = "kvdepot-transport-loop"

@@ -18,10 +18,11 @@ import os
 import threading
 from typing import Any
 
-import structlog
 import zmq
 
-log = structlog.get_logger(__name__)
+from kvdepot.transport._log import get_logger
+
+log = get_logger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"kvdepot-ipc"

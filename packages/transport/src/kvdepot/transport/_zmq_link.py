@@ -16,18 +16,18 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-import structlog
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvdepot.transport._codec import HARD_LIMIT_FACTOR
 from kvdepot.transport._io import IOLoop
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._peercred import PLAIN_USER, ZAP_DOMAIN
 
 if TYPE_CHECKING:
     from kvdepot.transport._client import Connection
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Reconnect quickly after a server restart, backing off to once a second.
 RECONNECT_IVL_MS = 50
