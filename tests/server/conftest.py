@@ -26,7 +26,11 @@ START_TIMEOUT = 20.0
 class ServerProcess:
     """One `kvdepot serve` child process bound to an ipc socket in a private directory."""
 
-    def __init__(self, workdir: Path, *args: str) -> None:
+    #: What runs `kvdepot serve`, unless a server is given another command (another build).
+    COMMAND = (sys.executable, "-m", "kvdepot.server._cli")
+
+    def __init__(self, workdir: Path, *args: str, command: tuple[str, ...] | None = None) -> None:
+        self.command = command or self.COMMAND
         self.workdir = workdir
         self.address = f"ipc://{workdir}/kvdepot.sock"
         self.args = list(args)
@@ -34,9 +38,7 @@ class ServerProcess:
 
     def start(self) -> ServerProcess:
         cmd = [
-            sys.executable,
-            "-m",
-            "kvdepot.server._cli",
+            *self.command,
             "serve",
             "--address",
             self.address,
@@ -110,11 +112,12 @@ def serve(workdir) -> Iterator:
     """Start `kvdepot serve` processes; every one still running is stopped at teardown."""
     started: list[ServerProcess] = []
 
-    def start(*args: str, where: Path | None = None) -> ServerProcess:
-        """A server in `workdir`, or in `where` (a second server needs a directory of its own)."""
+    def start(*args: str, where: Path | None = None, command: tuple[str, ...] | None = None) -> ServerProcess:
+        """A server in `workdir`, or in `where` (a second server needs a directory of its own);
+        ``command`` runs another build's `kvdepot serve`."""
         if where is not None:
             where.mkdir(mode=0o700, exist_ok=True)
-        server = ServerProcess(where or workdir, *args).start()
+        server = ServerProcess(where or workdir, *args, command=command).start()
         started.append(server)
         return server
 

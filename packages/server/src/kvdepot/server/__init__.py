@@ -19,6 +19,7 @@ from kvdepot.server._errors import (
     TierConfigError,
     TierError,
     TooManyError,
+    UnknownFormatError,
     UnknownReservationError,
 )
 from kvdepot.server._handler import CacheHandler
@@ -77,6 +78,7 @@ __all__ = [
     "TierState",
     "TierStats",
     "TooManyError",
+    "UnknownFormatError",
     "UnknownReservationError",
     "WriteBehind",
     "WriteBehindStats",

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._errors import CorruptObjectError, TierConfigError, UnknownFormatError
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, MAX_FINGERPRINT_BYTES, parse_header
 from kvdepot.server._tiers import SALT_TAG_BYTES
 
@@ -51,6 +51,23 @@ class ObjectFile:
     length: int
     fingerprint: bytes  # the caller's, without the salt tag
     tag: bytes  # `salt_tag` of the chunk's salt
+
+
+@attrs.define
+class Scan:
+    """What `TierDirectory.scan` found under objects/."""
+
+    files: list[tuple[float, bytes, ObjectFile]] = attrs.Factory(list)  # (mtime, digest, file): intact
+    unknown: dict[bytes, int] = attrs.Factory(dict)  # digest -> bytes of a file of a format this build does not read
+    broken: int = 0  # deleted
+
+
+class _Unknown(Exception):
+    """A file of a format this build does not read (`_tier_format`): left in place."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(size)
+        self.size = size
 
 
 def object_path(digest: bytes) -> str:
@@ -108,25 +125,31 @@ class TierDirectory:
                 self._warn("disk_tier_stray_entry", path=str(self.path / "tmp" / name), error=exc.strerror)
         return removed
 
-    def scan(self) -> tuple[list[tuple[float, bytes, ObjectFile]], int]:
-        """Every intact object under objects/ as (mtime, digest, file), and how many broken
-        ones were deleted."""
-        found: list[tuple[float, bytes, ObjectFile]] = []
-        broken = 0
+    def scan(self) -> Scan:
+        """Every object under objects/: the intact ones, those of a format this build does not
+        read (left in place), and how many broken ones were deleted."""
+        found = Scan()
         for sub in _FAN:
             for name in self._listdir(f"objects/{sub}"):
                 if not _NAME.match(name) or name[:2] != sub:
                     continue
                 path = f"objects/{sub}/{name}"
-                entry, mtime = self._scan_one(path, bytes.fromhex(name))
+                digest = bytes.fromhex(name)
+                try:
+                    entry, mtime = self._scan_one(path, digest)
+                except _Unknown as unknown:  # a newer build's (a downgrade): its bytes, never deleted
+                    found.unknown[digest] = unknown.size
+                    continue
                 if entry is None:
-                    broken += 1
+                    found.broken += 1
                     self.unlink(path)
                     continue
-                found.append((mtime, bytes.fromhex(name), entry))
-        return found, broken
+                found.files.append((mtime, digest, entry))
+        return found
 
     def _scan_one(self, path: str, digest: bytes) -> tuple[ObjectFile | None, float]:
+        """The file's entry and mtime; None for a broken one. Raises `_Unknown` for a file of a
+        format this build does not read."""
         try:
             fd = os.open(path, READ_FLAGS, dir_fd=self.fd)
         except OSError:  # a symlink or a file that vanished: not ours to serve
@@ -142,6 +165,8 @@ class TierDirectory:
             os.close(fd)
         try:
             header = parse_header(head)
+        except UnknownFormatError:
+            raise _Unknown(st.st_size) from None
         except CorruptObjectError:
             return None, 0.0
         if (

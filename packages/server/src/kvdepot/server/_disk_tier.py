@@ -13,6 +13,12 @@ A file removed behind the tier's back is forgotten at its first read and written
 the chunk is; removed subdirectories are made again; a full file system (ENOSPC) evicts the
 least recently used files and tries once more.
 
+Files of a format version this build does not read (a newer build's, found after a
+downgrade: `_tier_format`) are left in place at start and never served, evicted or deleted
+(only `clear` of every salt removes them, and a write of the same chunk replaces its file).
+Their bytes count against the capacity: ``--disk-capacity`` bounds what the directory holds,
+whoever wrote it. ``unknown_format`` counts them (and `disk_tier_opened` logs their bytes).
+
 No fsync: this is a cache. A process crash (SIGKILL) loses nothing that was renamed, since
 the page cache survives it; a power loss may leave a renamed file empty or short, and its
 header or checksum then makes it a miss that is deleted, never a wrong chunk.
@@ -43,7 +49,7 @@ from pathlib import Path
 import structlog
 
 from kvdepot.server._disk_files import FULL, ObjectFile, TierDirectory, object_path, read_full
-from kvdepot.server._errors import CorruptObjectError, TierConfigError
+from kvdepot.server._errors import CorruptObjectError, TierConfigError, UnknownFormatError
 from kvdepot.server._tier_format import (
     FIXED_HEADER_BYTES,
     MAX_FINGERPRINT_BYTES,
@@ -102,18 +108,24 @@ class DiskTier:
         self._salts: dict[bytes, OrderedDict[bytes, None]] = {}  # per salt tag: its digests, LRU first
         self._salt_used: dict[bytes, int] = {}  # per salt tag: bytes of its files, and of one being written
         self._reserved = 0  # bytes of files being written
+        # Files of a format this build does not read (digest -> bytes): left alone, but counted
+        # against the capacity.
+        self._unknown: dict[bytes, int] = {}
+        self._unknown_bytes = 0
         self._counters = Counters()
         self._closed = False
         # One helper thread for reads and one for writes (each starts at first use).
         self._read_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-read")
         self._write_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-write")
         removed = self._files.remove_temporaries()
-        found, corrupt = self._files.scan()
-        for _, digest, entry in sorted(found, key=lambda item: item[0]):  # oldest first
+        scan = self._files.scan()
+        for _, digest, entry in sorted(scan.files, key=lambda item: item[0]):  # oldest first
             self._add(digest, entry)
-        self._counters.add(corrupt=corrupt)
+        self._unknown = scan.unknown
+        self._unknown_bytes = sum(scan.unknown.values())
+        self._counters.add(corrupt=scan.broken, unknown_format=len(scan.unknown))
         if capacity is None:  # half of the free space, counting the tier's own files as free
-            capacity = max(1, (self._files.free_bytes() + self._used) // 2)
+            capacity = max(1, (self._files.free_bytes() + self._used + self._unknown_bytes) // 2)
         self.capacity = capacity
         with self._lock:
             evicted = self._make_room(0)
@@ -124,16 +136,23 @@ class DiskTier:
             chunks=len(self._index),
             used=self._used,
             temporaries_removed=removed,
-            corrupt_removed=corrupt,
+            corrupt_removed=scan.broken,
+            unknown_format_files=len(scan.unknown),
+            unknown_format_bytes=self._unknown_bytes,
             evicted=evicted,
         )
 
     # -- the index ----------------------------------------------------------------------------
 
+    def _occupied(self) -> int:
+        """Bytes held against the capacity (lock held): files, files being written, and files
+        of a format this build does not read."""
+        return self._used + self._reserved + self._unknown_bytes
+
     def _make_room(self, size: int) -> int:
         """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
         evicted = 0
-        while self._index and self._used + self._reserved + size > self.capacity:
+        while self._index and self._occupied() + size > self.capacity:
             self._evict(next(iter(self._index)))
             evicted += 1
         return evicted
@@ -268,7 +287,7 @@ class DiskTier:
                 self._counters.add(failed_writes=1)
                 return False
             self._make_room(size)
-            if self._used + self._reserved + size > self.capacity:  # the rest is being written now
+            if self._occupied() + size > self.capacity:  # the rest is being written now, or unknown
                 self._counters.add(failed_writes=1)
                 return False
             self._reserved += size
@@ -302,6 +321,7 @@ class DiskTier:
             with self._lock:
                 self._files.rename(tmp, object_path(digest))
                 self._forget(digest)  # written meanwhile by another thread: the new file replaced it
+                self._unknown_bytes -= self._unknown.pop(digest, 0)  # a file of another format: replaced too
                 self._add(digest, entry)
         except BaseException:
             self._files.discard(tmp)
@@ -395,7 +415,21 @@ class DiskTier:
         except CorruptObjectError as exc:
             self._corrupt(digest, exc.fields.get("reason"))
             return False
+        except UnknownFormatError as exc:  # replaced behind the tier's back since the scan
+            self._set_aside(digest, entry, exc)
+            return False
         return True
+
+    def _set_aside(self, digest: bytes, entry: ObjectFile, exc: UnknownFormatError) -> None:
+        """A file found of a format this build does not read: out of the index (never evicted),
+        still counted against the capacity, and left in place."""
+        self._counters.add(unknown_format=1)
+        with self._lock:
+            if self._index.get(digest) is entry:
+                self._forget(digest)
+                self._unknown[digest] = entry.size
+                self._unknown_bytes += entry.size
+        self._warn("disk_tier_unknown_format", name=digest.hex(), reason=exc.fields.get("reason"))
 
     def _corrupt(self, digest: bytes, reason: str | None) -> None:
         self._counters.add(corrupt=1)
@@ -423,12 +457,18 @@ class DiskTier:
         return count
 
     def clear(self, salt: str | None = None) -> int:
-        """Delete every chunk of ``salt`` (None: of every salt); how many there were."""
+        """Delete every chunk of ``salt`` (None: of every salt, and the files of a format this
+        build does not read, whose salt it cannot tell); how many there were."""
         with self._lock:
             digests = list(self._index if salt is None else self._salts.get(salt_tag(salt), ()))
+            unknown = list(self._unknown) if salt is None else []
+            for digest in unknown:
+                self._unknown_bytes -= self._unknown.pop(digest)
         for digest in digests:
             self._drop(digest)
-        return len(digests)
+        for digest in unknown:
+            self._files.unlink(object_path(digest))
+        return len(digests) + len(unknown)
 
     def salt_bytes(self, salt: str) -> int:
         """Bytes of ``salt``'s files in the tier (headers included), as its quota counts them."""
@@ -437,7 +477,7 @@ class DiskTier:
 
     def stats(self) -> TierStats:
         with self._lock:
-            used, objects = self._used, len(self._index)
+            used, objects = self._used + self._unknown_bytes, len(self._index)
         return TierStats(
             kind=self.kind,
             state=TierState.DOWN if self._closed else TierState.UP,

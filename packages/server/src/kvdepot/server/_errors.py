@@ -79,3 +79,13 @@ class CorruptObjectError(TierError):
 
     The tier counts it, deletes the object and reports a miss; it never reaches a client.
     """
+
+
+class UnknownFormatError(TierError):
+    """An object of a tier below RAM in a format this server does not read (`_tier_format`).
+
+    Either a format version it does not know (a newer build wrote it), or an older version whose
+    header names something else than the chunk asked for (`reason` says which). The tier counts
+    it (``unknown_format``) and reports a miss, and never deletes the object: in a tier shared
+    with servers of other builds, it is theirs.
+    """

@@ -32,7 +32,7 @@ from typing import Any
 
 import structlog
 
-from kvdepot.server._errors import CorruptObjectError
+from kvdepot.server._errors import CorruptObjectError, UnknownFormatError
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, verify
 from kvdepot.server._tiers import ChunkRef
 
@@ -62,7 +62,8 @@ class Landing:
         self.into = into
         self.keys = keys
         self.results = [False] * len(refs)
-        self.corrupt: list[str] = []
+        self.corrupt: list[str] = []  # keys to delete
+        self.unknown = 0  # objects of a format this build does not read: missed, never deleted
         self.failures: list[BaseException] = []
         self._answered = 0  # replies taken: a hit, an absent or corrupt object, or an error
         self._lock = threading.Lock()
@@ -94,6 +95,9 @@ class Landing:
         except CorruptObjectError as exc:
             self.corrupt.append(self.keys[i])
             log.warning("tier_object_corrupt", tier="remote", name=ref.digest.hex(), reason=exc.fields.get("reason"))
+            return False
+        except UnknownFormatError:  # another build's (a rolling upgrade): theirs, so it stays
+            self.unknown += 1
             return False
         self.into[i].cast("B")[:] = view[start:]
         return True

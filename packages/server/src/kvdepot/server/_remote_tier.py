@@ -14,6 +14,10 @@ STRLEN per chunk), a batch of reads a stream of GETs whose replies are landed on
 Each header's fingerprint starts with the chunk's salt tag (`salt_tag`), as on the disk tier,
 so that a clear can find a salt's objects (`_remote_clear`).
 
+Servers of several builds may share one Valkey (a rolling upgrade): an object of a format
+version this build does not read (`_tier_format`) is a miss, counted ``unknown_format`` and
+never deleted; a corrupt one of a version it reads is deleted.
+
 Quotas: a salt with a quota (`quota_of`) is counted in Valkey itself (`_remote_quota`).
 
 Failure: every command has short socket timeouts and no client-side retries. The connection
@@ -281,7 +285,7 @@ class RemoteTier:
         if late and unanswered:
             self._counters.add(late=unanswered)
             self._link.suspect(generation)  # a server this slow may be gone: the link checks it now
-        results, failures, corrupt = landing.results, landing.failures, landing.corrupt
+        results, failures, corrupt, unknown = landing.results, landing.failures, landing.corrupt, landing.unknown
         if failures:
             self._counters.add(errors=len(failures))
             if any(isinstance(f, self._link.down_errors) for f in failures):
@@ -293,10 +297,13 @@ class RemoteTier:
             hits=hits,
             misses=len(results) - hits,
             corrupt=len(corrupt),
+            unknown_format=unknown,
             bytes_read=sum(ref.length for ref, ok in zip(refs, results, strict=True) if ok),
         )
         if corrupt:
             self._delete_keys(client, generation, corrupt)
+        if unknown:
+            self._warn("remote_tier_unknown_format", url=self.address.display, objects=unknown)
         return results
 
     def _delete_keys(self, client: Any, generation: int, keys: list[str]) -> None:

@@ -108,7 +108,8 @@ def _tier_rows(extra: dict[str, Any]) -> list[tuple[str, str]]:
             (
                 f"tier {kind}",
                 f"{f.get('state')}, {used}, {f.get('objects', '?')} chunks, {f.get('hits', 0)} hits, "
-                f"{f.get('misses', 0)} misses ({f.get('late', 0)} late, {f.get('corrupt', 0)} corrupt), "
+                f"{f.get('misses', 0)} misses ({f.get('late', 0)} late, {f.get('corrupt', 0)} corrupt, "
+                f"{f.get('unknown_format', 0)} of an unknown format), "
                 f"read {format_size(int(f.get('bytes_read') or 0))}, "
                 f"written {format_size(int(f.get('bytes_written') or 0))}, "
                 f"queue {f.get('write_queue', 0)} ({f.get('write_dropped', 0)} dropped), {f.get('errors', 0)} errors",

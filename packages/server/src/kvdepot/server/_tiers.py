@@ -96,6 +96,9 @@ class TierStats:
     ``capacity`` and ``used_bytes`` are None where the tier cannot know them cheaply.
     ``misses`` counts chunks asked for and not served for any reason; ``corrupt``, ``late``
     and ``skipped`` (asked while the tier was down) say why some of them were not.
+    ``unknown_format`` counts objects of a format this build does not read (`_tier_format`),
+    missed and left in place: on the disk, the files found at start, and on the remote, the
+    objects read (a rolling upgrade's other build wrote them).
     """
 
     kind: str
@@ -114,6 +117,7 @@ class TierStats:
     late: int
     skipped: int
     outages: int
+    unknown_format: int = 0
 
 
 class Tier(Protocol):
@@ -196,6 +200,7 @@ class Counters:
         "late",
         "skipped",
         "outages",
+        "unknown_format",
     )
 
     def __init__(self) -> None:
