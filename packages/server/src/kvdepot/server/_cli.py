@@ -28,7 +28,7 @@ import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
-from kvdepot.server import _admin_cli, _dashboard, _label_key, _query_cli
+from kvdepot.server import _admin_cli, _dashboard, _label_key, _query_cli, _settings_file
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._metrics_http import (
     DEFAULT_MAX_CONNECTIONS,
@@ -239,6 +239,13 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         "--auth-secret-file", type=Path, default=None, help="file with a shared secret clients must present (tcp)"
     )
     _label_key.add_flag(parser, "the key of salt labels in /metrics, logs and KV events; made (0600) if absent")
+    parser.add_argument(
+        _settings_file.FLAG,
+        default=None,
+        metavar="PATH",
+        help="where the quotas `kvdepot quota` sets are kept across restarts (0600), or `none` to keep them in "
+        "memory only (default: $XDG_STATE_HOME/kvdepot/settings/<digest of --address>.json)",
+    )
     tiers = parser.add_argument_group("tiers below RAM (docs/server.md, 'Tiers below RAM')")
     tiers.add_argument("--disk-dir", type=Path, default=None, help="a local disk tier in this directory")
     tiers.add_argument(
@@ -327,6 +334,21 @@ def read_secret_file(path: Path | None, option: str = "--auth-secret-file") -> s
         raise ServerArgumentError(f"cannot read {option} {path}: {exc.strerror}", path=str(path)) from exc
 
 
+def _settings_path(args: argparse.Namespace) -> Path | None:
+    """The settings file `--settings-file` names (None for `none`), by default one per address."""
+    from kvdepot.transport import default_address
+
+    if args.settings_file is not None:
+        return None if args.settings_file == "none" else Path(args.settings_file)
+    try:
+        return _settings_file.default_settings_path(args.address or default_address())
+    except RuntimeError as exc:  # Path.home(): no home directory
+        structlog.get_logger("kvdepot.server").warning(
+            "settings_not_kept", reason=f"no state directory ({exc}); pass {_settings_file.FLAG} PATH"
+        )
+        return None
+
+
 def _run_serve(args: argparse.Namespace) -> int:
     from kvdepot.server._file_limit import raise_file_limit
     from kvdepot.server._server import CacheServer, ServerConfig
@@ -383,6 +405,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events_replay_bytes=args.kv_events_replay_bytes,
         kv_events_replay_page_bytes=args.kv_events_replay_page,
         label_key_file=args.label_key_file,
+        settings_file=_settings_path(args),
     )
     try:
         server = CacheServer(config)

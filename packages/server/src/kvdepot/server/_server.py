@@ -46,6 +46,7 @@ from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
+from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SlabAllocator
 from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK, TierSet
 from kvdepot.server._tiers import Tier
@@ -125,6 +126,7 @@ class ServerConfig:
     kv_events_replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES  # one replay answer
     health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
     label_key_file: Path | None = None  # the salt-label key (None: `default_label_key_path()`)
+    settings_file: Path | None = None  # where quotas are kept across restarts (None: in memory only)
 
 
 class CacheServer:
@@ -177,6 +179,9 @@ class CacheServer:
                 headers=headers,
                 events=True,
             )
+            settings = SettingsFile(config.settings_file)
+            for salt, max_bytes in settings.load_quotas().items():  # before anyone can store
+                self.index.set_quota(salt, max_bytes)
             self._metric_salts = SaltRanking(self.index, METRIC_SALT_RANKING_S)
             parts.callback(self.metrics.close)
             waker = Waker()
@@ -209,6 +214,7 @@ class CacheServer:
                 consumers=(self.chunk_changes.add, *(() if self.kv_events is None else (self.kv_events,))),
                 timed=self.latency.observe,
                 looked_up=self.salt_lookups.add,
+                settings=settings,
             )
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret, "limits": config.peer_limits}
             if config.peer_timeout is not None:
