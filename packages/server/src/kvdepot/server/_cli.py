@@ -39,6 +39,7 @@ from kvdepot.server._metrics_http import (
 from kvdepot.server._server import HEALTH_STALL_S
 from kvdepot.server._units import format_size, parse_size
 from kvdepot.server._version import __version__
+from kvdepot.transport import MAX_CONNECTIONS
 
 ENTRY_POINT_GROUP = "kvdepot.commands"
 DEFAULT_METRICS_PORT = 9477
@@ -217,6 +218,14 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-timeout", type=_seconds, default=None, help="seconds of silence before a client is gone"
     )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections a tcp --address takes at once; past it new ones wait unanswered (default {MAX_CONNECTIONS}; "
+        "at most half of what the file limit leaves after the other listeners' caps; ipc has no cap)",
+    )
     flood = parser.add_argument_group("what one peer's flood may cost (docs/server.md, 'Limits')")
     flood.add_argument(
         "--peer-queue", type=_positive_int, default=16, metavar="N", help="messages queued per peer (default 16)"
@@ -386,6 +395,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         default_quota=args.default_quota,
         peer_timeout=args.peer_timeout,
         peer_limits=PeerLimits(args.peer_queue, args.max_bad_frames, args.trim_after),
+        max_connections=args.max_connections,
         auth_secret=secret,
         disk_dir=args.disk_dir,
         disk_capacity=args.disk_capacity,

@@ -12,10 +12,20 @@ import contextlib
 import resource
 
 import attrs
+import structlog
+
+log = structlog.get_logger(__name__)
 
 # Where the hard limit is "unlimited", the kernel still refuses more than fs.nr_open.
 NR_OPEN_PATH = "/proc/sys/fs/nr_open"
 NR_OPEN_FALLBACK = 1 << 20  # the kernel's default fs.nr_open
+# Descriptors kept for what is not a listener's connection: the standard streams, the pool and its
+# headers, libzmq's own (a mailbox per socket, the ZAP handlers), tier files and Redis connections.
+RESERVED_FILES = 64
+# The cache endpoint's tcp connections take at most this share of what the file limit leaves once
+# the other listeners' caps and `RESERVED_FILES` are set aside. The rest covers the connections a
+# burst gets accepted before a listener's filter is on, and the tiers' work.
+CACHE_FILE_LIMIT_SHARE = 1 / 2
 
 
 @attrs.frozen
@@ -45,3 +55,16 @@ def raise_file_limit() -> FileLimit:
     except (OSError, ValueError) as exc:
         return FileLimit(before, before, hard, str(exc))
     return FileLimit(before, target, hard)
+
+
+def cache_connections(asked: int, reserved: int) -> int:
+    """The cache endpoint's connection cap: `asked`, but at most `CACHE_FILE_LIMIT_SHARE` of the soft
+    file limit less `reserved` (the other listeners' caps) and `RESERVED_FILES`, and at least 1."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return asked
+    share = max(1, int((soft - reserved - RESERVED_FILES) * CACHE_FILE_LIMIT_SHARE))
+    if asked <= share:
+        return asked
+    log.warning("cache_connections_capped", asked=asked, cap=share, file_limit=soft, reserved=reserved)
+    return share

@@ -22,6 +22,7 @@ from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server._collector import Collector
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
 from kvdepot.server._kv_publisher import (
@@ -41,7 +42,7 @@ from kvdepot.server._metrics import (
     RequestLatency,
     SaltLookups,
 )
-from kvdepot.server._metrics_http import HTTPLimits
+from kvdepot.server._metrics_http import HTTPLimits, ListenerFigures
 from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
@@ -52,7 +53,7 @@ from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import PeerLimits, Waker, open_endpoint
+from kvdepot.transport import MAX_CONNECTIONS, CappedListener, PeerLimits, Waker, open_endpoint
 
 log = structlog.get_logger(__name__)
 
@@ -106,6 +107,7 @@ class ServerConfig:
     default_quota: int | None = None  # bytes a salt without its own quota may hold
     peer_timeout: float | None = None
     peer_limits: PeerLimits = attrs.field(factory=PeerLimits)  # what one peer's flood may cost
+    max_connections: int = MAX_CONNECTIONS  # a tcp address's connections at once (`cache_connections` caps it)
     auth_secret: str | None = None
     disk_dir: Path | None = None  # a disk tier below RAM
     disk_capacity: int | None = None  # None: half the free space of its filesystem
@@ -219,6 +221,11 @@ class CacheServer:
             kwargs: dict[str, Any] = {"auth_secret": config.auth_secret, "limits": config.peer_limits}
             if config.peer_timeout is not None:
                 kwargs["peer_timeout"] = config.peer_timeout
+            metrics_limits = config.metrics_limits
+            if config.metrics_port is not None:  # clamped once: the cache's cap leaves room for it
+                metrics_limits = metrics_limits.within_file_limit()
+            if (config.address or "").startswith("tcp://"):
+                kwargs["max_connections"] = _cache_cap(config, metrics_limits)
             self.endpoint = open_endpoint(
                 config.address,
                 self.handler,
@@ -228,10 +235,12 @@ class CacheServer:
                 **kwargs,
             )
             parts.callback(self.endpoint.close)
+            if (listener := self.endpoint.listener) is not None:
+                self.metrics.add_listener("cache", lambda: _figures(listener))
             parts.callback(self.collector.give_back)
             if config.metrics_port is not None:
                 try:
-                    self.metrics.serve(config.metrics_port, config.metrics_host, config.metrics_limits)
+                    self.metrics.serve(config.metrics_port, config.metrics_host, metrics_limits)
                 except ServerArgumentError as exc:
                     if config.metrics_required:
                         raise
@@ -339,6 +348,11 @@ class CacheServer:
         }
         for name, value in self.endpoint.counters.items():
             extra[f"transport_{name}"] = value
+        if (listener := self.endpoint.listener) is not None:
+            extra["cache_connections"] = listener.connections
+            extra["cache_max_connections"] = listener.cap
+            for reason, count in listener.refused.items():
+                extra[f"cache_refused_{reason}"] = count
         if self.tiers is not None:
             extra.update(self.tiers.stats())
         if self.kv_events is not None:
@@ -398,3 +412,18 @@ class CacheServer:
             self.chunk_changes.snapshot(),
         )
         self.metrics.publish(snapshot)
+
+
+def _cache_cap(config: ServerConfig, metrics_limits: HTTPLimits) -> int:
+    """The tcp cache endpoint's connection cap: `config.max_connections`, within what the file limit
+    leaves after the metrics endpoint's and the KV-events tcp ports' caps."""
+    reserved = metrics_limits.max_connections if config.metrics_port is not None else 0
+    if config.kv_events is not None:
+        ports = [config.kv_events, config.kv_events_replay]
+        reserved += config.kv_events_max_connections * sum(1 for port in ports if (port or "").startswith("tcp://"))
+    return cache_connections(config.max_connections, reserved)
+
+
+def _figures(listener: CappedListener) -> ListenerFigures:
+    """The cache listener's figures for /metrics (``full``: times it reached its cap)."""
+    return ListenerFigures(listener.connections, listener.cap, listener.refused)

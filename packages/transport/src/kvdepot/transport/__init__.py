@@ -15,6 +15,7 @@ from kvdepot.transport._address import (
     secure_ipc_socket,
 )
 from kvdepot.transport._cache_client import Batch, CacheClient, query_prefixes
+from kvdepot.transport._capped_listener import CappedListener
 from kvdepot.transport._client import DEFAULT_HEARTBEAT_INTERVAL, DEFAULT_TIMEOUT
 from kvdepot.transport._codec import (
     DEFAULT_MAX_FRAME_BYTES,
@@ -99,7 +100,7 @@ from kvdepot.transport._messages import (
     Stats,
     StatsReply,
 )
-from kvdepot.transport._server import ServerEndpoint
+from kvdepot.transport._server import MAX_CONNECTIONS, ServerEndpoint
 from kvdepot.transport._version import __version__
 
 __all__ = [
@@ -107,6 +108,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_PEER_TIMEOUT",
     "DEFAULT_TIMEOUT",
+    "MAX_CONNECTIONS",
     "MAX_ITEMS_PER_LOOKUP",
     "MAX_SALTS_PER_CHANGES",
     "PROTOCOL_VERSION",
@@ -118,6 +120,7 @@ __all__ = [
     "BadRequestError",
     "Batch",
     "CacheClient",
+    "CappedListener",
     "Change",
     "Changes",
     "ChangesReply",

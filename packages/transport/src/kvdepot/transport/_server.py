@@ -31,9 +31,10 @@ from kvdepot.transport._address import (
     prepare_ipc_dir,
     secure_ipc_socket,
 )
+from kvdepot.transport._capped_listener import CappedListener
 from kvdepot.transport._codec import DEFAULT_MAX_FRAME_BYTES, HARD_LIMIT_FACTOR
 from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, MAX_FRAMES_PER_MESSAGE, Dispatcher
-from kvdepot.transport._errors import LocalProtocolError, TransportClosedError
+from kvdepot.transport._errors import LocalProtocolError, TransportClosedError, TransportError
 from kvdepot.transport._flood import BAD_MUTE_S, FRAME_OVERHEAD, BadFrames, MemoryTrim, PeerLimits
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
 from kvdepot.transport._messages import ReplyBody
@@ -75,6 +76,10 @@ MAX_MUTED = 4096
 # The ZAP handler's own logger: quiet, the endpoint logs what matters.
 _zap_log = logging.getLogger("kvdepot.transport.zap")
 _zap_log.setLevel(logging.WARNING)
+# tcp connections a tcp endpoint takes at once (`CappedListener`): a node's engines need one each
+# (a handful to a few dozen), and each costs a file descriptor. Past it new connections wait
+# unanswered; ipc endpoints are owner-only and uncapped.
+MAX_CONNECTIONS = 256
 # Poll at least this often so peer expiry runs even when nobody talks (seconds).
 MAX_POLL_INTERVAL = 1.0
 # Peer expiry is checked at most this often (seconds), keeping the per-message cost flat.
@@ -222,8 +227,12 @@ class ServerEndpoint(_EndpointBase):
     secret and the traffic cannot be read off the network. `on_bad_frame` is told of every
     frame refused before the handler (on the loop thread). `limits` bound what a peer's flood
     costs (`PeerLimits`: its queue, its frames that are not requests) and give the memory a
-    flood leaves free back to the system.
+    flood leaves free back to the system. A tcp endpoint takes at most `max_connections`
+    connections at once (`CappedListener`; None: no cap), and `listener` has its figures.
     """
+
+    #: The tcp listener's cap and counts (None: an ipc endpoint, or no cap).
+    listener: CappedListener | None = None
 
     def __init__(
         self,
@@ -238,6 +247,7 @@ class ServerEndpoint(_EndpointBase):
         on_bad_frame: Callable[[BadFrame], None] | None = None,
         server_id: str | None = None,
         limits: PeerLimits | None = None,
+        max_connections: int | None = MAX_CONNECTIONS,
     ) -> None:
         address = address or default_address()
         if address.startswith(MEMORY_SCHEME):
@@ -289,10 +299,17 @@ class ServerEndpoint(_EndpointBase):
             self._authenticator.configure_plain(domain="*", passwords={PLAIN_USER: auth_secret})
             sock.setsockopt(zmq.PLAIN_SERVER, 1)
         try:
-            sock.bind(address)
-        except zmq.ZMQError as exc:
+            if address.startswith("tcp://") and max_connections is not None:
+                self.listener = CappedListener(self._context, sock, address, max_connections, "cache")
+            else:
+                sock.bind(address)
+        except (zmq.ZMQError, TransportError) as exc:
             sock.close(0)
+            if isinstance(exc, TransportError):
+                raise
             raise TransportClosedError(f"cannot bind {address}: {exc}", address=address) from exc
+        if self.listener is not None:
+            self.listener.start()
         if self._ipc is not None:
             secure_ipc_socket(self._ipc)
         self.address = sock.getsockopt_string(zmq.LAST_ENDPOINT) if address.startswith("tcp://") else address
@@ -435,6 +452,8 @@ class ServerEndpoint(_EndpointBase):
             return
         self._closed = True
         self._sock.close(0)
+        if self.listener is not None:
+            self.listener.close()  # after its ZMQ socket, before the context
         if self._authenticator is not None:
             self._authenticator.stop()
         if self._peer_check is not None:
