@@ -5,7 +5,16 @@ in front of real vLLM servers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import re
+import resource
+import subprocess
+import sys
+from asyncio.subprocess import Process
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -152,11 +161,14 @@ async def raw_request(url: str, target: str, *, method: str = "GET", body: bytes
 
 async def scrape(session: Any, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """The proxy's /metrics as {(sample name, labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     async with session.get(url + "/metrics") as reply:
         assert reply.status == 200
-        text = await reply.text()
+        return parse_figures(await reply.text())
+
+
+def parse_figures(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
         for family in text_string_to_metric_families(text)
@@ -429,50 +441,73 @@ def test_malformed_or_deeply_nested_json_is_a_400():
     asyncio.run(with_proxy(test))
 
 
-def test_the_limits_are_flags_of_kvdepot_proxy(tmp_path):
-    """`kvdepot proxy` as a process: its flags set the bounds that /metrics shows and clients meet."""
-    import subprocess
-    import sys
-
+@contextlib.asynccontextmanager
+async def proxy_process(
+    tmp_path: Path, *flags: str, file_limit: int | None = None
+) -> AsyncIterator[tuple[Process, str]]:
+    """`kvdepot proxy *flags` as a process in front of two stand-in backends, once its /metrics answers;
+    with `file_limit`, its soft and hard limit of file descriptors."""
     from kvdepot.server.testing import free_port
 
+    prefill, decode = Backend(prefill=True), Backend(prefill=False)
+    p_runner, p_url = await serve(prefill.app())
+    d_runner, d_url = await serve(decode.app())
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = ["proxy", "--prefill", p_url, "--decode", d_url, "--port", str(port), *flags]
+    with (tmp_path / "proxy.log").open("wb") as log:
+        proxy = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "kvdepot.server",
+            *argv,
+            stderr=log,
+            preexec_fn=None
+            if file_limit is None
+            else lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (file_limit,) * 2),
+        )
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(300):
+                try:
+                    await scrape(session, url)
+                    break
+                except aiohttp.ClientConnectionError:
+                    assert proxy.returncode is None, (tmp_path / "proxy.log").read_text()
+                    await asyncio.sleep(0.1)
+            else:
+                raise AssertionError((tmp_path / "proxy.log").read_text())
+        yield proxy, url
+    finally:
+        if proxy.returncode is None:
+            proxy.terminate()
+        await proxy.wait()
+        await d_runner.cleanup()
+        await p_runner.cleanup()
+
+
+def test_the_limits_are_flags_of_kvdepot_proxy(tmp_path):
+    """`kvdepot proxy` as a process: its flags set the bounds that /metrics shows and clients meet."""
+    flags = ["--max-body", "1KiB", "--max-body-total", "1MiB", "--max-requests", "7", "--body-timeout", "5"]
+    flags += ["--max-connections", "9", "--header-timeout", "3", "--keepalive-timeout", "4"]
+
     async def test() -> None:
-        prefill, decode = Backend(prefill=True), Backend(prefill=False)
-        p_runner, p_url = await serve(prefill.app())
-        d_runner, d_url = await serve(decode.app())
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = ["proxy", "--prefill", p_url, "--decode", d_url, "--port", str(port), "--max-body", "1KiB"]
-        argv += ["--max-body-total", "1MiB", "--max-requests", "7", "--body-timeout", "5"]
-        with (tmp_path / "proxy.log").open("wb") as log:
-            proxy = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvdepot.server", *argv, stderr=log)
-        try:
-            async with aiohttp.ClientSession() as session:
-                for _ in range(300):
-                    try:
-                        figures = await scrape(session, url)
-                        break
-                    except aiohttp.ClientConnectionError:
-                        assert proxy.returncode is None, (tmp_path / "proxy.log").read_text()
-                        await asyncio.sleep(0.1)
-                else:
-                    raise AssertionError((tmp_path / "proxy.log").read_text())
-                limits = {
-                    name: figures[("kvdepot_proxy_limit", (("name", name),))]
-                    for name in ("max_body", "max_body_total", "max_requests")
-                }
-                assert limits == {"max_body": 1024, "max_body_total": 1 << 20, "max_requests": 7}
-                async with session.post(url + "/v1/completions", json={**SMALL, "prompt": "x" * 2000}) as reply:
-                    assert reply.status == 413
-                async with session.post(url + "/v1/completions", json=SMALL) as reply:
-                    assert reply.status == 200
-                assert refused(await scrape(session, url), "body_too_large") == 1
-        finally:
-            if proxy.returncode is None:
-                proxy.terminate()
-            await proxy.wait()
-            await d_runner.cleanup()
-            await p_runner.cleanup()
+        async with proxy_process(tmp_path, *flags) as (_, url), aiohttp.ClientSession() as session:
+            figures = await scrape(session, url)
+            limits = {labels[0][1]: value for (name, labels), value in figures.items() if name == "kvdepot_proxy_limit"}
+            assert limits == {
+                "max_body": 1024,
+                "max_body_total": 1 << 20,
+                "max_requests": 7,
+                "max_connections": 9,
+                "header_timeout": 3,
+                "keepalive_timeout": 4,
+            }
+            async with session.post(url + "/v1/completions", json={**SMALL, "prompt": "x" * 2000}) as reply:
+                assert reply.status == 413
+            async with session.post(url + "/v1/completions", json=SMALL) as reply:
+                assert reply.status == 200
+            assert refused(await scrape(session, url), "body_too_large") == 1
 
     asyncio.run(test())
     bad = subprocess.run(
@@ -497,3 +532,192 @@ def test_the_limits_are_flags_of_kvdepot_proxy(tmp_path):
     )
     assert bad.returncode == 2
     assert "max_body_total" in bad.stderr
+
+
+# -- client connections (issue 45): a cap, a deadline for each request's head, idle ones closed --------
+
+
+async def answer(reader: asyncio.StreamReader) -> bytes:
+    """What a connection gets until the proxy closes it (b"" where it was reset)."""
+    try:
+        return await reader.read()
+    except ConnectionResetError:
+        return b""
+
+
+async def read_response(reader: asyncio.StreamReader) -> int:
+    """One whole answer of a kept-alive connection: its status."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+    assert length is not None, head
+    await reader.readexactly(int(length.group(1)))
+    return int(head.split()[1])
+
+
+async def figures_of(url: str) -> dict | None:
+    """The proxy's /metrics over HTTP/1.0, a connection the proxy closes itself (so no longer counts once
+    read); None where the proxy refused the connection."""
+    try:
+        status, body = await raw_request(url, "/metrics")
+    except (ConnectionError, IndexError):  # reset, or closed without a word
+        return None
+    return parse_figures(body.decode()) if status == 200 else None
+
+
+async def settled(url: str) -> dict:
+    """The proxy's figures once the connection that asks for them is the only one open."""
+    for _ in range(300):
+        figures = await figures_of(url)
+        if figures is not None and figures[("kvdepot_proxy_connections", ())] == 1:
+            return figures
+        await asyncio.sleep(0.1)
+    raise AssertionError("connections stayed open")
+
+
+def closed(figures: dict, reason: str) -> float:
+    return figures[("kvdepot_proxy_connections_closed_total", (("reason", reason),))]
+
+
+def one_connection_each() -> Any:
+    """A client session that closes each connection after its request (a kept one would count against the cap)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
+def test_max_connections_stays_below_the_file_limit(tmp_path):
+    """Where the hard file limit is low, --max-connections is lowered to what it leaves beside one
+    descriptor per request in flight and a reserve, so the proxy never runs out of descriptors."""
+
+    async def test() -> None:
+        async with proxy_process(tmp_path, "--max-requests", "100", file_limit=400) as (_, url):
+            figures = await settled(url)
+            assert figures[("kvdepot_proxy_limit", (("name", "max_connections"),))] == 400 - 100 - 64
+
+    asyncio.run(test())
+    assert "connections_capped" in (tmp_path / "proxy.log").read_text()
+    no_room = subprocess.run(
+        [sys.executable, "-m", "kvdepot.server", "proxy", "--prefill", "http://x", "--decode", "http://y"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300)),  # 256 requests + 64 do not fit
+    )
+    assert no_room.returncode == 2
+    assert "--max-requests" in no_room.stderr
+
+
+def test_connections_past_max_connections_get_a_503_unread_and_the_proxy_stays_bounded(tmp_path):
+    """Idle connections fill --max-connections; the ones past it are answered at once and counted, the
+    proxy keeps at most the cap open (its file descriptors too), and serves again once they go."""
+    cap, extra = 8, 30
+
+    async def test() -> None:
+        async with (
+            proxy_process(tmp_path, "--max-connections", str(cap), "--header-timeout", "600") as (proxy, url),
+            one_connection_each() as session,
+        ):
+            await settled(url)
+            files_before = len(os.listdir(f"/proc/{proxy.pid}/fd"))
+            host, port = url.removeprefix("http://").split(":")
+            attackers = [await asyncio.open_connection(host, int(port)) for _ in range(cap + extra)]
+            answers = [asyncio.ensure_future(answer(reader)) for reader, _ in attackers]
+            await until(lambda: sum(a.done() for a in answers) >= extra)
+            assert proxy.returncode is None
+            assert len(os.listdir(f"/proc/{proxy.pid}/fd")) <= files_before + cap
+            for got in (a.result() for a in answers if a.done()):
+                assert got == b"" or got.startswith(b"HTTP/1.1 503 "), got[:80]  # never a byte of it read
+            assert any(a.result().startswith(b"HTTP/1.1 503 ") for a in answers if a.done())
+            held = [writer for (_, writer), a in zip(attackers, answers, strict=True) if not a.done()]
+            assert len(held) == cap
+            held[0].close()  # room for one scrape
+            refused_scrapes = 0
+            for _ in range(300):
+                figures = await figures_of(url)
+                if figures is not None:
+                    break
+                refused_scrapes += 1
+                await asyncio.sleep(0.1)
+            else:
+                raise AssertionError("no room for a scrape")
+            assert figures[("kvdepot_proxy_connections", ())] == cap
+            assert closed(figures, "full") == extra + refused_scrapes
+            for writer in held[1:]:
+                writer.close()
+            await settled(url)
+            async with session.post(url + "/v1/completions", json=SMALL) as reply:
+                assert reply.status == 200
+
+    asyncio.run(test())
+
+
+def test_idle_connections_are_cut_at_header_timeout_and_a_good_client_is_served_after(tmp_path):
+    """Connections that send nothing hold the cap only until --header-timeout (a 408), and one kept
+    alive after a request is closed after --keepalive-timeout; both are counted."""
+    cap = 4
+
+    async def test() -> None:
+        flags = ["--max-connections", str(cap), "--header-timeout", "2", "--keepalive-timeout", "2"]
+        async with proxy_process(tmp_path, *flags) as (proxy, url), one_connection_each() as session:
+            await settled(url)
+            host, port = url.removeprefix("http://").split(":")
+            attackers = [await asyncio.open_connection(host, int(port)) for _ in range(cap)]
+            answers = await asyncio.wait_for(asyncio.gather(*(answer(reader) for reader, _ in attackers)), 60)
+            assert all(got.startswith(b"HTTP/1.1 408 ") for got in answers), answers
+            assert proxy.returncode is None
+            async with session.post(url + "/v1/completions", json=SMALL) as reply:
+                assert reply.status == 200
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await read_response(reader) == 200
+            assert await asyncio.wait_for(answer(reader), 60) == b""  # closed idle, without a word
+            figures = await settled(url)
+            assert closed(figures, "header_timeout") == cap
+            assert closed(figures, "idle") == 1
+            assert closed(figures, "full") == 0
+
+    asyncio.run(test())
+
+
+#: A request head sent a byte at a time takes 25 s at this pace: ten times --header-timeout in the test.
+DRIP_GAP_S = 0.05
+SLOW_HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 450 + b"\r\n\r\n"
+
+
+async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, head: bytes) -> tuple[int, bytes]:
+    """Send `head` a byte every `DRIP_GAP_S` until the proxy closes the connection: (bytes sent, its answer)."""
+    got = asyncio.ensure_future(answer(reader))
+    sent = 0
+    while sent < len(head) and not got.done():
+        try:
+            writer.write(head[sent : sent + 1])
+            await writer.drain()
+        except ConnectionError:
+            break
+        sent += 1
+        await asyncio.sleep(DRIP_GAP_S)
+    return sent, await asyncio.wait_for(got, 60)
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut_at_its_deadline_however_often_bytes_come(tmp_path):
+    """Slow-loris: each byte arrives well within any per-read timeout, but the head as a whole must arrive
+    within --header-timeout, on a new connection and on a kept-alive one alike."""
+
+    async def test() -> None:
+        flags = ["--header-timeout", "2", "--keepalive-timeout", "600"]
+        async with proxy_process(tmp_path, *flags) as (proxy, url):
+            host, port = url.removeprefix("http://").split(":")
+            sent, got = await drip(*await asyncio.open_connection(host, int(port)), SLOW_HEAD)
+            assert sent < len(SLOW_HEAD)
+            assert got == b"" or got.startswith(b"HTTP/1.1 408 "), got[:80]
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert await read_response(reader) == 200
+            sent, got = await drip(reader, writer, SLOW_HEAD)  # the next request's head: its own deadline
+            assert sent < len(SLOW_HEAD)
+            assert got == b"" or got.startswith(b"HTTP/1.1 408 "), got[:80]
+            assert proxy.returncode is None
+            figures = await settled(url)
+            assert closed(figures, "header_timeout") == 2
+            assert closed(figures, "idle") == 0
+
+    asyncio.run(test())

@@ -14,8 +14,9 @@ proxy logs why. Several ``--prefill`` and ``--decode`` servers are used in turn.
 needs aiohttp, which vLLM's OpenAI server depends on.
 
 Any local user may call it, so it holds only what its bounds allow (`_proxy_guard.py`):
-requests in flight, and request bodies, which it rewrites without decoding them
-(`_proxy_json.py`). Other ``GET /v1/...`` paths pass to a decode server only when normalised.
+client connections, each with deadlines for its request's head and its idle time
+(`_proxy_listener.py`), requests in flight, and request bodies, which it rewrites without
+decoding them (`_proxy_json.py`). Other ``GET /v1/...`` paths pass to a decode server only when normalised.
 An answer a server cuts midway reaches the client cut (an SSE error event, then the connection
 closed without the answer's end), never as a complete one. `/metrics` counts all of this.
 """
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import resource
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
@@ -36,8 +38,11 @@ from kvdepot.core import KVDepotError
 from kvdepot.server import SimpleCommand, configure_logging, format_size, parse_size
 from kvdepot.vllm_connector._proxy_guard import (
     DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
     DEFAULT_MAX_BODY,
     DEFAULT_MAX_BODY_TOTAL,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_REQUESTS,
     RETRY_AFTER_S,
     Admission,
@@ -317,12 +322,16 @@ def make_app(
     limits: ProxyLimits | None = None,
     body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
 ) -> web.Application:
-    """The proxy as an aiohttp application (`kvdepot proxy` runs it)."""
+    """The proxy as an aiohttp application (`kvdepot proxy` runs it with `_proxy_listener.serve`)."""
     from aiohttp import web
+
+    from kvdepot.vllm_connector._proxy_listener import GUARD, ConnectionGuard
 
     limits = limits or ProxyLimits()
     proxy = Proxy(prefill, decode, timeout=timeout, limits=limits, body_timeout=body_timeout)
-    app = web.Application(client_max_size=limits.max_body)
+    guard = ConnectionGuard(limits, proxy.metrics)
+    app = web.Application(client_max_size=limits.max_body, middlewares=[guard.middleware()])
+    app[GUARD] = guard
     app.on_startup.append(proxy.start)
     app.on_cleanup.append(proxy.stop)
     for path in COMPLETION_PATHS:
@@ -393,24 +402,66 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help=f"seconds a client may take to send its request body; then a 408 (default {DEFAULT_BODY_TIMEOUT_S:g})",
     )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive(int),
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help="client connections open at once, at most what the file limit leaves beside --max-requests; past them"
+        f" a new one gets a 503 unread and is closed (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds from a connection's start, or from the first byte of its next request, to the end of that"
+        f" request's head, however it is spread; then a 408 and closed (default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a connection may stay idle between requests; then closed"
+        f" (default {DEFAULT_KEEPALIVE_TIMEOUT_S:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        from aiohttp import web
-    except ImportError:
-        configure_logging("auto", "info", stream="stderr")
-        log.error("aiohttp_missing", fix="pip install aiohttp (vLLM's OpenAI server depends on it)")
-        return 1
     configure_logging("auto", "info", stream="stderr")
     try:
-        limits = ProxyLimits(args.max_body, args.max_body_total, args.max_requests)
+        from kvdepot.vllm_connector._proxy_listener import serve
+    except ImportError as exc:  # aiohttp, which it imports
+        log.error("aiohttp_missing", error=str(exc), fix="pip install aiohttp (vLLM's OpenAI server depends on it)")
+        return 1
+    from kvdepot.server._file_limit import raise_file_limit
+
+    files = raise_file_limit()  # every client connection costs a descriptor; the cap is what it leaves
+    if files.error is not None:
+        log.warning("file_limit_kept", soft=files.soft, hard=files.hard, reason=files.error)
+    try:
+        limits = ProxyLimits(
+            max_body=args.max_body,
+            max_body_total=args.max_body_total,
+            max_requests=args.max_requests,
+            max_connections=args.max_connections,
+            header_timeout=args.header_timeout,
+            keepalive_timeout=args.keepalive_timeout,
+        )
+        if files.soft != resource.RLIM_INFINITY:
+            limits = limits.within_file_limit(files.soft)
     except KVDepotError as exc:
         log.error("bad_limits", error=exc.message)
         return 2
+    if limits.max_connections < args.max_connections:
+        log.warning("connections_capped", asked=args.max_connections, cap=limits.max_connections, file_limit=files.soft)
     app = make_app(args.prefill, args.decode, timeout=args.timeout, limits=limits, body_timeout=args.body_timeout)
-    log.info("proxy_listening", url=f"http://{args.host}:{args.port}", prefill=args.prefill, decode=args.decode)
-    web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
+    try:
+        asyncio.run(serve(app, args.host, args.port, prefill=args.prefill, decode=args.decode))
+    except OSError as exc:
+        log.error("listen_failed", url=f"http://{args.host}:{args.port}", error=str(exc))
+        return 1
     return 0
 
 

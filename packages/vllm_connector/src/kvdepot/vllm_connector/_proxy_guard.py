@@ -2,10 +2,11 @@
 
 Every request the proxy answers itself is a `ProxyRefusal`: a typed error with the HTTP
 status the client gets and the reason /metrics counts it under. The proxy holds few things a
-client can grow: requests in flight (`max_requests`) and the request bodies it holds while it
-re-encodes them for the prefill and the decode server (`max_body` each, `max_body_total` in
-all). A client past a bound gets its answer at once (413 or 503, with ``Retry-After``), and
-the proxy keeps serving everyone else.
+client can grow: client connections (`max_connections`, each with a deadline for its request's
+head and for its idle time: `_proxy_listener.py`), requests in flight (`max_requests`) and the
+request bodies it holds while it re-encodes them for the prefill and the decode server
+(`max_body` each, `max_body_total` in all). A client past a bound gets its answer at once (413
+or 503, with ``Retry-After``), and the proxy keeps serving everyone else.
 """
 
 from __future__ import annotations
@@ -31,6 +32,17 @@ DEFAULT_MAX_REQUESTS = 256
 BODY_COPIES = 3
 #: Seconds a client may take to send its request body (past them: 408).
 DEFAULT_BODY_TIMEOUT_S = 30.0
+#: Client connections open at once. Each costs a file descriptor and a few KiB; a client needs one
+#: per request in flight, so this is twice `DEFAULT_MAX_REQUESTS`.
+DEFAULT_MAX_CONNECTIONS = 512
+#: Seconds from a connection's accept, or from the first byte of its next request, to the end of
+#: that request's head. A client sends its head at once; one dripping bytes is cut off here.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Seconds a keep-alive connection may stay idle between two requests.
+DEFAULT_KEEPALIVE_TIMEOUT_S = 15.0
+#: File descriptors kept for all but client connections, besides one per request in flight (its
+#: connection to a vLLM server): the listening socket, the event loop's, standard streams, logs.
+RESERVED_FILES = 64
 #: Seconds a refused client is told to wait (``Retry-After``) before it asks again.
 RETRY_AFTER_S = 1
 
@@ -95,26 +107,52 @@ class NotUnderV1Error(ProxyRefusal):
 
 
 REFUSAL_REASONS = ("body_too_large", "busy", "body_budget", "body_timeout", "bad_json", "bad_path")
+#: Why the proxy closed a client connection itself: at the connection cap (a 503, unread), its
+#: request's head not whole by its deadline (a 408), idle past the keep-alive timeout.
+CLOSE_REASONS = ("full", "header_timeout", "idle")
 
 
 @attrs.frozen
 class ProxyLimits:
-    """The proxy's bounds (`kvdepot proxy --max-body`, `--max-body-total`, `--max-requests`)."""
+    """The proxy's bounds (`kvdepot proxy --max-body`, `--max-body-total`, `--max-requests`,
+    `--max-connections`, `--header-timeout`, `--keepalive-timeout`)."""
 
     max_body: int = DEFAULT_MAX_BODY
     max_body_total: int = DEFAULT_MAX_BODY_TOTAL
     max_requests: int = DEFAULT_MAX_REQUESTS
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT_S
 
     def __attrs_post_init__(self) -> None:
-        for name in ("max_body", "max_body_total", "max_requests"):
+        for name in ("max_body", "max_body_total", "max_requests", "max_connections"):
             if getattr(self, name) < 1:
                 raise InvalidArgumentError(f"{name} must be at least 1", name=name)
+        for name in ("header_timeout", "keepalive_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be more than 0 seconds", name=name)
         if self.max_body_total < BODY_COPIES * self.max_body:
             raise InvalidArgumentError(
                 f"max_body_total ({self.max_body_total}) must hold one body of max_body ({self.max_body})"
                 f" {BODY_COPIES} times",
                 name="max_body_total",
             )
+
+    def within_file_limit(self, soft: int) -> ProxyLimits:
+        """These limits with `max_connections` capped where a soft file limit of `soft` descriptors needs it.
+
+        Every request in flight holds a connection to a vLLM server besides its client's, and
+        `RESERVED_FILES` are kept for the rest, so a full proxy never runs out of descriptors.
+        """
+        room = soft - RESERVED_FILES - self.max_requests
+        if room < 1:
+            raise InvalidArgumentError(
+                f"the file limit ({soft} descriptors) leaves no room for client connections beside"
+                f" {self.max_requests} requests in flight and {RESERVED_FILES} reserved: lower --max-requests"
+                " or raise the limit (ulimit -n)",
+                name="max_requests",
+            )
+        return self if self.max_connections <= room else attrs.evolve(self, max_connections=room)
 
 
 class ProxyMetrics:
@@ -128,6 +166,13 @@ class ProxyMetrics:
             "kvdepot_proxy_refused", "Requests the proxy answered itself, by reason.", ["reason"], registry=r
         )
         self.in_flight = Gauge("kvdepot_proxy_requests_in_flight", "Requests in flight now.", registry=r)
+        self.connections = Gauge("kvdepot_proxy_connections", "Client connections open now.", registry=r)
+        self.connections_closed = Counter(
+            "kvdepot_proxy_connections_closed",
+            "Client connections the proxy closed itself, by reason (full: refused at the cap, unread).",
+            ["reason"],
+            registry=r,
+        )
         self.body_bytes = Gauge(
             "kvdepot_proxy_body_bytes_held", "Request-body bytes held now (each body counted 3 times).", registry=r
         )
@@ -148,6 +193,8 @@ class ProxyMetrics:
             limit.labels(name).set(value)
         for reason in REFUSAL_REASONS:
             self.refused.labels(reason)
+        for reason in CLOSE_REASONS:
+            self.connections_closed.labels(reason)
         for server in ("prefill", "decode"):
             self.upstream_errors.labels(server)
         for route in ("completion", "passthrough"):
