@@ -46,8 +46,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import structlog
-
 from kvdepot.server._disk_files import FULL, ObjectFile, TierDirectory, object_path, read_full
 from kvdepot.server._errors import CorruptObjectError, TierConfigError, UnknownFormatError
 from kvdepot.server._tier_format import (
@@ -69,8 +67,9 @@ from kvdepot.server._tiers import (
     check_batch,
     salt_tag,
 )
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # A read or write batch of at least this many bytes is split between two threads.
 SPLIT_BYTES = 2 << 20

@@ -12,9 +12,10 @@ import contextlib
 import resource
 
 import attrs
-import structlog
 
-log = structlog.get_logger(__name__)
+from kvdepot.transport._log import get_logger
+
+log = get_logger(__name__)
 
 # Where the hard limit is "unlimited", the kernel still refuses more than fs.nr_open.
 NR_OPEN_PATH = "/proc/sys/fs/nr_open"

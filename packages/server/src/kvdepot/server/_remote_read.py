@@ -30,13 +30,12 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import structlog
-
 from kvdepot.server._errors import CorruptObjectError, UnknownFormatError
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, verify
 from kvdepot.server._tiers import ChunkRef
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Bytes of values asked for at once. 16 MiB is ~10 ms on a 10 Gb/s link, where a round trip
 # is ~0.1 ms, so the window never starves the link; a read of a whole lookup's misses (up to

@@ -38,8 +38,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import structlog
-
 from kvdepot.server._errors import TierConfigError, TierError
 from kvdepot.server._remote_clear import clear_objects
 from kvdepot.server._remote_link import CONNECT_TIMEOUT, OP_TIMEOUT, RETRY_INTERVAL, RemoteLink
@@ -58,8 +56,9 @@ from kvdepot.server._tiers import (
     object_name,
     salt_tag,
 )
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Prefix of every key kvdepot writes, so a shared server's other data is never touched.
 DEFAULT_PREFIX = "kvd:"

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server._collector import Collector
@@ -54,8 +53,9 @@ from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
 from kvdepot.transport import MAX_CONNECTIONS, CappedListener, PeerLimits, Waker, open_endpoint
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Longest wait in one poll: how late at most a lease or reservation expires, and how often
 # the stop flag is looked at when nothing arrives.

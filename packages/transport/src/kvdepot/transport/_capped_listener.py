@@ -30,12 +30,12 @@ import struct
 import threading
 from typing import Any
 
-import structlog
 import zmq
 
 from kvdepot.transport._errors import LocalProtocolError, TransportClosedError
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Seconds a connection may take for ZMTP's handshake before libzmq closes it (libzmq's default
 #: is 30): a silent connection holds a slot of the cap no longer than this.

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import attrs
-import structlog
 import zmq
 
 from kvdepot.transport._address import (
@@ -37,10 +36,11 @@ from kvdepot.transport._dispatch import DEFAULT_PEER_TIMEOUT, MAX_FRAMES_PER_MES
 from kvdepot.transport._errors import LocalProtocolError, TransportClosedError, TransportError
 from kvdepot.transport._flood import BAD_MUTE_S, FRAME_OVERHEAD, BadFrames, MemoryTrim, PeerLimits
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._messages import ReplyBody
 from kvdepot.transport._peercred import PLAIN_USER, ZAP_DOMAIN, PeerUserCheck
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Plain ints: zmq's enum members cost a Python-level __and__ on every use in the hot path.
 _EVENTS = int(zmq.EVENTS)
