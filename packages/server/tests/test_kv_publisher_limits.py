@@ -345,8 +345,9 @@ def test_the_flags_default_to_the_publishers_bounds():
 
 
 def test_metrics_show_the_publishers_bounds_and_counters(short_tmp):
-    """/metrics of a server with KV events on tcp: connections and full counts per listener,
-    replay refusals by reason, the replay buffer's bytes, and each bound's value."""
+    """/metrics of a server with KV events on tcp: connections and full counts per listener (as
+    every listener's, `kvdepot_listener_*`), refused subscriptions, replay refusals by reason, the
+    replay buffer's bytes, and each bound's value."""
     server = ServerProcess(
         f"ipc://{short_tmp}/kvd.sock",
         capacity="8MiB",
@@ -367,13 +368,20 @@ def test_metrics_show_the_publishers_bounds_and_counters(short_tmp):
     with server, urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=T) as resp:
         text = resp.read().decode()
     for line in (
-        'kvdepot_kv_events_connections{listener="pub"} 0.0',
-        'kvdepot_kv_events_connections{listener="replay"} 0.0',
-        'kvdepot_kv_events_listener_full_total{listener="pub"} 0.0',
+        'kvdepot_listener_connections{listener="kv_events_pub"} 0.0',
+        'kvdepot_listener_connections{listener="kv_events_replay"} 0.0',
+        f'kvdepot_listener_max_connections{{listener="kv_events_pub"}} {float(DEFAULT_MAX_CONNECTIONS)}',
+        'kvdepot_listener_refused_total{listener="kv_events_pub",reason="full"} 0.0',
+        'kvdepot_listener_refused_total{listener="kv_events_replay",reason="full"} 0.0',
+        "kvdepot_kv_events_subscriptions_refused_total 0.0",
+        "kvdepot_kv_events_subscribers_cut_total 0.0",
         'kvdepot_kv_events_replay_refused_total{reason="unread"} 0.0',
         "kvdepot_kv_events_replay_buffer_bytes 0.0",
     ):
         assert line in text.splitlines(), line
+    # the names before every listener was a kvdepot_listener_*
+    assert "kvdepot_kv_events_connections" not in text
+    assert "kvdepot_kv_events_listener_full" not in text
     values = {
         line.split()[0]: float(line.split()[1])
         for line in text.splitlines()

@@ -28,17 +28,26 @@ past it ZMQ drops its batches, and it sees a gap); replay keeps the last batches
 ``replay_bytes`` and ``replay_batches``, and only with a replay endpoint; every tcp listener
 takes at most ``max_connections`` connections (`CappedListener`); a subscription or a replay
 request longer than any valid one (``ZMQ_MAXMSGSIZE``) disconnects its peer.
+
+Subscriptions: the socket is an XPUB in manual mode (``ZMQ_XPUB_MANUAL``): libzmq applies no
+subscription by itself, the publisher thread reads each one and applies, for its peer, only those
+that can match what the server sends: prefixes of the topic, the empty one included. Every other
+one (and any other message a peer sends) is dropped and counted, so the subscriptions that decide
+where batches go hold at most ``len(topic) + 1`` distinct prefixes. libzmq still keeps a copy of
+every subscription until its peer leaves, so a tcp peer that has sent more than
+``subscriber_send_bytes`` is disconnected at the next refusal (`PeerBudget`).
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +60,9 @@ from kvdepot.core import KVDepotError
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._events import RAM, ChunkChange, Committed
 from kvdepot.server._kv_listener import CappedListener
+from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES, PeerBudget
 from kvdepot.server._kv_replay import ReplayBuffer
+from kvdepot.server._metrics_http import ListenerFigures
 from kvdepot.transport import check_ipc_trusted, check_not_in_use, is_loopback_tcp, secure_ipc_socket
 
 log = structlog.get_logger(__name__)
@@ -87,6 +98,9 @@ REPLAY_MAX_FRAME = 64
 MIN_SUBSCRIPTION_MAX_FRAME = 256
 #: Incoming messages queued per peer (subscriptions, replay requests): few are ever needed.
 RECEIVE_HWM = 16
+#: Subscription messages the publisher thread reads per pass (it loops while more wait).
+SUBSCRIPTIONS_PER_PASS = 256
+_SUBSCRIBE, _UNSUBSCRIBE = b"\1", b"\0"  # the first byte of an XPUB's (un)subscription message
 #: Milliseconds the publisher threads sleep at most when nothing happens (how late they see `close()`).
 POLL_MS = 100
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -143,6 +157,7 @@ class KVEventPublisher:
         replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES,
         subscriber_bytes: int = DEFAULT_SUBSCRIBER_BYTES,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        subscriber_send_bytes: int = DEFAULT_SEND_BYTES,
     ) -> None:
         self.topic = default_topic() if topic is None else topic
         self._topic = self.topic.encode()
@@ -158,11 +173,13 @@ class KVEventPublisher:
         self.published_events = 0
         self.replay_pages = 0
         self.replay_refused = {"bad_request": 0, "unread": 0}
+        self.subscriptions_refused = 0  # subscriptions (and other messages) to the PUB socket not applied
         self.limits = {
             "max_connections": max_connections,
             "subscriber_bytes": subscriber_bytes,
             "replay_bytes": replay_bytes if replay_endpoint is not None else 0,
             "replay_page_bytes": replay_page_bytes,
+            "subscriber_send_bytes": subscriber_send_bytes,
         }
         self._max_connections = max_connections
         self._listeners: dict[str, CappedListener] = {}
@@ -172,7 +189,13 @@ class KVEventPublisher:
         self._woken = False
         self._replay: zmq.Socket[Any] | None = None
         try:
-            self._pub = self._bind(zmq.PUB, endpoint, "pub")
+            self._pub = self._bind(zmq.XPUB, endpoint, "pub")
+            pub_endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._peer_budget = (
+                PeerBudget(int(pub_endpoint.rpartition(":")[2]), subscriber_send_bytes)
+                if pub_endpoint.startswith("tcp://")
+                else None
+            )
             self._pub.setsockopt(zmq.SNDHWM, max(1, subscriber_bytes // MAX_BATCH_BYTES))
             if replay_endpoint is not None:
                 self._replay = self._bind(zmq.ROUTER, replay_endpoint, "replay")
@@ -214,6 +237,7 @@ class KVEventPublisher:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer raises: its page is not sent
         else:
             sock.setsockopt(zmq.MAXMSGSIZE, max(MIN_SUBSCRIPTION_MAX_FRAME, len(self._topic) + 1))
+            sock.setsockopt(zmq.XPUB_MANUAL, 1)  # subscriptions come to `_take_subscriptions`
         try:
             if endpoint.startswith("tcp://"):
                 self._listeners[name] = CappedListener(self._context, sock, endpoint, self._max_connections, name)
@@ -256,6 +280,8 @@ class KVEventPublisher:
             "kv_events_dropped": self.dropped,
             "kv_events_replay_buffer_bytes": self._replay_buffer.bytes if self._replay_buffer is not None else 0,
             "kv_events_replay_pages": self.replay_pages,
+            "kv_events_subscriptions_refused": self.subscriptions_refused,
+            "kv_events_subscribers_cut": self._peer_budget.cut if self._peer_budget is not None else 0,
         }
         for reason, count in self.replay_refused.items():
             figures[f"kv_events_replay_refused_{reason}"] = count
@@ -265,8 +291,16 @@ class KVEventPublisher:
         return figures
 
     def collector(self) -> _Collector:
-        """A prometheus-client collector of this publisher's figures, for the server's registry."""
+        """A prometheus-client collector of this publisher's figures, for the server's registry;
+        its ``listeners`` are the tcp listeners' figures, shown as ``kvdepot_listener_*``
+        (``kv_events_pub``, ``kv_events_replay``)."""
         return _Collector(self)
+
+    def listener_figures(self) -> dict[str, Callable[[], ListenerFigures]]:
+        """Each tcp listener's figures now, by its name in /metrics."""
+        return {
+            f"kv_events_{name}": functools.partial(_figures, listener) for name, listener in self._listeners.items()
+        }
 
     def close(self) -> None:
         """Stop; what is queued is sent first."""
@@ -304,10 +338,13 @@ class KVEventPublisher:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._pub, zmq.POLLIN)
         if self._replay is not None:
             poller.register(self._replay, zmq.POLLIN)
         while not self._stop.is_set():
             ready = dict(poller.poll(POLL_MS))
+            if self._pub in ready:
+                self._take_subscriptions()
             if self._replay is not None and self._replay in ready:
                 self._serve_replays()
             if self._wake_r not in ready:
@@ -350,6 +387,29 @@ class KVEventPublisher:
         self.seq += 1
         self.published_events += len(events)
 
+    def _take_subscriptions(self) -> None:
+        """Apply, for the peer that sent it, each subscription that is a prefix of the topic (and
+        each such unsubscription); count the rest, which libzmq then never matches against, and
+        disconnect the tcp peers past their bytes."""
+        refused = self.subscriptions_refused
+        for _ in range(SUBSCRIPTIONS_PER_PASS):
+            try:
+                message = self._pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind, prefix = message[:1], message[1:]
+            applies = self._topic.startswith(prefix)
+            # For the last message's peer (none once it has left: libzmq then ignores the option).
+            if kind == _SUBSCRIBE and applies:
+                self._pub.setsockopt(zmq.SUBSCRIBE, prefix)
+            elif kind == _UNSUBSCRIBE:
+                if applies:  # any other was never applied
+                    self._pub.setsockopt(zmq.UNSUBSCRIBE, prefix)
+            else:
+                self.subscriptions_refused += 1
+        if self.subscriptions_refused != refused and self._peer_budget is not None:
+            self._peer_budget.enforce()
+
     def _serve_replays(self) -> None:
         assert self._replay is not None
         for _ in range(REPLAY_REQUESTS_PER_PASS):
@@ -389,6 +449,8 @@ class _Collector:
 
     def __init__(self, publisher: KVEventPublisher) -> None:
         self._publisher = publisher
+        #: the tcp listeners' figures: the server's registry shows them as ``kvdepot_listener_*``
+        self.listeners = publisher.listener_figures()
 
     def collect(self) -> Iterator[Any]:
         p = self._publisher
@@ -414,22 +476,27 @@ class _Collector:
             "Payload bytes of the batches kept for replay (0 without a replay endpoint).",
             value=buffer.bytes if buffer is not None else 0,
         )
-        connections = GaugeMetricFamily(
-            "kvdepot_kv_events_connections", "Open connections per KV-events tcp listener.", labels=["listener"]
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_subscriptions_refused",
+            "Subscriptions to the KV-events PUB socket not applied: not a prefix of the topic, so they could "
+            "match nothing (and any other message a subscriber sent).",
+            value=p.subscriptions_refused,
         )
-        full = CounterMetricFamily(
-            "kvdepot_kv_events_listener_full",
-            "Times a KV-events tcp listener reached --kv-events-max-connections and began refusing connections.",
-            labels=["listener"],
+        yield CounterMetricFamily(
+            "kvdepot_kv_events_subscribers_cut",
+            "tcp peers of the KV-events PUB port disconnected for sending more than --kv-events-subscriber-send-bytes "
+            "(checked when a subscription is refused).",
+            value=p._peer_budget.cut if p._peer_budget is not None else 0,
         )
-        for name, listener in p._listeners.items():
-            connections.add_metric([name], listener.connections)
-            full.add_metric([name], listener.full)
-        yield connections
-        yield full
         limits = GaugeMetricFamily(
             "kvdepot_kv_events_limit", "The KV-events publisher's bounds (flags of kvdepot serve).", labels=["limit"]
         )
         for name, value in p.limits.items():
             limits.add_metric([name], value)
         yield limits
+
+
+def _figures(listener: CappedListener) -> ListenerFigures:
+    """A KV-events listener in /metrics: it refuses by a socket filter, so what it counts as
+    ``full`` is the times it reached its cap and began refusing, not connections refused."""
+    return ListenerFigures(listener.connections, listener.cap, {"full": listener.full})

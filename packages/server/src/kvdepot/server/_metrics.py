@@ -11,7 +11,7 @@ import bisect
 import heapq
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -308,7 +308,9 @@ class _Collector:
             "kvdepot_listener_refused",
             "Connections a listener dropped, by reason (full: at its cap; displaced: an unfinished request "
             "closed for a newer connection; deadline; header_bytes; body; files: no file descriptor left; "
-            "write_timeout: an answer not read).",
+            "write_timeout: an answer not read). The KV-events listeners (kv_events_pub, kv_events_replay) "
+            "refuse by a socket filter and cannot see the connections it turns away: their full is the times "
+            "the listener reached its cap and began refusing, not connections refused.",
             labels=["listener", "reason"],
         )
         for name, figures_of in self.listeners.items():
@@ -320,6 +322,22 @@ class _Collector:
         yield connections
         yield cap
         yield refused
+
+
+class _Registry(CollectorRegistry):  # type: ignore[misc]  # prometheus-client is untyped
+    """The server's registry: a collector registered with listeners of its own (``listeners``:
+    name -> figures, as the KV-events publisher's) has them shown with the server's others, as
+    ``kvdepot_listener_*{listener=name}``."""
+
+    def __init__(self, collector: _Collector) -> None:
+        super().__init__(auto_describe=False)
+        self._listeners = collector.listeners
+
+    def register(self, collector: Any) -> None:
+        super().register(collector)
+        listeners: Mapping[str, Callable[[], ListenerFigures]] = getattr(collector, "listeners", {})
+        if listeners is not self._listeners:
+            self._listeners.update(listeners)
 
 
 def _healthy() -> str | None:
@@ -334,8 +352,8 @@ class Metrics:
     its own)."""
 
     def __init__(self, health: Callable[[], str | None] = _healthy, label: Callable[[str], str] | None = None) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
         self._collector = _Collector(label if label is not None else random_labeler())
+        self.registry = _Registry(self._collector)
         self.registry.register(self._collector)
         self.health = health
         self._http: HTTPEndpoint | None = None
