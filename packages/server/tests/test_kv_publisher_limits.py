@@ -362,6 +362,8 @@ def test_metrics_show_the_publishers_bounds_and_counters(short_tmp):
             f"tcp://127.0.0.1:{free_port()}",
             "--kv-events-replay",
             f"tcp://127.0.0.1:{free_port()}",
+            "--kv-events-subscriber-send-bytes",
+            "24KiB",
         ],
     )
     metrics_port = int(server.args[server.args.index("--metrics-port") + 1])
@@ -373,6 +375,7 @@ def test_metrics_show_the_publishers_bounds_and_counters(short_tmp):
         f'kvdepot_listener_max_connections{{listener="kv_events_pub"}} {float(DEFAULT_MAX_CONNECTIONS)}',
         'kvdepot_listener_refused_total{listener="kv_events_pub",reason="full"} 0.0',
         'kvdepot_listener_refused_total{listener="kv_events_replay",reason="full"} 0.0',
+        'kvdepot_listener_refused_total{listener="kv_events_pub",reason="handshake"} 0.0',
         "kvdepot_kv_events_subscriptions_refused_total 0.0",
         "kvdepot_kv_events_subscribers_cut_total 0.0",
         'kvdepot_kv_events_replay_refused_total{reason="unread"} 0.0',
@@ -389,3 +392,4 @@ def test_metrics_show_the_publishers_bounds_and_counters(short_tmp):
     }
     assert values['kvdepot_kv_events_limit{limit="max_connections"}'] == DEFAULT_MAX_CONNECTIONS
     assert values['kvdepot_kv_events_limit{limit="replay_bytes"}'] == DEFAULT_REPLAY_BYTES
+    assert values['kvdepot_kv_events_limit{limit="subscriber_send_bytes"}'] == 24 << 10  # the flag reaches it

@@ -317,6 +317,12 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     for flag, kind, default, text in (  # the publisher's bounds (docs/server.md, 'Limits')
         ("--kv-events-max-connections", _positive_int, 64, "connections per KV-events tcp port (default 64)"),
         ("--kv-events-subscriber-bytes", _size, 4 << 20, "queued for a subscriber that does not read (default 4MiB)"),
+        (
+            "--kv-events-subscriber-send-bytes",
+            _size,
+            16 << 10,
+            "bytes one tcp peer of the PUB port may send in all before a refused subscription cuts it (default 16KiB)",
+        ),
         ("--kv-events-replay-bytes", _size, 64 << 20, "batches kept for replay, in bytes (default 64MiB)"),
         ("--kv-events-replay-page", _size, 256 << 10, "payload bytes of one replay answer (default 256KiB)"),
     ):
@@ -412,6 +418,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events_topic=args.kv_events_topic,
         kv_events_max_connections=args.kv_events_max_connections,
         kv_events_subscriber_bytes=args.kv_events_subscriber_bytes,
+        kv_events_subscriber_send_bytes=args.kv_events_subscriber_send_bytes,
         kv_events_replay_bytes=args.kv_events_replay_bytes,
         kv_events_replay_page_bytes=args.kv_events_replay_page,
         label_key_file=args.label_key_file,

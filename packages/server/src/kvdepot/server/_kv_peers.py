@@ -26,9 +26,9 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-import structlog
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: What a tcp peer of the PUB port may send in all (bytes): a subscriber's greeting and
 #: subscriptions take some hundred; ZMTP heartbeats, if a subscriber turns them on, some ten bytes each.

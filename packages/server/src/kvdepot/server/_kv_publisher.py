@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import structlog
 import zmq
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -64,8 +63,9 @@ from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES, PeerBudget
 from kvdepot.server._kv_replay import ReplayBuffer
 from kvdepot.server._metrics_http import ListenerFigures
 from kvdepot.transport import check_ipc_trusted, check_not_in_use, is_loopback_tcp, secure_ipc_socket
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 #: Events waiting for the publisher thread; past this the oldest are dropped (and counted).
 MAX_PENDING = 100_000
@@ -499,4 +499,4 @@ class _Collector:
 def _figures(listener: CappedListener) -> ListenerFigures:
     """A KV-events listener in /metrics: it refuses by a socket filter, so what it counts as
     ``full`` is the times it reached its cap and began refusing, not connections refused."""
-    return ListenerFigures(listener.connections, listener.cap, {"full": listener.full})
+    return ListenerFigures(listener.connections, listener.cap, dict(listener.refused))

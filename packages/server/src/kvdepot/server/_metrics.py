@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
-import structlog
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
@@ -26,8 +25,9 @@ from kvdepot.server._label_key import random_labeler
 from kvdepot.server._metrics_http import HTTPEndpoint, HTTPLimits, ListenerFigures
 from kvdepot.server._results import IndexStats, LookupOutcome
 from kvdepot.transport import RESERVED_CLIENT_PREFIX
+from kvdepot.transport._log import get_logger
 
-log = structlog.get_logger(__name__)
+log = get_logger(__name__)
 
 # Peers named one by one in the bad-frames metric; the rest add up under "other", so that a
 # peer inventing new identities cannot grow the metric without bound.

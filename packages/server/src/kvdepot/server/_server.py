@@ -24,6 +24,7 @@ from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
+from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES
 from kvdepot.server._kv_publisher import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_REPLAY_BYTES,
@@ -124,6 +125,7 @@ class ServerConfig:
     kv_events_topic: str | None = None  # None: `default_topic()`
     kv_events_max_connections: int = DEFAULT_MAX_CONNECTIONS  # per tcp listener
     kv_events_subscriber_bytes: int = DEFAULT_SUBSCRIBER_BYTES  # queued for one subscriber
+    kv_events_subscriber_send_bytes: int = DEFAULT_SEND_BYTES  # one tcp peer may send in all
     kv_events_replay_bytes: int = DEFAULT_REPLAY_BYTES  # kept for replay
     kv_events_replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES  # one replay answer
     health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
@@ -196,6 +198,7 @@ class CacheServer:
                     topic=config.kv_events_topic,
                     max_connections=config.kv_events_max_connections,
                     subscriber_bytes=config.kv_events_subscriber_bytes,
+                    subscriber_send_bytes=config.kv_events_subscriber_send_bytes,
                     replay_bytes=config.kv_events_replay_bytes,
                     replay_page_bytes=config.kv_events_replay_page_bytes,
                 )
