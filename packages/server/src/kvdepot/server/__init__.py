@@ -22,6 +22,7 @@ from kvdepot.server._errors import (
     UnknownFormatError,
     UnknownReservationError,
 )
+from kvdepot.server._file_limit import FileLimit, raise_file_limit
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import CLEAR_SLICE, ChunkIndex
 from kvdepot.server._pool import PoolMapping, SharedPool, open_pool_file, pid_alive
@@ -54,6 +55,7 @@ __all__ = [
     "CorruptObjectError",
     "DeferredWrite",
     "DiskTier",
+    "FileLimit",
     "IndexStats",
     "LookupOutcome",
     "NotRegisteredError",
@@ -95,4 +97,5 @@ __all__ = [
     "parse_remote_url",
     "parse_size",
     "pid_alive",
+    "raise_file_limit",
 ]

@@ -16,7 +16,7 @@ import gc
 import time
 from collections.abc import Callable
 
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -67,7 +67,7 @@ from kvdepot.server._tiers import (
     check_batch,
     salt_tag,
 )
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -13,7 +13,7 @@ import resource
 
 import attrs
 
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -23,7 +23,7 @@ from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
 from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SLOT_ALIGNMENT
 from kvdepot.server._version import __version__
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 if TYPE_CHECKING:
     from kvdepot.server._events import IndexEvent

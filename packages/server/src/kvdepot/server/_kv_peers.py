@@ -26,7 +26,7 @@ import struct
 from collections.abc import Iterator
 from typing import Any
 
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

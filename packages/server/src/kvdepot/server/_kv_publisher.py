@@ -62,8 +62,7 @@ from kvdepot.server._kv_listener import CappedListener
 from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES, PeerBudget
 from kvdepot.server._kv_replay import ReplayBuffer
 from kvdepot.server._metrics_http import ListenerFigures
-from kvdepot.transport import check_ipc_trusted, check_not_in_use, is_loopback_tcp, secure_ipc_socket
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import check_ipc_trusted, check_not_in_use, get_logger, is_loopback_tcp, secure_ipc_socket
 
 log = get_logger(__name__)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from kvdepot.core import LABEL_KEY_BYTES, SaltLabeler
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._owner_file import OwnerFileProblem, read_owner_only, write_owner_only
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -24,8 +24,7 @@ from kvdepot.server._events import RAM, Cleared, Committed, IndexEvent
 from kvdepot.server._label_key import random_labeler
 from kvdepot.server._metrics_http import HTTPEndpoint, HTTPLimits, ListenerFigures
 from kvdepot.server._results import IndexStats, LookupOutcome
-from kvdepot.transport import RESERVED_CLIENT_PREFIX
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import RESERVED_CLIENT_PREFIX, get_logger
 
 log = get_logger(__name__)
 

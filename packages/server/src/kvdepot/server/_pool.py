@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvdepot.core import SLOT_GENERATION_OFFSET, SLOT_HEADER_BYTES, pack_slot_header, slot_digest
 from kvdepot.server._errors import PoolError
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any
 from kvdepot.server._remote_send import zero_copy_connection
 from kvdepot.server._remote_url import RemoteAddress
 from kvdepot.server._tiers import Counters, TierState, WarnLimiter
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

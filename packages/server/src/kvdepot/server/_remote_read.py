@@ -33,7 +33,7 @@ from typing import Any
 from kvdepot.server._errors import CorruptObjectError, UnknownFormatError
 from kvdepot.server._tier_format import FIXED_HEADER_BYTES, verify
 from kvdepot.server._tiers import ChunkRef
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -53,8 +53,7 @@ from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import MAX_CONNECTIONS, CappedListener, PeerLimits, Waker, open_endpoint
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import MAX_CONNECTIONS, CappedListener, PeerLimits, Waker, get_logger, open_endpoint
 
 log = get_logger(__name__)
 

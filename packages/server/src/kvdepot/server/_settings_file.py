@@ -23,7 +23,7 @@ import msgspec
 
 from kvdepot.server._errors import ServerArgumentError, ServerError
 from kvdepot.server._owner_file import OwnerFileProblem, read_owner_only, write_owner_only
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

@@ -42,8 +42,7 @@ import attrs
 
 from kvdepot.core import InvalidTransitionError
 from kvdepot.server._tiers import ChunkRef, Tier, TierState
-from kvdepot.transport import Deferred
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import Deferred, get_logger
 
 log = get_logger(__name__)
 

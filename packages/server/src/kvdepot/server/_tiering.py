@@ -49,8 +49,7 @@ from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
 from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, TierRead, fill, probe, up
 from kvdepot.server._tiers import Tier, WarnLimiter
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
-from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred, get_logger
 
 log = get_logger(__name__)
 

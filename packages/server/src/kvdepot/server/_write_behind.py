@@ -26,7 +26,7 @@ import attrs
 
 from kvdepot.server._tier_format import Buffer
 from kvdepot.server._tiers import ChunkWrite, Tier, WarnLimiter
-from kvdepot.transport._log import get_logger
+from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
 

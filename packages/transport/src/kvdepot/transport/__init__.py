@@ -52,6 +52,7 @@ from kvdepot.transport._errors import (
 )
 from kvdepot.transport._flood import PeerLimits
 from kvdepot.transport._handler import BadFrame, Deferred, Handler, PeerInfo, Waker
+from kvdepot.transport._log import get_logger
 from kvdepot.transport._messages import (
     MAX_ITEMS_PER_LOOKUP,
     MAX_SALTS_PER_CHANGES,
@@ -196,6 +197,7 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "error_reply_from",
+    "get_logger",
     "ipc_path",
     "is_loopback_tcp",
     "open_endpoint",

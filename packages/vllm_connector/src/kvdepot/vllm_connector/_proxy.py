@@ -435,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
     except ImportError as exc:  # aiohttp, which it imports
         log.error("aiohttp_missing", error=str(exc), fix="pip install aiohttp (vLLM's OpenAI server depends on it)")
         return 1
-    from kvdepot.server._file_limit import raise_file_limit
+    from kvdepot.server import raise_file_limit
 
     files = raise_file_limit()  # every client connection costs a descriptor; the cap is what it leaves
     if files.error is not None:
