@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -91,3 +93,24 @@ def test_build_rejects_bad_head_counts(tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         testing.build_tiny_llama(tmp_path / "bad", hidden=100, heads=3)
     assert not (tmp_path / "bad").exists()
+
+
+def test_store_gate_holds_until_its_path_exists(tmp_path):
+    """`wait_for_gate` (the hook of ``kvdepot.test.store_gate``) returns only once its file exists."""
+    gate = tmp_path / "go"
+    threading.Timer(0.2, gate.touch).start()
+    started = time.monotonic()
+    testing.wait_for_gate(str(gate))
+    assert gate.exists()
+    assert time.monotonic() - started >= 0.15
+
+
+def test_the_store_gate_is_a_hook_only_where_a_test_sets_it(tmp_path):
+    """Without ``kvdepot.test.store_gate`` the connector installs no hook before commits."""
+    pytest.importorskip("vllm")
+    from kvdepot.vllm_connector._connector import _store_gate
+
+    assert _store_gate(None) is None
+    hook = _store_gate(str(tmp_path))
+    assert hook is not None
+    hook()  # the path exists: returns at once

@@ -7,6 +7,7 @@ through `kvdepot.transport.CacheClient`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import platform
@@ -35,7 +36,7 @@ from kvdepot.vllm_connector._server import ensure_server
 from kvdepot.vllm_connector._worker import WorkerSide
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Callable, Iterable
 
     import torch
     from vllm.config import VllmConfig
@@ -269,7 +270,7 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=self.groups,
                 num_blocks=kv_cache_config.num_blocks,
                 pin_s=self.config.handoff_pin if ktc.kv_role == "kv_producer" else 0.0,
-                store_gate=self.config.store_gate,
+                before_commit=_store_gate(self.config.store_gate),
                 skip_layers=unserved_layers(kv_cache_config),
             )
         log.info(
@@ -501,3 +502,12 @@ def _check_server(client: CacheClient, timeout: float) -> None:
             f"`kvdepot serve --address {client.address}`, or set kvdepot.start_server=true.",
             address=client.address,
         ) from exc
+
+
+def _store_gate(path: str | None) -> Callable[[], None] | None:
+    """``kvdepot.test.store_gate``: the test hook `testing.wait_for_gate` on ``path``; None (no hook) unless set."""
+    if path is None:
+        return None
+    from kvdepot.vllm_connector.testing import wait_for_gate  # testing only: that module imports pytest
+
+    return functools.partial(wait_for_gate, path)

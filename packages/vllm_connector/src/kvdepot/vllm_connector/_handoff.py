@@ -25,8 +25,6 @@ never stored, so the decode engine computes it: at most ``chunk_size - 1`` token
 from __future__ import annotations
 
 import hashlib
-import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,15 +80,3 @@ def expected_chunks(params: Mapping[str, Any] | None, digest: str) -> tuple[int,
     if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
         return 0, f"kv_transfer_params[{PARAMS_KEY!r}]['chunks'] is not a count: {chunks!r}"
     return chunks, None
-
-
-#: Seconds a store waits at most for `kvdepot.test.store_gate`.
-STORE_GATE_MAX_S = 300.0
-
-
-def wait_for_gate(path: str) -> None:
-    """Testing only (``kvdepot.test.store_gate``): hold a prefill's store, on the worker's copy
-    thread, until ``path`` exists: a test's stand-in for a store slower than its answer."""
-    deadline = time.monotonic() + STORE_GATE_MAX_S
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.05)

@@ -26,8 +26,6 @@ import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.vllm_connector._handoff import wait_for_gate
-
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
@@ -125,13 +123,14 @@ class StepStores:
         self,
         *,
         pin_s: float,
-        gate: str | None,
         count: Callable[[str, int], None],
         chunk_bytes: int,
         server_failed: Callable[[BaseException], None],
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
         """Commit each gathered store once its copy is done (the copy thread: a CUDA copy may
-        still run on its stream); returns once the server answered, so a later lookup sees them."""
+        still run on its stream); returns once the server answered, so a later lookup sees them.
+        ``before_commit``: a test's hook, run before each commit (`testing.wait_for_gate`)."""
         answers = []
         for op, reply, handles in self.gathered:
             try:
@@ -141,8 +140,8 @@ class StepStores:
                 log.warning("kvdepot gather for %s failed, aborting its reservation: %s", op.req_id, exc)
                 answers.append(self._abort(reply))
                 continue
-            if gate is not None:
-                wait_for_gate(gate)
+            if before_commit is not None:
+                before_commit()
             count("stored_chunks", len(reply.slots))
             count("stored_bytes", len(reply.slots) * chunk_bytes)
             answers.append(self.client.commit(reply.reservation_id, server_id=self.server_id, pin_s=pin_s))

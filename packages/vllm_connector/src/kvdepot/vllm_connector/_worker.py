@@ -45,6 +45,8 @@ from kvdepot.vllm_connector._pool_mapping import _PoolMapping
 from kvdepot.vllm_connector._stores import StepStores
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
 
     from kvdepot.gpu import KVLayout
@@ -82,7 +84,7 @@ class WorkerSide:
         load_step_share: float = DEFAULT_LOAD_STEP_SHARE,
         engine_thread_loads: bool | None = None,
         pin_s: float = 0.0,
-        store_gate: str | None = None,
+        before_commit: Callable[[], None] | None = None,
         skip_layers: frozenset[str] = frozenset(),
     ) -> None:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
@@ -92,10 +94,11 @@ class WorkerSide:
         than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight.
         ``pin_s``: the server keeps each store's chunks from eviction that long (a prefill
         engine's, until the decode engine has looked them up). ``skip_layers``: layers of the
-        groups vLLM does not let an offloader store (`_groups.unserved_layers`): never copied."""
+        groups vLLM does not let an offloader store (`_groups.unserved_layers`): never copied.
+        ``before_commit``: a test's hook, run on the copy thread before each store's commit."""
         self.client = client
         self.pin_s = pin_s
-        self.store_gate = store_gate
+        self.before_commit = before_commit
         self.health = health
         self.strategy = strategy
         self.chunk_size = chunk_size
@@ -364,8 +367,8 @@ class WorkerSide:
             )
         if stores.gathered:
             self._copier.submit(
-                stores.commit, pin_s=self.pin_s, gate=self.store_gate, count=self._add, chunk_bytes=self.chunk_bytes,
-                server_failed=self._server_failed,
+                stores.commit, pin_s=self.pin_s, count=self._add, chunk_bytes=self.chunk_bytes,
+                server_failed=self._server_failed, before_commit=self.before_commit,
             )  # fmt: skip
 
     def wait_for_commits(self) -> None:

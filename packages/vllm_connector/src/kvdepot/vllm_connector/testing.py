@@ -22,6 +22,7 @@ Importing this module imports neither vLLM nor torch; the fixtures import them w
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ __all__ = [
     "BENCH_LLAMA",
     "MODEL_CACHE_ENV",
     "OFFLOADING_CONNECTOR_NAMES",
+    "STORE_GATE_MAX_S",
     "STUB_CLASS",
     "STUB_MODULE",
     "TINY_GEMMA2",
@@ -57,6 +59,7 @@ __all__ = [
     "tiny_gemma2",
     "tiny_llama",
     "tokenizer_vocab_size",
+    "wait_for_gate",
 ]
 
 STUB_MODULE = "kvdepot.vllm_connector._stub"
@@ -70,6 +73,8 @@ OFFLOADING_CONNECTOR_NAMES = (
 )
 # Where built models are kept between test sessions, when set; else pytest's cache directory.
 MODEL_CACHE_ENV = "KVDEPOT_MODEL_CACHE"
+#: Seconds a store waits at most for `kvdepot.test.store_gate`.
+STORE_GATE_MAX_S = 300.0
 
 Loader = Callable[[], Any]
 
@@ -105,6 +110,15 @@ def standalone_worker(
     )
     worker.register_kv_caches(kv_caches)
     return worker
+
+
+def wait_for_gate(path: str) -> None:
+    """The hook behind ``kvdepot.test.store_gate``: hold a prefill's store, on the worker's copy
+    thread, until ``path`` exists: a test's stand-in for a store slower than its answer. The
+    connector runs it before each commit only where that setting names a path."""
+    deadline = time.monotonic() + STORE_GATE_MAX_S
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def __getattr__(name: str) -> Any:
