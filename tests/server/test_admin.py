@@ -20,6 +20,10 @@ from _chunks import POOL, extra, keys, lookup, store, wait_for
 
 from kvdepot.transport import CacheClient
 
+# These tests restart a server to read chunks back from the tiers below: its pool is not kept,
+# so the restarted server's RAM starts empty (tests/server/test_kept_pool.py keeps it).
+POOL = [*POOL, "--no-keep-pool"]
+
 pytestmark = pytest.mark.integration
 
 T = 20.0

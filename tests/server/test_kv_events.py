@@ -82,7 +82,7 @@ def test_changes_of_a_real_server_name_the_salts_chunks_and_a_restart_is_lost(se
     """Commits under two salts are told to a reader of one salt only (by its index in the
     request), a clear as removals, paging by `next`; after a restart at the same address, a
     number of the old instance is `lost`, with or without the old server id."""
-    server = serve(*POOL)
+    server = serve(*POOL, "--no-keep-pool")  # the new instance starts empty (a kept pool's: test_kept_pool)
     a_keys, b_keys = keys("a", 3), keys("b", 2)
     with CacheClient(server.address, timeout=T) as client:
         start = client.changes(0, ["a"]).result(T)

@@ -36,14 +36,17 @@ def store(client: CacheClient, pool: PoolMapping, salt: str, keys: list[bytes], 
     return client.commit(res.reservation_id).result(T).committed if res.reservation_id else 0
 
 
+@pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_cleanly_and_removes_socket_and_pool(serve, workdir, sig):
-    """SIGINT or SIGTERM ends `kvdepot serve` with exit 0 and removes its socket and pool file."""
-    server = serve(*SMALL_POOL)
+def test_signal_stops_cleanly_and_removes_socket_and_pool(serve, workdir, sig, keep):
+    """SIGINT or SIGTERM ends `kvdepot serve` with exit 0 and removes its socket; its pool file
+    stays for the next server (with its journal), or goes with --no-keep-pool."""
+    server = serve(*SMALL_POOL, *(() if keep else ("--no-keep-pool",)))
     assert server.pool_files()
     assert (workdir / "kvdepot.sock").exists()
     assert server.stop(sig) == 0
-    assert not server.pool_files()
+    assert bool(server.pool_files()) == keep
+    assert bool(list(workdir.glob("kvdepot-*.journal"))) == keep
     assert not (workdir / "kvdepot.sock").exists()
 
 
@@ -156,6 +159,7 @@ def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir, wait
     reconnects = []
     with CacheClient(server.address, timeout=2.0, on_reconnect=lambda h, r: reconnects.append(r)) as client:
         first = client.register("test-layout", 256, CHUNK).result(T)
+        first_server_id = client.server_id
         server.stop(signal.SIGKILL)
         # The client's deadline is 2 s; waiting up to 10 s tells a typed failure from a hang
         # (a hang would raise the futures' own TimeoutError, not DeadlineExceededError).
@@ -179,7 +183,8 @@ def test_server_restart_gives_errors_then_clients_reconnect(serve, workdir, wait
         # new connection has already been answered.
         assert wait_until(lambda: reconnects, timeout=10), "the client did not report a reconnect"
         assert reconnects[-1] is not None
-        assert reconnects[-1].pool.path != first.pool.path
+        assert reconnects[-1].pool.path == first.pool.path  # the kept pool, adopted
+        assert client.server_id != first_server_id  # ... by another server, which the client maps anew
 
 
 def test_fuzz_hostile_frames_while_a_good_client_gets_correct_answers(serve, workers):

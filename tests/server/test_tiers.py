@@ -15,6 +15,10 @@ from _chunks import CHUNK, POOL, SMALL, T, extra, keys, lookup, payload, store, 
 from kvdepot.server import PoolMapping
 from kvdepot.transport import CacheClient
 
+# These tests restart a server to read chunks back from the tiers below: its pool is not kept,
+# so the restarted server's RAM starts empty (tests/server/test_kept_pool.py keeps it).
+POOL = [*POOL, "--no-keep-pool"]
+
 pytestmark = pytest.mark.integration
 
 

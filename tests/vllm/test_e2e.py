@@ -41,9 +41,10 @@ class ServerProcess(kvdepot.server.ServerProcess):
 
 @pytest.fixture
 def kvdepot_server(short_tmp: Path) -> Iterator[ServerProcess]:
-    """A real kvdepot server process, stopped (and its shared memory removed) after the test."""
+    """A real kvdepot server process, stopped (and its kept pool removed) after the test."""
     with ServerProcess(short_tmp) as server:
         yield server
+    server.remove_kept_pool()
 
 
 pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration]
@@ -150,15 +151,49 @@ def test_server_killed_mid_run_then_restarted(tiny_llama, vllm_engine, kvdepot_s
             ),
             "the engine never noticed the outage",
         )
-        kvdepot_server.start()  # same address, a new pool
+        kvdepot_server.start()  # same address: it adopts the pool it left
         # The running engine reconnects by itself and stores into the new server.
-        until(lambda: kvdepot_server.stats().chunks > 0, "the engine never stored into the restarted server")
+        adopted = kvdepot_server.stats().chunks
+        until(lambda: kvdepot_server.stats().chunks > adopted, "the engine never stored into the restarted server")
         pauses.go("outage")
         result = running.result().check()
     assert result.outputs == baseline.outputs
     again = vllm_engine(tiny_llama, prompts[-1:], max_tokens=4, kv_transfer_config=config).check()
     assert again.num_cached_tokens == [512]  # the last prompt ran after the restart and was stored
     assert again.outputs == baseline.outputs[-1:]
+
+
+def test_restarts_under_load_keep_the_cache(tiny_llama, vllm_engine, kvdepot_server, tmp_path):
+    """The server is stopped (SIGTERM) and later killed (SIGKILL) while an engine serves prompts;
+    each time the next server adopts the pool it left. No request fails, no output changes, and
+    a new engine hits every prompt stored before either restart, from kvdepot alone."""
+    prompts = [prompt(600, seed=300 + i) for i in range(4)]
+    baseline = vllm_engine(tiny_llama, prompts, max_tokens=4).check()
+    config = kvdepot_server.connector_config(**{"kvdepot.timeout": 1.0, "kvdepot.lookup_timeout": 0.5})
+    pauses = Pauses(tmp_path / "engines")
+    run = {"max_tokens": 4, "kv_transfer_config": config, "pause_after": {1: "term", 3: "kill"}}
+
+    def restart(how: str, stored: int) -> None:
+        pauses.wait(how)
+        until(lambda: kvdepot_server.stats().chunks >= stored, "the engine's chunks never committed")
+        written = kvdepot_server.stats().extra["pool_journal_written"]
+        time.sleep(0.5)  # commits are journaled by a thread right after: let it finish
+        assert kvdepot_server.stats().extra["pool_journal_written"] == written
+        kvdepot_server.stop() if how == "term" else kvdepot_server.kill()
+        kvdepot_server.start()
+        # The prompts' chunks, and the busy prompts' the engine stored while it waited.
+        assert kvdepot_server.stats().extra["pool_adopted_chunks"] >= stored, how
+        pauses.go(how)
+
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(vllm_engine, tiny_llama, prompts, busy_prompt=prompt(600, seed=299), **run)
+        restart("term", 2 * (600 // CHUNK))  # prompts 0 and 1
+        restart("kill", 4 * (600 // CHUNK))  # ... and 2 and 3, after one restart already
+        result = running.result().check()
+    assert result.outputs == baseline.outputs
+    again = vllm_engine(tiny_llama, prompts, max_tokens=4, kv_transfer_config=config).check()
+    assert again.num_cached_tokens == [512] * 4  # a fresh engine: every full chunk from kvdepot
+    assert again.outputs == baseline.outputs
 
 
 @pytest.mark.parametrize("mode", BOTH_MODES)

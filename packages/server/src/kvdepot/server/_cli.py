@@ -205,6 +205,19 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         help=f"/healthz answers 503 once the loop has not turned for this many seconds (default {HEALTH_STALL_S:g})",
     )
     parser.add_argument("--pool-dir", type=Path, default=None, help="where the pool file lives (default /dev/shm)")
+    parser.add_argument(
+        "--keep-pool",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the pool (and its journal) when the server stops, is killed or crashes, and adopt what "
+        "verifies at the next start with the same --address, --pool-dir, --capacity and --page-size "
+        "(default: kept; --no-keep-pool: a pool for this run only, deleted at stop)",
+    )
+    parser.add_argument(
+        "--fresh-pool",
+        action="store_true",
+        help="start with an empty pool: discard what the kept pool holds (it is kept again from now on)",
+    )
     parser.add_argument("--lease-ttl", type=_seconds, default=None, help="seconds before an unreleased lease expires")
     parser.add_argument(
         "--reservation-ttl", type=_seconds, default=None, help="seconds before an uncommitted reservation expires"
@@ -396,6 +409,8 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
         health_stall=args.health_stall or HEALTH_STALL_S,
         pool_dir=args.pool_dir,
+        keep_pool=args.keep_pool,
+        fresh_pool=args.fresh_pool,
         lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
         reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
         default_quota=args.default_quota,

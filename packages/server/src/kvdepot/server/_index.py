@@ -38,8 +38,9 @@ from kvdepot.server._events import Cleared, Committed, Evicted, IndexEvent
 from kvdepot.server._eviction import EvictionPolicy
 from kvdepot.server._pins import PinShares
 from kvdepot.server._pool import SlotHeaders
+from kvdepot.server._pool_journal import COMMITTED, Record
 from kvdepot.server._records import Entry, Lease, Reservation
-from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed, ReserveOutcome
+from kvdepot.server._results import AdoptOutcome, IndexStats, LookupOutcome, Reclaimed, ReserveOutcome
 from kvdepot.server._sessions import (
     DEFAULT_LEASE_TTL,
     DEFAULT_RESERVATION_TTL,
@@ -67,6 +68,8 @@ MAX_KEYS_PER_REQUEST = 1 << 16
 #: The server's own session that holds, for one more reservation TTL, the slots of reservations
 #: that expired or whose client left (`ChunkIndex._quarantine`).
 QUARANTINE_CLIENT = f"{RESERVED_CLIENT_PREFIX}quarantine"
+#: Who owns the chunks a restarted server took back from its kept pool (`adopt`).
+ADOPTED_CLIENT = f"{RESERVED_CLIENT_PREFIX}adopted"
 #: The server's own session whose leases pin chunks committed with a pin (`Commit.pin_s`: a
 #: prefill engine's handoff, until the decode engine has looked them up), each for a bounded time.
 PIN_CLIENT = f"{RESERVED_CLIENT_PREFIX}pins"
@@ -219,6 +222,7 @@ class ChunkIndex:
         finally:
             for entry in found.values():  # a reserve that finds a chunk counts as a use of it
                 self.policy.unhold(entry)
+            self.headers.flush()  # a kept pool's journal names every slot handed out before the reply
         self.full_reserves += full
         if not reservation.pending:
             return ReserveOutcome(0, slots, present, full)
@@ -292,6 +296,66 @@ class ChunkIndex:
                 self._step(entry, _LEASE)
         lease = self.sessions.new_lease(session, entries, now, ttl=seconds)
         self.pins.add(entries[0].salt, lease.id, size)
+
+    def adopt(self, committed: Sequence[Record], pending: Sequence[Record], now: float) -> AdoptOutcome:
+        """Take back a kept pool's slots, verified by `_adopt.py`, on an index that holds nothing
+        yet: `committed` chunks become COMMITTED in order (the first is the oldest use), owned by
+        `ADOPTED_CLIENT`; `pending` slots (written when the last server died) stay PENDING in the
+        quarantine for one reservation TTL. Records that break a quota, repeat a chunk, or claim
+        a slot another record has are refused, by reason."""
+        assert not self._entries, "adopt runs on an empty index"
+        refused: dict[str, int] = {}
+        wanted: list[tuple[Record, int]] = []
+        seen: set[EntryKey] = set()
+        usage: dict[str, int] = {}
+        for record in (*committed, *pending):
+            try:
+                slot_size = self.allocator.slot_size(record.length)
+            except ServerError:
+                _add(refused, "layout", 1)
+                continue
+            quota = self._quotas.get(record.salt, self.default_quota)
+            if (record.salt, record.key) in seen:
+                _add(refused, "duplicate", 1)
+            elif quota is not None and usage.get(record.salt, 0) + slot_size > quota:
+                _add(refused, "quota", 1)
+            else:
+                seen.add((record.salt, record.key))
+                _add(usage, record.salt, slot_size)
+                wanted.append((record, slot_size))
+        outcome = AdoptOutcome(refused=refused)
+        held: dict[str, Reservation] = {}
+        accepted = self.allocator.adopt((record.slot, slot_size) for record, slot_size in wanted)
+        for (record, slot_size), ok in zip(wanted, accepted, strict=True):
+            if not ok:
+                _add(refused, "overlap", 1)
+                continue
+            kept = record.kind == COMMITTED
+            outcome.records.append(record)
+            entry = Entry(record.salt, record.key, record.slot, record.length, slot_size)
+            entry.owner = ADOPTED_CLIENT if kept else QUARANTINE_CLIENT
+            self._entries[(entry.salt, entry.key)] = entry
+            self._by_offset[entry.offset] = entry
+            self.policy.own(entry.owner, slot_size)
+            _add(self._salt_bytes, entry.salt, slot_size)
+            self._step(entry, _RESERVE)
+            if kept:
+                self._step(entry, _COMMIT)
+                outcome.chunks += 1
+                outcome.bytes += entry.length
+                if self._events is not None:
+                    self._events.append(Committed(entry.salt, entry.key, entry.length, ADOPTED_CLIENT, False))
+                continue
+            if (reservation := held.get(entry.salt)) is None:
+                self.touch(QUARANTINE_CLIENT, now, "quarantine")
+                holder = self.sessions.active(QUARANTINE_CLIENT, now, need_layout=False)
+                ttl = self.sessions.reservation_ttl
+                reservation = held[entry.salt] = self.sessions.new_reservation(holder, entry.salt, now, ttl=ttl)
+                self.sessions.hold(holder, reservation)
+            reservation.pending[len(reservation.pending)] = entry
+            self.sessions.pend(self.sessions.active(QUARANTINE_CLIENT, now, need_layout=False), slot_size)
+            outcome.pending += 1
+        return outcome
 
     def abort(self, client: str, reservation_id: int) -> int:
         """Drop a reservation and free its pending slots; 0 when it is unknown (idempotent)."""

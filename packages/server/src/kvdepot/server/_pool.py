@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -18,6 +19,7 @@ import secrets
 import stat
 import tempfile
 from pathlib import Path
+from typing import Protocol
 
 from kvdepot.core import SLOT_GENERATION_OFFSET, SLOT_HEADER_BYTES, pack_slot_header, slot_digest
 from kvdepot.server._errors import PoolError
@@ -77,11 +79,13 @@ def pid_alive(pid: int) -> bool:
 class SharedPool:
     """The server's side of the pool: creates, maps, and finally unlinks the file."""
 
-    def __init__(self, path: Path, size: int, fd: int, mapping: mmap.mmap) -> None:
+    def __init__(self, path: Path, size: int, fd: int, mapping: mmap.mmap, *, keep: bool = False) -> None:
         self.path = path
         self.size = size
         self._fd = fd
         self._mmap: mmap.mmap | None = mapping
+        #: Left in place by `close` (a kept pool, adopted by the next server of its address).
+        self.keep = keep
 
     @classmethod
     def create(cls, size: int, directory: Path | None = None) -> SharedPool:
@@ -97,12 +101,20 @@ class SharedPool:
                 free=free,
             )
         path = directory / f"kvdepot-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}.pool"
+        return cls.create_at(path, size)
+
+    @classmethod
+    def create_at(cls, path: Path, size: int, *, keep: bool = False, lock: bool = False) -> SharedPool:
+        """Create the pool file `path` (which must not exist), size and map it; with `lock`, hold
+        an exclusive lock on it while it is open (a kept pool: one server at a time)."""
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
             raise PoolError(f"cannot create the pool file {path}: {exc.strerror}", path=str(path)) from exc
         try:
+            if lock:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)  # whatever the umask did
             os.ftruncate(fd, size)
             # Reserve every page now: on a full /dev/shm a write into a sparse pool would kill
@@ -115,7 +127,19 @@ class SharedPool:
                 path.unlink()
             raise PoolError(f"cannot size or map the pool file {path}: {exc.strerror}", path=str(path)) from exc
         log.debug("pool_created", path=str(path), size=size)
-        return cls(path, size, fd, mapping)
+        return cls(path, size, fd, mapping, keep=keep)
+
+    @classmethod
+    def reopen(cls, path: Path, fd: int, size: int) -> SharedPool:
+        """Map a kept pool file this server opened and locked (`fd`, of exactly `size` bytes)."""
+        try:
+            os.posix_fallocate(fd, 0, size)  # its pages may have been given back (a sparse copy)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            os.close(fd)
+            raise PoolError(f"cannot map the kept pool file {path}: {exc.strerror}", path=str(path)) from exc
+        log.debug("pool_reopened", path=str(path), size=size)
+        return cls(path, size, fd, mapping, keep=True)
 
     @property
     def buffer(self) -> memoryview:
@@ -133,13 +157,17 @@ class SharedPool:
         return self._mmap is not None and os.fstat(self._fd).st_size >= self.size
 
     def close(self) -> None:
-        """Unmap and delete the file; clients that still map it keep their mapping until they unmap."""
+        """Unmap and delete the file (a kept pool's stays); clients that still map it keep their
+        mapping until they unmap."""
         if self._mmap is None:
             return
         with contextlib.suppress(BufferError):  # a view still exported: the OS unmaps at exit
             self._mmap.close()
         self._mmap = None
         os.close(self._fd)
+        if self.keep:
+            log.debug("pool_kept", path=str(self.path))
+            return
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
         log.debug("pool_removed", path=str(self.path))
@@ -241,6 +269,18 @@ class PoolMapping:
         self.close()
 
 
+class SlotJournal(Protocol):
+    """Where a kept pool's slots are journaled (`_pool_journal.PoolJournal`)."""
+
+    def reserved(self, slot: int, generation: int, salt: str, key: bytes, length: int) -> None: ...
+
+    def flush(self) -> None: ...
+
+    def committed(self, slot: int, generation: int) -> None: ...
+
+    def freed(self, slot: int) -> None: ...
+
+
 class SlotHeaders:
     """Writes the header in front of each slot (`kvdepot.core.SLOT_HEADER_BYTES`) into the pool.
 
@@ -249,10 +289,20 @@ class SlotHeaders:
     sees half of one. Without a buffer (unit tests of the index) it writes nothing.
     """
 
-    def __init__(self, buffer: memoryview | None = None) -> None:
+    def __init__(
+        self, buffer: memoryview | None = None, *, journal: SlotJournal | None = None, generation: int = 1
+    ) -> None:
         self._buf = buffer
         self._words = buffer.cast("Q") if buffer is not None else None
-        self._generation = 1  # the last odd generation handed out; +1 is its committed one
+        self._generation = generation | 1  # the last odd generation handed out; +1 is its committed one
+        #: A kept pool's journal (`_pool_journal.py`): told of every slot handed out, committed, freed.
+        self._journal = journal
+
+    def follow(self, journal: SlotJournal, generation: int) -> None:
+        """Journal every slot from now on, with generations past `generation` (a kept pool's,
+        whose slots may hold generations up to it from the servers before)."""
+        self._journal = journal
+        self._generation = max(self._generation, generation | 1)
 
     def writing(self, slot: int, salt: str, key: bytes, length: int) -> None:
         """The slot now belongs to a reservation: odd generation first, then what it will hold."""
@@ -261,17 +311,29 @@ class SlotHeaders:
         self._generation += 2
         self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
         self._buf[slot : slot + SLOT_HEADER_BYTES] = pack_slot_header(self._generation, length, slot_digest(salt, key))
+        if self._journal is not None:
+            self._journal.reserved(slot, self._generation, salt, key, length)
+
+    def flush(self) -> None:
+        """The slots handed out so far are on file (a reserve calls it before its reply)."""
+        if self._journal is not None:
+            self._journal.flush()
 
     def published(self, slot: int) -> None:
         """The slot's chunk is committed: its generation becomes even."""
         if self._words is not None:
-            self._words[(slot + SLOT_GENERATION_OFFSET) // 8] += 1
+            word = (slot + SLOT_GENERATION_OFFSET) // 8
+            self._words[word] += 1
+            if self._journal is not None:
+                self._journal.committed(slot, self._words[word])
 
     def freed(self, slot: int) -> None:
         """The slot left the index (evicted, cleared, aborted, expired): a new odd generation."""
         if self._words is not None:
             self._generation += 2
             self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
+            if self._journal is not None:
+                self._journal.freed(slot)
 
     def close(self) -> None:
         """Let go of the pool's memory (before the pool closes)."""

@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvdepot.server._kept_pool import journal_path, kept_pool_path
+from kvdepot.server._pool import default_pool_dir
 from kvdepot.server._stats import fetch_stats
 from kvdepot.transport import StatsReply
 
@@ -95,7 +97,8 @@ class ServerProcess:
         return self.process is not None and self.process.poll() is None
 
     def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM (a clean stop that removes the socket and the pool), then SIGKILL if needed."""
+        """SIGTERM (a clean stop that removes the socket; the pool stays for the next start
+        unless the server runs with --no-keep-pool), then SIGKILL if needed."""
         if not self.alive():
             return
         assert self.process is not None
@@ -104,6 +107,17 @@ class ServerProcess:
             self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def remove_kept_pool(self, pool_dir: str | os.PathLike[str] | None = None) -> bool:
+        """Delete the pool (and journal) a stopped server of this address kept in `pool_dir`
+        (default: the server's default); True when there was one. Never one in use."""
+        if self.alive():
+            raise ServerStartError("the server still runs; stop it first")
+        path = kept_pool_path(Path(pool_dir) if pool_dir is not None else default_pool_dir(), self.address)
+        found = path.exists()
+        for gone in (path, journal_path(path)):
+            gone.unlink(missing_ok=True)
+        return found
 
     def kill(self) -> None:
         """SIGKILL the whole process group, as a crash would."""

@@ -6,6 +6,8 @@ import heapq
 
 import attrs
 
+from kvdepot.server._pool_journal import Record
+
 
 @attrs.frozen
 class LookupOutcome:
@@ -82,3 +84,14 @@ class IndexStats:
     def largest_salts(self, count: int) -> list[str]:
         """The `count` salts holding the most bytes, most first."""
         return heapq.nlargest(count, self.salt_bytes, key=self.salt_bytes.__getitem__)
+
+
+@attrs.define
+class AdoptOutcome:
+    """What `ChunkIndex.adopt` took back from a kept pool, and what it refused, by reason."""
+
+    chunks: int = 0
+    bytes: int = 0
+    pending: int = 0
+    refused: dict[str, int] = attrs.field(factory=dict)
+    records: list[Record] = attrs.field(factory=list)  # of what was taken back, in order

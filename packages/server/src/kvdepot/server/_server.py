@@ -24,6 +24,7 @@ from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
+from kvdepot.server._kept_pool import open_pool, remove_abandoned_pools
 from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES
 from kvdepot.server._kv_publisher import (
     DEFAULT_MAX_CONNECTIONS,
@@ -43,7 +44,7 @@ from kvdepot.server._metrics import (
     SaltLookups,
 )
 from kvdepot.server._metrics_http import HTTPLimits, ListenerFigures
-from kvdepot.server._pool import SharedPool, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._pool import SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
@@ -53,7 +54,15 @@ from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import MAX_CONNECTIONS, CappedListener, PeerLimits, Waker, get_logger, open_endpoint
+from kvdepot.transport import (
+    MAX_CONNECTIONS,
+    CappedListener,
+    PeerLimits,
+    Waker,
+    default_address,
+    get_logger,
+    open_endpoint,
+)
 
 log = get_logger(__name__)
 
@@ -130,6 +139,8 @@ class ServerConfig:
     health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
     label_key_file: Path | None = None  # the salt-label key (None: `default_label_key_path()`)
     settings_file: Path | None = None  # where quotas are kept across restarts (None: in memory only)
+    keep_pool: bool = False  # the address's kept pool: left at stop, adopted at start (`kvdepot serve`: on)
+    fresh_pool: bool = False  # ... but discard what it holds at this start
 
 
 class CacheServer:
@@ -140,6 +151,8 @@ class CacheServer:
         pool_dir = Path(config.pool_dir) if config.pool_dir else default_pool_dir()
         for path in remove_stale_pools(pool_dir):
             log.info("stale_pool_removed", path=str(path))
+        for path in remove_abandoned_pools(pool_dir):
+            log.info("abandoned_pool_removed", path=str(path))
         capacity = config.capacity if config.capacity is not None else default_capacity(pool_dir)
         free = pool_dir_free_bytes(pool_dir)
         if capacity > free:  # before anything is built: the allocator's tables grow with capacity
@@ -169,8 +182,18 @@ class CacheServer:
         # Each part is built from the ones before it, and closed in the reverse order, whether
         # the server closes or a later part fails to build.
         with contextlib.ExitStack() as parts:
-            self.pool = SharedPool.create(self.allocator.capacity, pool_dir)
+            kept = open_pool(
+                pool_dir,
+                config.address or default_address(),
+                self.allocator.capacity,
+                self.allocator.page_size,
+                keep=config.keep_pool,
+                fresh=config.fresh_pool,
+            )
+            self.pool = kept.pool
             parts.callback(self.pool.close)
+            # A new kept pool is kept once the server is up: a start that fails leaves nothing behind.
+            self.pool.keep = not kept.fresh
             headers = SlotHeaders(self.pool.buffer)
             parts.callback(headers.close)
             self.index = ChunkIndex(
@@ -185,6 +208,11 @@ class CacheServer:
             settings = SettingsFile(config.settings_file)
             for salt, max_bytes in settings.load_quotas().items():  # before anyone can store
                 self.index.set_quota(salt, max_bytes)
+            #: What the server took back from its kept pool (nothing for a pool that is not kept).
+            self.adoption, self.journal = kept.adopt_into(self.index, headers, time.monotonic())
+            if self.journal is not None:
+                parts.callback(self.journal.close)
+                parts.callback(self._forget_journal_unless_kept)
             self._metric_salts = SaltRanking(self.index, METRIC_SALT_RANKING_S)
             parts.callback(self.metrics.close)
             waker = Waker()
@@ -248,7 +276,13 @@ class CacheServer:
                         raise
                     log.warning("metrics_unavailable", reason=exc.message)
             self._publish()
+            self.pool.keep = self.journal is not None
             self._parts = parts.pop_all()
+
+    def _forget_journal_unless_kept(self) -> None:
+        """A new kept pool whose server never came up is not kept: its journal goes with it."""
+        if self.journal is not None and not self.pool.keep:
+            self.journal.path.unlink(missing_ok=True)
 
     @property
     def address(self) -> str:
@@ -326,7 +360,7 @@ class CacheServer:
         self.endpoint.stop()
 
     def close(self) -> None:
-        """Stop serving, remove the socket and the pool file. Idempotent."""
+        """Stop serving, remove the socket and the pool file (a kept pool's stays). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -360,7 +394,27 @@ class CacheServer:
         if self.kv_events is not None:
             extra.update(self.kv_events.figures())
         extra["changes_next"] = self.handler.changes.next
+        extra.update(self._pool_figures())
         return extra
+
+    def _pool_figures(self) -> dict[str, str | int | float | bool | None]:
+        """The kept pool's: whether it is kept, what the start took back, what the journal missed."""
+        adoption = self.adoption
+        figures: dict[str, str | int | float | bool | None] = {
+            "pool_kept": self.journal is not None,
+            "pool_adopted_chunks": adoption.chunks,
+            "pool_adopted_bytes": adoption.bytes,
+            "pool_adopted_pending": adoption.pending,
+            "pool_adopt_seconds": round(adoption.seconds, 3),
+            "pool_fresh_reason": adoption.fresh or None,
+        }
+        for why, count in adoption.dropped.items():
+            figures[f"pool_dropped_{why}"] = count
+        if self.journal is not None:
+            figures["pool_journal_written"] = self.journal.written
+            figures["pool_journal_dropped"] = self.journal.dropped
+            figures["pool_journal_failed"] = self.journal.failed
+        return figures
 
     def _open_tiers(self, config: ServerConfig, waker: Waker, parts: contextlib.ExitStack) -> TierSet | None:
         """The tiers below RAM that `config` asks for (disk first, then remote), or None; each is

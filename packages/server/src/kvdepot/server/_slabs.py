@@ -163,6 +163,40 @@ class SlabAllocator:
         self.used_bytes += slot_size
         return page * self.page_size + slot * slot_size
 
+    def adopt(self, slots: Iterable[tuple[int, int]]) -> list[bool]:
+        """Take the given (offset, slot size) slots of a kept pool, on an allocator that has
+        handed out nothing yet (a restarted server adopting what its pool holds).
+
+        A page takes the class of its first slot here; a slot that is not a slot start of its
+        page's class, lies outside the pages or overlaps one taken before is refused. Returns,
+        per slot in order, whether it was taken. One pass, whatever the number of slots."""
+        assert self.used_bytes == 0, "adopt runs before any allocation"
+        taken: dict[int, set[int]] = {}  # page -> slot numbers taken
+        accepted: list[bool] = []
+        for offset, slot_size in slots:
+            page, within = divmod(offset, self.page_size)
+            slot, rem = divmod(within, slot_size) if slot_size > 0 else (0, 1)
+            ok = 0 <= page < self.num_pages and not rem and slot < self.page_size // slot_size
+            ok = ok and self._page_class[page] in (0, slot_size)
+            ok = ok and slot not in taken.get(page, ())
+            accepted.append(ok)
+            if ok:
+                self._page_class[page] = slot_size
+                taken.setdefault(page, set()).add(slot)
+        for page, numbers in taken.items():
+            slot_size = self._page_class[page]
+            cls = self._classes.get(slot_size)
+            if cls is None:
+                cls = self._classes[slot_size] = _SizeClass(slot_size, self.page_size // slot_size)
+            cls.pages.add(page)
+            free = [n for n in range(cls.slots_per_page - 1, -1, -1) if n not in numbers]
+            if free:
+                cls.partial[page] = free
+            self._page_used[page] = len(numbers)
+            self.used_bytes += len(numbers) * slot_size
+        self._free_pages = [page for page in self._free_pages if page not in taken]
+        return accepted
+
     def free(self, offset: int) -> None:
         """Give back the slot at `offset`; a page left empty returns to the free pages."""
         page = offset // self.page_size

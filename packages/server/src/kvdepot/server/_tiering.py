@@ -43,7 +43,7 @@ import attrs
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
 from kvdepot.server._errors import ServerError, TooManyError
 from kvdepot.server._events import Committed, IndexEvent
-from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
+from kvdepot.server._index import ADOPTED_CLIENT, MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._label_key import random_labeler
 from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
 from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, TierRead, fill, probe, up
@@ -56,6 +56,9 @@ log = get_logger(__name__)
 #: The server's own session in the index: its leases pin chunks being copied out, its
 #: reservations hold the slots that lower-tier reads fill.
 TIER_CLIENT = f"{RESERVED_CLIENT_PREFIX}tiers"
+#: Commits the tiers do not write below: their own (read from below), and a kept pool's chunks
+#: taken back at start (written below before, when the last server committed them).
+_NOT_WRITTEN_BELOW = frozenset({TIER_CLIENT, ADOPTED_CLIENT})
 #: How long a lookup waits at most for the lower tiers (seconds), unless `--tier-deadline` says.
 DEFAULT_READ_DEADLINE = 0.5
 #: ... and, when set, at most this per chunk of the longest run the tiers hold past the RAM
@@ -223,7 +226,7 @@ class TierSet:
     def take(self, events: Sequence[IndexEvent]) -> None:
         """Write-behind for the chunks clients just committed (loop thread, after each request):
         pin them, and queue them for every tier. Chunks read back from a tier are there already."""
-        committed = [e for e in events if isinstance(e, Committed) and e.client != TIER_CLIENT]
+        committed = [e for e in events if isinstance(e, Committed) and e.client not in _NOT_WRITTEN_BELOW]
         if committed and not self._closed:
             self._pin(committed)
 
