@@ -248,3 +248,23 @@ def test_generations_go_on_past_the_last_servers(serve):
     again.stop()
     records = read_journal(journal).records
     assert min(r.generation for r in records if r.key in keys("g2", 4)) > before
+
+
+def test_the_next_build_adopts_this_builds_pool_and_this_one_adopts_it_back(serve):
+    """An upgrade (a build one tier format ahead, `_future_format.py`) restarts on the pool this
+    build kept and hits it; a downgrade back does too (the pool and journal formats are shared)."""
+    import sys
+    from pathlib import Path
+
+    upgraded = (sys.executable, str(Path(__file__).with_name("_future_format.py")))
+    server = serve(*POOL)
+    chunk_keys = keys("upgrade", 6)
+    store(server.address, "s", chunk_keys)
+    server.stop()
+    nxt = serve(*POOL, command=upgraded)
+    assert figures(nxt)["pool_adopted_chunks"] == 6
+    assert lookup(nxt.address, "s", chunk_keys) == (6, True)
+    store(nxt.address, "s", keys("upgrade-more", 2))
+    nxt.stop(signal.SIGKILL)
+    back = serve(*POOL)
+    assert lookup(back.address, "s", chunk_keys + keys("upgrade-more", 2)) == (8, True)
