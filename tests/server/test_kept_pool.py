@@ -70,7 +70,7 @@ def test_a_client_still_connected_reconnects_and_hits(serve):
                 pool.write(slot.offset, payload(chunk_keys[slot.index]))
             client.commit(res.reservation_id).result(T)
         # Commits are journaled by a thread right after: one killed sooner than that is a miss.
-        wait_for(lambda: server.stats().extra["pool_journal_written"] == 8)  # 4 reserved, 4 committed
+        wait_for(lambda: server.stats().extra["pool_journal_behind"] == 0)
         server.stop(signal.SIGKILL)
         again = serve(*POOL)
         for _ in range(100):

@@ -176,6 +176,8 @@ class PoolJournal:
         self._queue: queue.SimpleQueue[Record | None] = queue.SimpleQueue()
         self.dropped = 0  # commits not journaled: the queue was full
         self.written = 0  # records on file
+        self._queued = 0  # commits handed to the thread (the loop's count) ...
+        self._done = 0  # ... and those it has written or found gone (the thread's)
         self.failed: str | None = None  # why journaling stopped (a write failed)
         self._thread = threading.Thread(target=self._run, name="kvdepot-pool-journal", daemon=True)
         self._thread.start()
@@ -202,7 +204,13 @@ class PoolJournal:
         if self._queue.qsize() >= MAX_QUEUED:
             self.dropped += 1
             return
+        self._queued += 1
         self._queue.put(attrs.evolve(record, kind=COMMITTED, generation=generation))
+
+    @property
+    def behind(self) -> int:
+        """Commits handed to the thread and not on file yet (a kill now would lose them)."""
+        return self._queued - self._done
 
     def freed(self, slot: int) -> None:
         self._pending.pop(slot, None)
@@ -230,19 +238,24 @@ class PoolJournal:
             with contextlib.suppress(queue.Empty):
                 while len(batch) < BATCH:
                     batch.append(self._queue.get_nowait())
+            stop = None in batch
             records = [done for record in batch if record is not None and (done := self._checked(record))]
             if records:
-                data = b"".join(record.encode() for record in records)
-                with self._lock:
-                    self._write(data, len(records))
-                live = self._live
-                for record in records:  # newest last: the order a restart adopts them in
-                    live.pop(record.slot, None)
-                    live[record.slot] = record
-                if self._size > 2 * self._compacted_size + COMPACT_SLACK:
-                    self._compact()
-            if None in batch:
+                self._append(records)
+            self._done += len(batch) - stop
+            if stop:
                 return
+
+    def _append(self, records: list[Record]) -> None:
+        data = b"".join(record.encode() for record in records)
+        with self._lock:
+            self._write(data, len(records))
+        live = self._live
+        for record in records:  # newest last: the order a restart adopts them in
+            live.pop(record.slot, None)
+            live[record.slot] = record
+        if self._size > 2 * self._compacted_size + COMPACT_SLACK:
+            self._compact()
 
     def _checked(self, record: Record) -> Record | None:
         """The commit's record with its checksum, or None when its slot moved on already."""

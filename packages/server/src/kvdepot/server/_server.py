@@ -412,6 +412,7 @@ class CacheServer:
             figures[f"pool_dropped_{why}"] = count
         if self.journal is not None:
             figures["pool_journal_written"] = self.journal.written
+            figures["pool_journal_behind"] = self.journal.behind
             figures["pool_journal_dropped"] = self.journal.dropped
             figures["pool_journal_failed"] = self.journal.failed
         return figures
