@@ -54,13 +54,13 @@ def drop_page_cache(paths: Iterable[Path]) -> int:
 
 
 def start_server(workdir: Path, *args: str, name: str = "kvdepot") -> tuple[subprocess.Popen[bytes], str]:
-    """A `kvdepot serve` process on ``ipc://WORKDIR/NAME.sock`` (its pool in ``workdir``, no
-    metrics, warnings only, and ``args``), once it answers; with its address."""
+    """A `kvdepot serve` process on ``ipc://WORKDIR/NAME.sock`` (its pool in ``workdir``, for this
+    run only, no metrics, warnings only, and ``args``), once it answers; with its address."""
     from kvdepot.server import fetch_stats
 
     address = f"ipc://{workdir}/{name}.sock"
     cmd = [sys.executable, "-m", "kvdepot.server._cli", "serve", "--address", address, "--pool-dir", str(workdir)]
-    cmd += ["--no-metrics", "--log-level", "warning", *args]
+    cmd += ["--no-metrics", "--log-level", "warning", "--no-keep-pool", *args]  # a fresh pool each start
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
     while True:

@@ -718,7 +718,7 @@ def _served(args: argparse.Namespace, size: int, chunks: int) -> Any:
         page = 4 * (size + 4096)  # four slots and their headers
         cmd = [sys.executable, *args.python_flags, "-m", "kvdepot.server", "serve", "--address", address,
                "--capacity", str(page * (chunks // 2)), "--page-size", str(page), "--pool-dir", pool_dir,
-               "--no-metrics", "--log-level", "warning"]  # fmt: skip
+               "--no-metrics", "--log-level", "warning", "--no-keep-pool"]  # fmt: skip
         log = open(os.environ["KVDEPOT_CHECK_LOG"], "a")  # noqa: SIM115 - the server's lifetime
         server = subprocess.Popen(cmd, stdout=log, stderr=log)
         try:

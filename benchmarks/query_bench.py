@@ -118,7 +118,7 @@ def main() -> None:
     servers: list[ServerProcess] = []
     results: dict[str, dict[str, float]] = {}
     try:
-        pool = ["--no-metrics", "--capacity", "64MiB", "--page-size", "1MiB"]
+        pool = ["--no-metrics", "--no-keep-pool", "--capacity", "64MiB", "--page-size", "1MiB"]
         ram = ServerProcess(f"ipc://{workdir}/ram.sock", args=pool).start()
         servers.append(ram)
         store(ram.address, "tenant-a", keys)

@@ -282,6 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "OpenMP cores with and without a connector (vLLM reserves one more core per rank for a connector)",
     )
     parser.add_argument("--quick", action="store_true", help="one round of 32 prompts per level")
+    parser.add_argument("--keep-logs", type=Path, default=None, metavar="DIR", help="keep the logs and results in DIR")
     parser.add_argument("--model-dir", type=Path, default=MODELS_DIR / "tiny-llama")
     args = parser.parse_args(argv)
     if args.quick:
@@ -316,8 +317,12 @@ def main(argv: list[str] | None = None) -> int:
     progress(f"building (or reusing) the model in {args.model_dir}")
     build_tiny_llama(args.model_dir)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvd-serve-") as tmp:
-        workdir = Path(tmp)
+    with contextlib.ExitStack() as stack:
+        if args.keep_logs is not None:  # the vLLM servers' and bench serve's logs and results stay there
+            args.keep_logs.mkdir(parents=True, exist_ok=True)
+            workdir = args.keep_logs
+        else:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvd-serve-")))
         results = []
         for concurrency, prompts in zip(args.concurrency, args.prompts, strict=True):
             results.append((concurrency, prompts, run_level(args, concurrency, prompts, workdir)))

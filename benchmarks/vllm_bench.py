@@ -94,7 +94,8 @@ HERE = Path(__file__).parent
 WORKER = HERE / "_vllm_bench_worker.py"
 MODELS_DIR = HERE.parent / ".pytest_cache" / "d" / "kvdepot-models"
 SERVE = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
-SERVE_ARGS = (sys.executable, "-c", SERVE, "serve", "--no-metrics", "--log-format", "json")
+# A pool for each start only: every engine phase begins on an empty server, as before kept pools.
+SERVE_ARGS = (sys.executable, "-c", SERVE, "serve", "--no-metrics", "--log-format", "json", "--no-keep-pool")
 # Environment of every engine process: the engine core runs in the worker process itself, and
 # nothing reaches for the network.
 ENGINE_ENV = {
