@@ -49,7 +49,9 @@ def main() -> None:
     os.chmod(workdir, 0o700)
     print("kvdepot slot check: a load with the header check against the same scatter without it", flush=True)
     rows = []
-    with kvdepot.server.ServerProcess(f"ipc://{workdir}/kvdepot.sock", capacity="3GiB", args=("--no-metrics", "--no-keep-pool")) as server:
+    with kvdepot.server.ServerProcess(
+        f"ipc://{workdir}/kvdepot.sock", capacity="3GiB", args=("--no-metrics", "--no-keep-pool")
+    ) as server:
         for name, layers, heads, head in CASES:
             progress(f"{name}: storing chunks through a real worker")
             rows.append(run_case(server.address, name, layers, heads, head, rounds=rounds))
