@@ -498,9 +498,9 @@ def main() -> None:
     print(
         "\nrestart s, fresh start s: from starting the process to the first answered lookup (a fresh start: "
         "--fresh-pool on an empty pool of the same capacity; disk tier only: the same server on an empty disk "
-        "directory), medians of the rounds; restart/fresh: the median of the rounds' ratios; adopt s: the server's pool_adopt_seconds; hits: "
-        "hit chunks / asked chunks; disk tier only: a prompt short after its lookup (the tier's reads past "
-        "--tier-deadline) is looked up once more and its round trip counts both."
+        "directory), medians of the rounds; restart/fresh: the median of the rounds' ratios; adopt s: the "
+        "server's pool_adopt_seconds; hits: hit chunks / asked chunks; disk tier only: a prompt short after its "
+        "lookup (the tier's reads past --tier-deadline) is looked up once more and its round trip counts both."
     )
 
 
