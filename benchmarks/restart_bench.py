@@ -468,7 +468,11 @@ def main() -> None:
             free = shutil.disk_usage(pool_dir).free
             need = 2 * size + GIB  # a restart needs its capacity free besides its kept pool (and slack)
             if need > free:
-                print(f"{show_size(size)} skipped: needs {show_size(need)} free in {pool_dir}, has {show_size(free)}")
+                print(
+                    f"{show_size(size)} skipped: needs {show_size(need)} free in {pool_dir}, has {show_size(free)} "
+                    "(its pool, and as much again: a start is refused when --capacity is more than the free space, "
+                    "the kept pool's own file counted as used)"
+                )
                 continue
             rows.append(kept_pool_run(a, size))
             for path in pool_dir.glob("kvdepot-*"):  # this size's kept pool and journal
