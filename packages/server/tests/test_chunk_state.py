@@ -46,7 +46,7 @@ def test_index_moves_a_chunk_through_the_table():
     index.register("a", CHUNK, now=0.0)
     key = bytes(32)
     out = index.reserve("a", "", [key], CHUNK, 0.0)
-    entry = index._entries["", key]
+    entry = index.chunks.entries["", key]
     assert entry.state is S.PENDING
     index.commit("a", out.reservation_id, None, 0.0)
     assert entry.state is S.COMMITTED
@@ -70,4 +70,4 @@ def test_evicting_a_leased_chunk_is_refused_by_the_table():
     index.commit("a", out.reservation_id, None, 0.0)
     index.lookup("a", [("", [bytes(32)])], 0.0)
     with pytest.raises(InvalidTransitionError):
-        index._evict(index._entries["", bytes(32)])
+        index.chunks.evict(index.chunks.entries["", bytes(32)])

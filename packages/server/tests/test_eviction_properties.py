@@ -106,10 +106,10 @@ def test_a_chunk_fresher_than_a_whole_reclaimable_page_is_never_evicted(ops):
         own = client if model.may_take_own(client, slot_size, len(keys)) else ""
         out = index.reserve(client, salt, keys, SIZES[client], 0.0)
         for ek in list(model.offset):
-            if ek not in index._entries:
+            if ek not in index.chunks.entries:
                 assert ek in stored, f"{ek} was evicted while pending"
                 assert not model.leases.get(ek), f"{ek} was evicted while leased"
-        evicted = {ek for ek in stored if ek not in index._entries}
+        evicted = {ek for ek in stored if ek not in index.chunks.entries}
         placed = {(salt, keys[i]): offset for i, offset, _ in out.slots}
         check_victims(model, evicted, {offset // PAGE for offset in placed.values()}, before, own)
         for ek in evicted:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvdepot.server import PoolMapping
-from kvdepot.server._index import QUARANTINE_CLIENT
+from kvdepot.server._holds import QUARANTINE_CLIENT
 from kvdepot.transport import (
     CacheClient,
     NotRegisteredError,

@@ -13,7 +13,7 @@ from kvdepot.server import (
     TooManyError,
     UnknownReservationError,
 )
-from kvdepot.server._index import QUARANTINE_CLIENT
+from kvdepot.server._holds import QUARANTINE_CLIENT
 
 PAGE = 4096
 SLOT = 1024  # four slots per page
@@ -214,7 +214,7 @@ def slot_pages(index: ChunkIndex, salt: str, keys: list[bytes]) -> set[int]:
 
 def present(index: ChunkIndex, keys: list[bytes], salt: str = "") -> list[bool]:
     """Which keys are stored, without refreshing or leasing them."""
-    return [(salt, key) in index._entries for key in keys]
+    return [(salt, key) in index.chunks.entries for key in keys]
 
 
 def test_other_class_spares_a_page_with_a_chunk_committed_just_now():
@@ -556,7 +556,7 @@ def test_a_reserve_that_can_place_nothing_evicts_nothing_for_its_quota():
     out = index.reserve("a", "s", [k(9)], 500, 5.0)
     assert out.full
     assert out.slots == []
-    assert index.evictions == 0
+    assert index.chunks.evictions == 0
     index.check()
 
 
@@ -586,7 +586,7 @@ def test_a_reserve_of_another_chunk_size_than_registered_is_refused():
 def test_a_commit_with_a_pin_keeps_its_chunks_until_the_pin_ends_and_no_longer_than_the_bound():
     """Chunks committed with `pin_s` cannot be evicted until that many seconds have passed (the
     pin is a lease of the server's own session); a pin past `MAX_PIN_S` is cut to it."""
-    from kvdepot.server._index import MAX_PIN_S, PIN_CLIENT
+    from kvdepot.server._holds import MAX_PIN_S, PIN_CLIENT
 
     def evictable() -> int:
         return len(index.policy.evictable("s", 10))
@@ -628,7 +628,7 @@ def test_a_reservation_made_before_a_clear_of_its_salt_commits_nothing():
 
 
 def test_a_clear_ends_the_pins_of_its_salt_and_pins_keep_to_their_share_of_the_pool():
-    from kvdepot.server._index import MAX_PINNED_SHARE
+    from kvdepot.server._holds import MAX_PINNED_SHARE
 
     index = make_index(pages=4)
     pinned = index.reserve("a", "s", [k(1)], CHUNK, 0.0)
@@ -645,8 +645,8 @@ def test_a_clear_ends_the_pins_of_its_salt_and_pins_keep_to_their_share_of_the_p
         if out.reservation_id:
             index.commit("b", out.reservation_id, None, 0.0, pin_s=30.0)
     assert index.stats().pins_refused > 0
-    assert index.pins.pinned_bytes <= budget
+    assert index.holds.pins.pinned_bytes <= budget
     index.clear()
     assert index.stats().leases == 0
-    assert index.pins.pinned_bytes == 0
+    assert index.holds.pins.pinned_bytes == 0
     index.check()

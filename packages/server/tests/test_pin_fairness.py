@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvdepot.core import SLOT_HEADER_BYTES
 from kvdepot.server import ChunkIndex, ServerProcess, SlabAllocator
-from kvdepot.server._index import MAX_PINNED_SHARE, PIN_CLIENT
+from kvdepot.server._holds import MAX_PINNED_SHARE, PIN_CLIENT
 from kvdepot.server.testing import free_port
 from kvdepot.transport import CacheClient
 
@@ -126,16 +126,16 @@ def _index(pages: int = 16) -> ChunkIndex:
 
 def _pin(index: ChunkIndex, salt: str, count: int, now: float = 0.0, start: int = 0) -> bool:
     """Commits `count` chunks of `salt` with a pin; whether the pin was granted."""
-    refused = index.pins_refused
+    refused = index.holds.pins_refused
     keys = [(start + i).to_bytes(32, "big") for i in range(count)]
     out = index.reserve("c", salt, keys, CHUNK, now)
     assert len(out.slots) == count
     assert index.commit("c", out.reservation_id, None, now, pin_s=30.0) == count
-    return index.pins_refused == refused
+    return index.holds.pins_refused == refused
 
 
 def _pinned(index: ChunkIndex, salt: str) -> int:
-    return index.pins.bytes_of(salt) // SLOT
+    return index.holds.pins.bytes_of(salt) // SLOT
 
 
 def test_one_salt_alone_may_use_the_whole_room():
@@ -143,7 +143,7 @@ def test_one_salt_alone_may_use_the_whole_room():
     index = _index()
     assert all(_pin(index, "a", 1, start=i) for i in range(16))
     assert not _pin(index, "a", 1, start=16)  # the room is full
-    assert index.pins_refused_share == 0  # no other salt: a plain lack of room
+    assert index.holds.pins_refused_share == 0  # no other salt: a plain lack of room
     index.check()
 
 
@@ -154,7 +154,7 @@ def test_a_salt_within_its_share_ends_the_oldest_pins_of_the_salt_past_its_share
     leases = sorted(index.sessions.session_of(PIN_CLIENT).leases)
     assert _pin(index, "b", 3, start=100)
     assert (_pinned(index, "a"), _pinned(index, "b")) == (13, 3)
-    assert index.pins_ended_early == 3
+    assert index.holds.pins_ended_early == 3
     assert sorted(index.sessions.session_of(PIN_CLIENT).leases)[:13] == leases[3:]  # the oldest ended
     assert index.stats().leased_chunks == 16
     index.check()
@@ -168,14 +168,14 @@ def test_a_salt_past_its_share_is_refused_and_its_commit_still_succeeds():
         _pin(index, "a", 1, start=i)
     assert _pin(index, "b", 4, start=100)  # room left: no one gives way
     assert not _pin(index, "a", 1, start=200)  # a holds 12 of 16, past its half
-    assert index.pins_refused_share == 1
+    assert index.holds.pins_refused_share == 1
     assert index.stats().chunks == 12 + 4 + 1  # committed all the same
     assert _pin(index, "b", 4, start=300)  # b within its half: a's oldest give way
     assert (_pinned(index, "a"), _pinned(index, "b")) == (8, 8)
     assert not _pin(index, "b", 1, start=400)  # now b holds its half too
-    assert index.pins_refused_share == 2
+    assert index.holds.pins_refused_share == 2
     index.expire(30.0)  # every pin ends
-    assert index.pins.pinned_bytes == 0
+    assert index.holds.pins.pinned_bytes == 0
     assert _pin(index, "a", 16, start=500)
     index.check()
 
@@ -199,8 +199,8 @@ def test_a_clear_ends_a_salts_pins_and_its_share():
     for i in range(16):
         _pin(index, "a", 1, start=i)
     index.clear("a")
-    assert index.pins.pinned_bytes == 0
-    assert index.pins.bytes_of("a") == 0
+    assert index.holds.pins.pinned_bytes == 0
+    assert index.holds.pins.bytes_of("a") == 0
     assert _pin(index, "b", 16, start=100)
     index.check()
 
@@ -208,13 +208,13 @@ def test_a_clear_ends_a_salts_pins_and_its_share():
 def test_a_salt_cannot_starve_others_by_pin_count_either(monkeypatch):
     """The pins' lease count is shared the same way: many tiny pins of one salt do not keep
     another salt's pin out."""
-    monkeypatch.setattr("kvdepot.server._index.MAX_PIN_LEASES", 4)
+    monkeypatch.setattr("kvdepot.server._holds.MAX_PIN_LEASES", 4)
     index = _index(pages=64)  # room for 64 slots of pins: the count binds first
     for i in range(4):
         _pin(index, "a", 1, start=i)
     assert not _pin(index, "a", 1, start=10)
     assert _pin(index, "b", 1, start=100)
-    assert index.pins_ended_early == 1
+    assert index.holds.pins_ended_early == 1
     index.check()
 
 
@@ -230,7 +230,7 @@ def test_a_pin_that_keeps_its_salt_within_its_share_is_always_granted(ops):
     """Whatever salts pin, expire or clear: pins stay within their room, and a pin that keeps its
     salt within its equal share of the room (among the salts pinning and itself) is granted."""
     index = _index(pages=16)
-    room = index.pins.max_bytes
+    room = index.holds.pins.max_bytes
     now, start = 0.0, 0
     for name, salt, count in ops:
         if name == "tick":
@@ -240,11 +240,11 @@ def test_a_pin_that_keeps_its_salt_within_its_share_is_always_granted(ops):
             index.clear(salt)
         else:
             pinning = {lease.entries[0].salt for lease in _pin_leases(index)} | {salt}
-            within = index.pins.bytes_of(salt) + count * SLOT <= room / len(pinning)
+            within = index.holds.pins.bytes_of(salt) + count * SLOT <= room / len(pinning)
             granted = _pin(index, salt, count, now, start)
             start += count
             assert granted or not within, "a pin within its salt's share was refused"
-        assert index.pins.pinned_bytes <= room
+        assert index.holds.pins.pinned_bytes <= room
         index.check()
 
 
@@ -264,7 +264,7 @@ def test_salts_pinning_and_leaving_keep_the_bookkeeping_in_proportion():
             _pin(index, f"salt-{round_}-{n}", 1, now, start)
             start += 1
             index.check()
-        assert index.pins.pins == 64
+        assert index.holds.pins.pins == 64
         index.expire(now + 30.0)
-        assert index.pins.pins == 0
+        assert index.holds.pins.pins == 0
         index.check()

@@ -82,7 +82,7 @@ def test_a_restart_adopts_committed_chunks_in_their_order(tmp_path):
     assert pool.adoption.bytes == 8 * CHUNK
     assert pool.index.stats().salt_chunks == {"a": 5, "b": 3}
     pool.index.check()
-    assert all(e.owner == ADOPTED_CLIENT for e in pool.index._entries.values())
+    assert all(e.owner == ADOPTED_CLIENT for e in pool.index.chunks.entries.values())
     # The oldest (a's, stored first) goes first when the pool is full.
     assert pool.index.policy.order.oldest_of_size(4096).salt == "a"
     pool.index.register("c", CHUNK, 0.0)
@@ -137,7 +137,7 @@ def test_a_changed_slot_is_dropped(tmp_path, where):
     pool = Pool(tmp_path / "j")
     pool.store("a", [_key(1), _key(2)])
     pool.journal.close()
-    entry = pool.index._entries[("a", _key(1))]
+    entry = pool.index.chunks.entries[("a", _key(1))]
     spot = entry.offset + (SLOT_HEADER_BYTES + 5 if where == "data" else 30)
     pool.buffer[spot] ^= 0xFF
     contents = read_journal(tmp_path / "j")

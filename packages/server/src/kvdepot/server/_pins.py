@@ -1,7 +1,7 @@
 """Fair shares of the room for handoff pins: which salt gives way when a pin does not fit.
 
 Pure bookkeeping, like `Sessions`: it knows which salt holds which pin (a lease of the index's
-`PIN_CLIENT`) and how many bytes; the index ends and makes the leases.
+`PIN_CLIENT`) and how many bytes; `ServerHolds` (`_holds.py`) ends and makes the leases.
 
 Pins of all salts together hold at most `max_bytes` slot bytes and `max_pins` leases. While a
 pin fits, it is granted, whoever asks: one tenant alone may use all the room. When it does not

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 
 from kvdepot.server._chunk_state import ChunkState
@@ -39,6 +41,8 @@ class Lease:
     client: str
     deadline: float
     entries: list[Entry]
+    #: Called with its id when it ends (the pins' book forgets a pin); None for most leases.
+    ended: Callable[[int], None] | None = None
 
 
 @attrs.define(eq=False)

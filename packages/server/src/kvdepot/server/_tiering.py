@@ -5,7 +5,7 @@ threads, which hand their results back through `_post` (a queue the loop drains 
 
 Write-behind (every committed chunk, written to every tier):
     index: Committed events --> loop (`take`, after the request that committed): pin the chunk
-           (an uncounted lease of the server's own session `TIER_CLIENT`) --> WriteBehind
+           (`ServerHolds.tier_lease`: a lease of the server's own `TIER_CLIENT`) --> WriteBehind
            queue of each tier --> worker: copy the slot out (checked against the slot's header
            before and after, as a reader would) --> post: unpin --> write below.
     A chunk therefore leaves RAM only once it was copied for every tier, or deliberately
@@ -19,10 +19,11 @@ Read-through (a lookup that misses RAM), one `TierRead` moved by the table in `_
         on the remote; a window of keys at a time, so the first key no tier holds ends the
         probe) --> loop (`_probed`): the deadline follows from the longest run held
         (`deadline_for`); reserve RAM slots of that length for those runs (owned by the asking
-        client) --> reader: `fill` them straight from the tiers (one batch per tier, within
-        the deadline; where a read fails, the next tier that holds the chunk is asked) -->
-        loop (`_filled`): commit the slots filled, abort the others, and answer the lookup as
-        if they had been in RAM (`run` returns it; the server sends the deferred reply).
+        client: `ServerHolds.tier_reserve`) --> reader: `fill` them straight from the tiers (one
+        batch per tier, within the deadline; where a read fails, the next tier that holds the
+        chunk is asked) --> loop (`_filled`): commit the slots filled, abort the others, and
+        answer the lookup as if they had been in RAM (`run` returns it; the server sends the
+        deferred reply).
     That is two hand-offs to the reader and two back. Slots are taken only for chunks a tier
     holds, so a cold prompt evicts nothing from RAM. A chunk not in by the deadline is a miss,
     the chunks before it still hit: the engine recomputes from there. Each run is read at the
@@ -43,19 +44,17 @@ import attrs
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
 from kvdepot.server._errors import ServerError, TooManyError
 from kvdepot.server._events import Committed, IndexEvent
+from kvdepot.server._holds import TIER_CLIENT
 from kvdepot.server._index import ADOPTED_CLIENT, MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._label_key import random_labeler
 from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
 from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, TierRead, fill, probe, up
 from kvdepot.server._tiers import Tier, WarnLimiter
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
-from kvdepot.transport import RESERVED_CLIENT_PREFIX, Deferred, get_logger
+from kvdepot.transport import Deferred, get_logger
 
 log = get_logger(__name__)
 
-#: The server's own session in the index: its leases pin chunks being copied out, its
-#: reservations hold the slots that lower-tier reads fill.
-TIER_CLIENT = f"{RESERVED_CLIENT_PREFIX}tiers"
 #: Commits the tiers do not write below: their own (read from below), and a kept pool's chunks
 #: taken back at start (written below before, when the last server committed them).
 _NOT_WRITTEN_BELOW = frozenset({TIER_CLIENT, ADOPTED_CLIENT})
@@ -177,6 +176,8 @@ class TierSet:
         self._salt_label = label if label is not None else random_labeler()
         self.tiers = list(tiers)
         self.index = index
+        self.holds = index.holds  # the tiers' leases and reservations in the index
+        self.clears = index.clears  # a read from below before a clear of the tiers is a miss
         self.pool = pool
         self.read_deadline = read_deadline
         self.read_deadline_per_chunk = read_deadline_per_chunk
@@ -203,10 +204,8 @@ class TierSet:
         self._answers: list[Answer] = []  # lookups to answer, handed out by `run`
         self._warn = WarnLimiter(log)
         self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
-        self._clears = 0  # clears started
-        self._cleared: dict[str | None, int] = {}  # per salt (None: all), the number of its last clear
         self._closed = False
-        index.touch(TIER_CLIENT, 0.0, "tiers")
+        self.holds.open_tiers(0.0)
 
     # -- loop thread ------------------------------------------------------------------------
 
@@ -245,8 +244,7 @@ class TierSet:
     def _pin(self, committed: list[Committed]) -> None:
         now = time.monotonic()
         try:
-            self.index.touch(TIER_CLIENT, now, "tiers")  # back if a peer greeting under its id ended it
-            outcomes = self.index.lookup(TIER_CLIENT, [(e.salt, [e.key]) for e in committed], now, count=False)
+            outcomes = self.holds.tier_lease([(e.salt, [e.key]) for e in committed], now)
         except ServerError:  # too many pins or sessions: these chunks stay in RAM only, the commit stands
             self.counters["pins_dropped"] += len(committed)
             return
@@ -256,7 +254,7 @@ class TierSet:
             name = (event.salt, event.key)
             old = self._pins.pop(name, None)
             if old is not None:  # committed again while an older copy is queued: the new pin stands
-                self.index.release(TIER_CLIENT, [old.lease_id])
+                self.holds.tier_release([old.lease_id])
             pin = self._pins[name] = _Pin(outcome.lease_id, len(self._writers))
             for writer in self._writers:
                 item = DeferredWrite(event.salt, event.key, event.length, _Copy(self, name, outcome.slots[0], pin))
@@ -267,7 +265,7 @@ class TierSet:
         pin.waiting -= 1
         if pin.waiting <= 0 and self._pins.get(name) is pin:
             del self._pins[name]
-            self.index.release(TIER_CLIENT, [pin.lease_id])
+            self.holds.tier_release([pin.lease_id])
 
     def lookup(
         self, client: str, items: list[tuple[str, Sequence[bytes]]], now: float, per_chunk: float | None = None
@@ -282,14 +280,13 @@ class TierSet:
         try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
             if self._prefix_leases + len(items) > MAX_PREFIX_LEASES:
                 raise TooManyError("the tiers hold their share of leases on RAM prefixes")
-            self.index.touch(TIER_CLIENT, now, "tiers")
-            leases = [o.lease_id for o in self.index.lookup(TIER_CLIENT, items, now, count=False) if o.lease_id]
+            leases = [o.lease_id for o in self.holds.tier_lease(items, now) if o.lease_id]
         except ServerError:  # too many leases or sessions: read without holding the prefixes
             pass
         started = time.monotonic()
         read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait(), per_chunk)
         read.prefix_leases = leases
-        read.epoch = self._clears
+        read.epoch = self.clears.now
         self._prefix_leases += len(leases)
         self.counters["reads_deferred"] += 1
         return self._start(read, count)
@@ -379,8 +376,7 @@ class TierSet:
             return (0, [])
         salt, keys = read.missing[item]
         try:
-            self.index.register(TIER_CLIENT, read.sizes[item], now)  # also re-opens a session a peer ended
-            out = self.index.reserve(TIER_CLIENT, salt, keys[: len(holders)], read.sizes[item], now, owner=read.client)
+            out = self.holds.tier_reserve(read.client, salt, keys[: len(holders)], read.sizes[item], now)
         except ServerError as exc:  # too many reservations: a miss
             log.warning("tier_read_not_placed", error=str(exc))
             return (0, [])
@@ -393,21 +389,19 @@ class TierSet:
         read.filled = filled
         for item, (reservation_id, _slots) in enumerate(read.targets):
             done = set(filled[item]) if item < len(filled) else set()
-            if done and self._cleared_since(read.missing[item][0], read.epoch):
+            if done and self.clears.since(read.missing[item][0], read.epoch, below=True):
                 done = set()  # read before a clear of its salt: those bytes were deleted
             self.counters["read_hits"] += len(done)
             self.counters["read_misses"] += len(read.missing[item][1]) - len(done)
             if not reservation_id:
                 continue
             try:
-                if done:
-                    self.index.commit(TIER_CLIENT, reservation_id, done, now)
-                self.index.abort(TIER_CLIENT, reservation_id)  # the slots not filled (a no-op when none)
+                self.holds.tier_settle(reservation_id, done, now)
             except ServerError as exc:  # a peer ended the tiers' session meanwhile: those chunks are misses
                 log.warning("tier_read_not_placed", error=str(exc))
         if read.advance(event):
             self._answer(read)
-        self.index.release(TIER_CLIENT, read.prefix_leases)  # the client holds its own leases now
+        self.holds.tier_release(read.prefix_leases)  # the client holds its own leases now
         self._prefix_leases -= len(read.prefix_leases)
         self._keys_waiting -= read.keys
         left = self._keys_of[read.client] - read.keys
@@ -416,15 +410,11 @@ class TierSet:
         else:
             del self._keys_of[read.client]
 
-    def _cleared_since(self, salt: str, epoch: int) -> bool:
-        return max(self._cleared.get(salt, 0), self._cleared.get(None, 0)) > epoch
-
     def clear(self, deferred: Deferred, salt: str | None, removed: int) -> TierClear:
         """Have every tier delete the objects of ``salt`` (None: all), after the batch its writer is
         on (loop thread; the caller took the salt's writes off the queues with `discard` first).
         ``removed``: what the request removed from RAM. Answered through `run`."""
-        self._clears += 1
-        self._cleared[salt] = self._clears
+        self.clears.mark(salt, below=True)
         job = TierClear(deferred, salt, removed, waiting=len(self.tiers))
         for tier, writer in zip(self.tiers, self._writers, strict=True):
             if not writer.call(functools.partial(self._clear_on_writer, job, tier)):
@@ -459,8 +449,7 @@ class TierSet:
             job.waiting -= 1
             if job.waiting == 0:
                 # A read that started before every tier was done may hold bytes they deleted.
-                self._clears += 1
-                self._cleared[job.salt] = self._clears
+                self.clears.mark(job.salt, below=True)
                 log.info("tiers_cleared", salt=self._label(job.salt), deleted=job.tiers, errors=job.errors)
                 self._answers.append(Answer(job.deferred, "", [], cleared=job))
 
