@@ -495,3 +495,44 @@ def test_a_request_sharing_a_sync_load_waits_until_it_is_known_good_and_a_failed
     assert failed.isdisjoint(b_blocks)
     run_until(scheduler, lambda: a.is_finished() and b.is_finished())
     scheduler.shutdown()
+
+
+def test_a_request_preempted_before_its_sync_loads_step_ended_loads_again(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """A sync load copies before its step's forward pass; the engine may preempt the request in the
+    next pass, before that step is over, and resume it at once with another sync load. The first
+    load's leases go back once its step has ended, and only they: the second load is not taken
+    for done then (its leases were lost, held on the server until they expired), and it ends with
+    its own step. (`test_planner.py` has the case that raised InvalidTransitionError inside vLLM's
+    scheduler and killed the engine at concurrency 8: resumed without a load.)"""
+    scheduler = make_scheduler(tiny_llama, server.address, sync=True, connector={"kvdepot.sync_load_bytes": 64 << 20})
+    prefix = [97 + i % 1900 for i in range(2 * CHUNK)]
+    store_prefix(scheduler, server.address, prefix)
+    request = make_request(scheduler, "r", [*prefix, 5, 6, 7], max_tokens=8)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("r", True)]
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    assert scheduler.reset_prefix_cache(reset_running_requests=True) is True  # preempted, its step not settled
+    out = scheduler.schedule()  # resumed in this pass, with another sync load of the same chunks
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("r", True)]
+    assert server.stats().leases == 2
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    out = scheduler.schedule()  # the first load's step has ended: its lease goes back, not the second's
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    wait_for_leases(server, 1)
+    out = scheduler.schedule()  # ... and now the second's
+    wait_for_leases(server, 0)
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    run_until(scheduler, request.is_finished)
+    assert server.stats().leases == 0
+    scheduler.shutdown()
+
+
+def wait_for_leases(server: Any, count: int) -> None:
+    """Until the server holds ``count`` leases (releases travel on the connector's own thread)."""
+    deadline = time.monotonic() + 10
+    while server.stats().leases != count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.stats().leases == count

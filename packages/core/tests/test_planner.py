@@ -396,3 +396,42 @@ def test_a_new_epoch_rekeys_every_request_and_drops_old_hits():
     assert plan.keys[0] != tuple(old_keys[0])
     p.add_request("new")
     assert p.start_lookup("new", tokens) != old_keys
+
+
+def test_a_load_whose_request_was_preempted_keeps_its_leases_until_it_ends():
+    """A synchronous load copies before its step's forward pass, and the engine may preempt the
+    request in the next pass, before that step ends, then resume it at once: without a load (here
+    vLLM's own cache holds the prefix now) or with another. The preempted load is no longer the
+    request's (settling it used to move a READY request by LOAD_DONE: InvalidTransitionError, which
+    killed the engine); its leases go back when it ends, and a new load keeps its own."""
+    p = planner()
+    tokens = list(range(24))
+    admitted(p, "r", tokens, hits=2, leases=(7,))
+    assert p.is_loading("r")
+    p.on_preempted("r")
+    assert not p.is_loading("r")
+    assert p.take_releases() == []  # its copy may still run
+    keys = p.start_lookup("r", [*tokens, 5])
+    p.on_lookup_done("r", [len(keys[0])], (9,))
+    assert p.on_allocated("r", [200 + i for i in range(7)], p.num_tokens_to_load("r", 24, 25)) is None
+    assert p.get("r").state is RequestState.READY
+    assert p.take_releases() == [9]  # the resumed lookup's lease: nothing to load past vLLM's hit
+    assert p.end_preempted_load("r") is True  # the preempted load's step ended
+    assert p.take_releases() == [7]
+    assert p.end_preempted_load("r") is False
+
+
+def test_a_request_preempted_twice_mid_load_gives_back_each_loads_leases_in_order():
+    p = planner()
+    tokens = list(range(24))
+    admitted(p, "r", tokens, hits=2, leases=(7,))
+    p.on_preempted("r")
+    keys = p.start_lookup("r", tokens)
+    p.on_lookup_done("r", [len(keys[0])], (9,))
+    assert p.on_allocated("r", [300 + i for i in range(6)], p.num_tokens_to_load("r", 0, 24)) is not None
+    assert p.is_loading("r")
+    p.on_preempted("r")
+    assert p.end_preempted_load("r") is True
+    assert p.take_releases() == [7]
+    assert p.end_preempted_load("r") is True
+    assert p.take_releases() == [9]

@@ -126,6 +126,11 @@ class Planner:
         # Leases of loads in flight, by request: given back when the load ends, not before,
         # even if the request itself ends (aborted) while its copy runs.
         self._loading: dict[str, tuple[int, ...]] = {}
+        # Leases of loads whose request the engine preempted before the step copying them had
+        # ended (a synchronous load copies before its step's forward pass, and the engine may
+        # preempt the request in the next pass, before that step is over), oldest first: given
+        # back as those loads end (`end_preempted_load`), never before.
+        self._preempted_loads: dict[str, list[tuple[int, ...]]] = {}
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -146,6 +151,17 @@ class Planner:
     def is_loading(self, req_id: str) -> bool:
         """True while a load planned for the request has not been reported done or failed."""
         return req_id in self._loading
+
+    def end_preempted_load(self, req_id: str) -> bool:
+        """The oldest load of ``req_id`` still in flight when the request was preempted has ended
+        (copied or failed): its leases go back. False when there is none."""
+        loads = self._preempted_loads.get(req_id)
+        if not loads:
+            return False
+        self._releases.extend(lease for lease in loads.pop(0) if lease)
+        if not loads:
+            del self._preempted_loads[req_id]
+        return True
 
     def take_releases(self) -> list[int]:
         """Lease ids to release with the server, each exactly once."""
@@ -407,9 +423,14 @@ class Planner:
         tracker.hit_chunks = min(tracker.hit_chunks, tracker.next_store_chunk)
 
     def on_preempted(self, req_id: str) -> None:
-        """The engine took the request's blocks back; it will look up again when resumed."""
+        """The engine took the request's blocks back; it will look up again when resumed.
+
+        A load still in flight is no longer the request's: the request may plan another when it
+        is resumed, but this one's leases stay held until it ends (`end_preempted_load`)."""
         tracker = self.get(req_id)
         tracker.move(Event.PREEMPTED)
+        if (leases := self._loading.pop(req_id, None)) is not None:
+            self._preempted_loads.setdefault(req_id, []).append(leases)
         self._release(tracker)
         tracker.block_ids = []
         tracker.hit_chunks = tracker.engine_hit_tokens = tracker.num_external_tokens = 0

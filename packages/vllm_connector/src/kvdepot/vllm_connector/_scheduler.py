@@ -283,6 +283,8 @@ class SchedulerSide:
                 self._stores_ended_at = time.monotonic()
             for req_id in synced:  # copied (a failure was reported already)
                 self._sync_guard.settle(req_id)
+                if self.planner.end_preempted_load(req_id):
+                    continue  # preempted before that step ended (and maybe loading again): its leases only
                 if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
                     self.planner.on_load_done(req_id)
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, time.monotonic())
@@ -332,6 +334,7 @@ class SchedulerSide:
         # vLLM has already cut a failed request's computed tokens back to its first failed block.
         for req_id in output.finished_recving or ():
             if not self.planner.is_loading(req_id):
+                self.planner.end_preempted_load(req_id)  # preempted while it loaded: its leases go back
                 continue
             record = self._records.get(req_id)
             if req_id in failed or (record is not None and record.load_failed):
