@@ -268,3 +268,16 @@ def test_the_next_build_adopts_this_builds_pool_and_this_one_adopts_it_back(serv
     nxt.stop(signal.SIGKILL)
     back = serve(*POOL)
     assert lookup(back.address, "s", chunk_keys + keys("upgrade-more", 2)) == (8, True)
+
+
+def test_a_restart_that_names_no_capacity_takes_the_kept_pools(serve):
+    """Without --capacity and --page-size, the restart takes the kept pool's (the default capacity
+    moves with the free memory, and a pool of another capacity would be discarded)."""
+    server = serve("--capacity", "12MiB", "--page-size", "2MiB")
+    store(server.address, "s", keys("layout", 3))
+    server.stop()
+    again = serve()
+    assert figures(again)["pool_adopted_chunks"] == 3
+    stats = again.stats()
+    assert (stats.capacity_bytes, stats.extra["page_size"]) == (12 << 20, 2 << 20)
+    assert lookup(again.address, "s", keys("layout", 3)) == (3, True)

@@ -55,6 +55,33 @@ def journal_path(pool_path: Path) -> Path:
 
 
 @attrs.frozen
+class KeptLayout:
+    """What a kept pool left behind was made with, and the bytes its file takes."""
+
+    capacity: int
+    page_size: int
+    file_bytes: int
+
+
+def kept_layout(directory: Path, address: str) -> KeptLayout | None:
+    """The kept pool of `address` in `directory`, when there is one this user may adopt: a
+    restart without --capacity or --page-size takes its layout (the default capacity moves with
+    the free memory, and a pool of another capacity is discarded), and its file's bytes count as
+    free (they are the new pool's)."""
+    path = kept_pool_path(directory, address)
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+        return None
+    header = read_journal(journal_path(path)).header
+    if header is None or header.address != address:
+        return None
+    return KeptLayout(header.capacity, header.page_size, st.st_blocks * 512)
+
+
+@attrs.frozen
 class KeptPool:
     """The pool a server maps, and what its journal holds to adopt (nothing when it starts fresh)."""
 

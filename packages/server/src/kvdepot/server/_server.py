@@ -24,7 +24,7 @@ from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
-from kvdepot.server._kept_pool import open_pool, remove_abandoned_pools
+from kvdepot.server._kept_pool import kept_layout, open_pool, remove_abandoned_pools
 from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES
 from kvdepot.server._kv_publisher import (
     DEFAULT_MAX_CONNECTIONS,
@@ -44,7 +44,7 @@ from kvdepot.server._metrics import (
     SaltLookups,
 )
 from kvdepot.server._metrics_http import HTTPLimits, ListenerFigures
-from kvdepot.server._pool import SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._pool import SHM_DIR, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
@@ -91,10 +91,13 @@ def available_memory() -> int:
     return 0
 
 
-def default_capacity(pool_dir: Path | None = None) -> int:
-    """Half the available memory, bounded by 90% of the free space under /dev/shm."""
-    shm = int(pool_dir_free_bytes(pool_dir) * SHM_FRACTION)
-    mem = int(available_memory() * DEFAULT_CAPACITY_FRACTION) or shm
+def default_capacity(pool_dir: Path | None = None, reclaimable: int = 0) -> int:
+    """Half the available memory, bounded by 90% of the free space under /dev/shm; `reclaimable`
+    bytes of the pool directory (a kept pool's file, replaced) count as free, and as available
+    memory when the directory is the shared-memory one."""
+    shm = int((pool_dir_free_bytes(pool_dir) + reclaimable) * SHM_FRACTION)
+    in_memory = reclaimable if (pool_dir or default_pool_dir()) == default_pool_dir() == SHM_DIR else 0
+    mem = int((available_memory() + in_memory) * DEFAULT_CAPACITY_FRACTION) or shm
     return min(mem, shm)
 
 
@@ -153,8 +156,21 @@ class CacheServer:
             log.info("stale_pool_removed", path=str(path))
         for path in remove_abandoned_pools(pool_dir):
             log.info("abandoned_pool_removed", path=str(path))
-        capacity = config.capacity if config.capacity is not None else default_capacity(pool_dir)
-        free = pool_dir_free_bytes(pool_dir)
+        address = config.address or default_address()
+        kept = kept_layout(pool_dir, address) if config.keep_pool else None
+        # A kept pool's file is this server's to map again (or to replace): its bytes count as free,
+        # and a start that names no capacity or page size takes the ones it was made with.
+        reclaimable = kept.file_bytes if kept is not None else 0
+        if config.capacity is not None:
+            capacity = config.capacity
+        elif kept is not None and not config.fresh_pool:
+            capacity = kept.capacity
+        else:
+            capacity = default_capacity(pool_dir, reclaimable)
+        page_size = config.page_size
+        if page_size is None and kept is not None and not config.fresh_pool and capacity == kept.capacity:
+            page_size = kept.page_size
+        free = pool_dir_free_bytes(pool_dir) + reclaimable
         if capacity > free:  # before anything is built: the allocator's tables grow with capacity
             raise ServerArgumentError(
                 f"--capacity {format_size(capacity)} is more than the {format_size(free)} free in {pool_dir}; "
@@ -162,7 +178,7 @@ class CacheServer:
                 capacity=capacity,
                 free=free,
             )
-        self.allocator = SlabAllocator(capacity, config.page_size)  # validates capacity vs page size
+        self.allocator = SlabAllocator(capacity, page_size)  # validates capacity vs page size
         #: How /metrics, Stats to a peer that may not be the owner, logs and engines' KV events name a salt.
         self.labeler = server_labeler(config.label_key_file)
         self.metrics = Metrics(health=self.health, label=self.labeler)
@@ -182,18 +198,18 @@ class CacheServer:
         # Each part is built from the ones before it, and closed in the reverse order, whether
         # the server closes or a later part fails to build.
         with contextlib.ExitStack() as parts:
-            kept = open_pool(
+            kept_pool = open_pool(
                 pool_dir,
-                config.address or default_address(),
+                address,
                 self.allocator.capacity,
                 self.allocator.page_size,
                 keep=config.keep_pool,
                 fresh=config.fresh_pool,
             )
-            self.pool = kept.pool
+            self.pool = kept_pool.pool
             parts.callback(self.pool.close)
             # A new kept pool is kept once the server is up: a start that fails leaves nothing behind.
-            self.pool.keep = not kept.fresh
+            self.pool.keep = not kept_pool.fresh
             headers = SlotHeaders(self.pool.buffer)
             parts.callback(headers.close)
             self.index = ChunkIndex(
@@ -209,7 +225,7 @@ class CacheServer:
             for salt, max_bytes in settings.load_quotas().items():  # before anyone can store
                 self.index.set_quota(salt, max_bytes)
             #: What the server took back from its kept pool (nothing for a pool that is not kept).
-            self.adoption, self.journal = kept.adopt_into(self.index, headers, time.monotonic())
+            self.adoption, self.journal = kept_pool.adopt_into(self.index, headers, time.monotonic())
             if self.journal is not None:
                 parts.callback(self.journal.close)
                 parts.callback(self._forget_journal_unless_kept)
