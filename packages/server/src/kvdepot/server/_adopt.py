@@ -10,7 +10,7 @@ chunk that would pass its salt's quota, two records claiming one slot.
 A slot whose newest record is a reservation still pending in its header (the server died
 while a client wrote it) is taken back pending, in the quarantine, for one reservation TTL:
 the dead server's client may still be copying into it, so no new chunk goes there before
-that copy must have ended (`ChunkIndex._quarantine`'s rule, across the restart).
+that copy must have ended (`ServerHolds.quarantine`'s rule, across the restart).
 """
 
 from __future__ import annotations
