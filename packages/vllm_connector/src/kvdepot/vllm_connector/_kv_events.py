@@ -35,6 +35,10 @@ at most `CHECKS_PER_POLL` chunks (a check of every chunk, after a gap or a resta
 over polls), and the salts go `MAX_SALTS_PER_CHANGES` to a `Changes` request, several in one
 message if need be.
 
+Each watched chunk has a phase (announced nowhere, in RAM, below, in both), and what moves it,
+with its events and its next checks, is a table in `_chunk_phases.py`; `EventAnnouncer` polls
+the server, feeds the table what it read, and carries out the moves.
+
 Bounds: at most `MAX_WATCHED` chunks are watched; past that the oldest is forgotten, with a
 ``BlockRemoved`` if it was announced (a router under-counts rather than over-counts). A chunk
 planned for a store that never shows up (its store failed, or another engine's copy was there
@@ -65,6 +69,17 @@ import attrs
 
 from kvdepot.core import InvalidArgumentError, SaltLabeler
 from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, MAX_SALTS_PER_CHANGES, LookupItem
+from kvdepot.vllm_connector._chunk_phases import (
+    CHECK_AFTER_S,
+    Check,
+    Chunk,
+    Emit,
+    Phase,
+    Seen,
+    check_time,
+    due,
+    move,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -77,24 +92,21 @@ log = logging.getLogger("vllm.kvdepot.events")
 POLL_S = 0.05
 #: Chunks watched at most (about 3 KiB each: their tokens and block hashes).
 MAX_WATCHED = 8192
-#: A planned chunk not yet seen committed is asked about after a second, and given up after a
-#: minute; one seen go is given up a minute later unless a commit brings it back.
-CHECK_AFTER_S = 1.0
-PENDING_TTL_S = 60.0
-#: An announced chunk is asked about again this often (seconds), whatever the changes said: a
-#: bound on how long any announcement can outlive its chunk.
-RECHECK_S = 30.0
 #: Chunks asked about per poll at most, in RAM and in the tiers below each (a check of the
 #: tiers may cost the server a remote round trip), besides the check of every chunk after a gap.
 CHECKS_PER_POLL = 1024
 #: Changes asked per poll; a poll that gets this many asks again at the next step.
 CHANGES_PER_POLL = 4096
-#: A chunk announced in the tiers below RAM is asked about again this often (seconds): how long
-#: a router may believe in a chunk the remote tier's own eviction (Valkey's LRU) took.
-STORAGE_CHECK_S = 30.0
 MEDIUM = "CPU"
 STORAGE = "STORAGE"
 OWNER = "kvdepot"
+#: Each of the phases' events: (stored, medium).
+_EMITS = {
+    Emit.STORED_RAM: (True, MEDIUM),
+    Emit.REMOVED_RAM: (False, MEDIUM),
+    Emit.STORED_BELOW: (True, STORAGE),
+    Emit.REMOVED_BELOW: (False, STORAGE),
+}
 
 
 def _same(block_hash: Any) -> Any:
@@ -116,42 +128,28 @@ def _block_hash_converter(vllm_convert: Callable[[bytes], Any]) -> Callable[[byt
     return vllm_convert
 
 
-@attrs.define(eq=False)
-class _Chunk:
-    """One chunk of this engine's requests: its key per KV rank, which are committed, what its events say."""
-
-    keys: tuple[bytes, ...]
-    salt: str
-    hashes: list[Any]  # vLLM's hashes of its blocks, as its events name them
-    parent: Any
-    tokens: tuple[int, ...]
-    lora: tuple[int | None, str | None]
-    extra: list[tuple[Any, ...] | None] | None
-    present: set[bytes] = attrs.Factory(set)
-    #: Announced in RAM (medium CPU); announced in a tier below (medium STORAGE).
-    announced: bool = False
-    storage: bool = False
-    #: When it was planned, or last seen go; and when the server is asked about it next (monotonic).
-    since: float = 0.0
-    check_at: float = 0.0
-    #: When the tiers below are asked whether they hold it (never unless it left RAM or is in them).
-    storage_check_at: float = float("inf")
-
-
 @attrs.frozen
 class _Poll:
     """One message in flight: the changes, RAM queries of ``ram`` and tier queries of ``below``."""
 
     changes: list[Future[Any]]  # one per `MAX_SALTS_PER_CHANGES` salts
     ram_queries: list[Future[Any]]
-    ram: list[tuple[_Chunk, bytes]]
+    ram: list[tuple[Chunk, bytes]]
     tier_queries: list[Future[Any]]
-    below: list[_Chunk]
+    below: list[Chunk]
     server: str
     since: int
 
     def done(self) -> bool:
         return all(f.done() for f in (*self.changes, *self.ram_queries, *self.tier_queries))
+
+    def results(self) -> tuple[list[Any], list[Any], list[Any]]:
+        """The replies to the changes, and the results of the RAM and the tier queries (raises what a future raised)."""
+        return (
+            [future.result() for future in self.changes],
+            [result for query in self.ram_queries for result in query.result().results],
+            [result for query in self.tier_queries for result in query.result().results],
+        )
 
 
 class EventAnnouncer:
@@ -179,8 +177,8 @@ class EventAnnouncer:
         self.blocks_per_chunk = chunk_size // block_size
         self.num_groups = num_groups
         self.max_watched = max_watched
-        self._chunks: collections.OrderedDict[bytes, _Chunk] = collections.OrderedDict()  # by first rank's key
-        self._by_key: dict[bytes, _Chunk] = {}
+        self._chunks: collections.OrderedDict[bytes, Chunk] = collections.OrderedDict()  # by first rank's key
+        self._by_key: dict[bytes, Chunk] = {}
         self._outbox: list[Any] = []
         self._since = 0
         self._server = ""
@@ -189,8 +187,8 @@ class EventAnnouncer:
         self._poll: _Poll | None = None
         # When chunks are due to be asked about, in RAM and in the tiers below: (time, n, chunk),
         # an entry stale once the chunk's own time differs, so a poll never walks every chunk.
-        self._ram_due: list[tuple[float, int, _Chunk]] = []
-        self._below_due: list[tuple[float, int, _Chunk]] = []
+        self._ram_due: list[tuple[float, int, Chunk]] = []
+        self._below_due: list[tuple[float, int, Chunk]] = []
         self._order = itertools.count()
         self._salts: collections.Counter[str] = collections.Counter()
         self._finer_hashes_logged = False
@@ -202,22 +200,22 @@ class EventAnnouncer:
         """A store of chunks ``first_chunk`` on (``keys``: one list per KV rank) is planned."""
         now = time.monotonic()
         for chunk in self._chunks_of(request, first_chunk, keys, salt):
-            if not chunk.announced:
-                chunk.since = now
-                self._check_ram(chunk, now + CHECK_AFTER_S)
-        self._trim()
+            self._feed(chunk, Seen.PLANNED, now)
+        self._trim(now)
 
     def hit(self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str) -> None:
         """A lookup found chunks ``first_chunk`` on in the server's RAM: announce them."""
+        now = time.monotonic()
         for chunk in self._chunks_of(request, first_chunk, keys, salt):
             chunk.present.update(chunk.keys)
-            self._announce(chunk)
-        self._trim()
+            self._feed(chunk, Seen.ALL_IN_RAM, now)
+        self._trim(now)
 
     def reset(self) -> None:
         """The engine's keys start a new epoch: nothing watched can be hit by it any more."""
-        for chunk in self._chunks.values():
-            self._unannounce(chunk)
+        now = time.monotonic()
+        for chunk in list(self._chunks.values()):
+            self._feed(chunk, Seen.DROPPED, now)
         self._chunks.clear()
         self._by_key.clear()
         self._salts.clear()
@@ -232,11 +230,9 @@ class EventAnnouncer:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _chunks_of(
-        self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str
-    ) -> list[_Chunk]:
+    def _chunks_of(self, request: Request, first_chunk: int, keys: Sequence[Sequence[bytes]], salt: str) -> list[Chunk]:
         """The watched chunk of each chunk index (created on first sight)."""
-        out: list[_Chunk] = []
+        out: list[Chunk] = []
         hashes = request.block_hashes
         if len(hashes) > len(request.all_token_ids) // self.block_size:
             # vLLM hashes finer than its blocks (a hash block size below the block size, for
@@ -258,25 +254,21 @@ class EventAnnouncer:
             out.append(chunk)
         return out
 
-    def _watch(self, request: Request, index: int, keys: tuple[bytes, ...], salt: str) -> _Chunk:
+    def _watch(self, request: Request, index: int, keys: tuple[bytes, ...], salt: str) -> Chunk:
         first_block = index * self.blocks_per_chunk
         blocks = range(first_block, first_block + self.blocks_per_chunk)
         lora = getattr(request, "lora_request", None)
         lora_name = lora.name if lora is not None else None
-        extra: list[tuple[Any, ...] | None] = []
-        for block in blocks:
-            label = self._label(salt) if block == 0 and salt else None
-            keys_of_block = ([lora_name] if lora_name else []) + ([label] if label else [])
-            extra.append(tuple(keys_of_block) or None)
+        extra = self._extra_keys(blocks, lora_name, salt)
         now = time.monotonic()
-        chunk = _Chunk(
+        chunk = Chunk(
             keys,
             salt,
             hashes=[self._convert(request.block_hashes[block]) for block in blocks],
             parent=self._convert(request.block_hashes[first_block - 1]) if first_block else None,
             tokens=tuple(request.all_token_ids[index * self.chunk_size : (index + 1) * self.chunk_size]),
             lora=(lora.adapter_id if lora is not None else None, lora_name),
-            extra=extra if any(extra) else None,
+            extra=extra,
             since=now,
         )
         self._chunks[keys[0]] = chunk
@@ -285,6 +277,16 @@ class EventAnnouncer:
         self._salts[salt] += 1
         self._check_ram(chunk, now + CHECK_AFTER_S)
         return chunk
+
+    def _extra_keys(self, blocks: range, lora_name: str | None, salt: str) -> list[tuple[Any, ...] | None] | None:
+        """Each block's extra keys (the LoRA's name; the salt's label on the first block of a
+        prompt), or None where no block has any."""
+        extra: list[tuple[Any, ...] | None] = []
+        for block in blocks:
+            label = self._label(salt) if block == 0 and salt else None
+            keys_of_block = ([lora_name] if lora_name else []) + ([label] if label else [])
+            extra.append(tuple(keys_of_block) or None)
+        return extra if any(extra) else None
 
     def _label(self, salt: str) -> str | None:
         """The server's label of ``salt`` (as its /metrics names it); None without its key."""
@@ -298,31 +300,31 @@ class EventAnnouncer:
                 return None
         return self._labeler(salt)
 
-    def _check_ram(self, chunk: _Chunk, at: float) -> None:
+    def _check_ram(self, chunk: Chunk, at: float) -> None:
         chunk.check_at = at
         heapq.heappush(self._ram_due, (at, next(self._order), chunk))
 
-    def _check_below(self, chunk: _Chunk, at: float) -> None:
+    def _check_below(self, chunk: Chunk, at: float) -> None:
         chunk.storage_check_at = at
         if at != float("inf"):
             heapq.heappush(self._below_due, (at, next(self._order), chunk))
 
-    def _watched(self, chunk: _Chunk) -> bool:
+    def _watched(self, chunk: Chunk) -> bool:
         return self._chunks.get(chunk.keys[0]) is chunk
 
     def _due(
-        self, heap: list[tuple[float, int, _Chunk]], now: float, wanted: Callable[[_Chunk, float], bool]
-    ) -> list[_Chunk]:
+        self, heap: list[tuple[float, int, Chunk]], now: float, wanted: Callable[[Chunk, float], bool]
+    ) -> list[Chunk]:
         """The chunks whose time in ``heap`` has come (once each; stale entries dropped), at
         most `CHECKS_PER_POLL`: the rest stay due for the next polls."""
-        out: dict[int, _Chunk] = {}
+        out: dict[int, Chunk] = {}
         while heap and heap[0][0] <= now and len(out) < CHECKS_PER_POLL:
             at, _, chunk = heapq.heappop(heap)
             if self._watched(chunk) and wanted(chunk, at):
                 out[id(chunk)] = chunk
         return list(out.values())
 
-    def _stored(self, chunk: _Chunk, medium: str = MEDIUM) -> list[Any]:
+    def _stored(self, chunk: Chunk, medium: str = MEDIUM) -> list[Any]:
         tokens = list(chunk.tokens)
         return [
             self._stored_cls(
@@ -340,26 +342,38 @@ class EventAnnouncer:
             for group in range(self.num_groups)
         ]
 
-    def _removed(self, chunk: _Chunk, medium: str = MEDIUM) -> list[Any]:
+    def _removed(self, chunk: Chunk, medium: str = MEDIUM) -> list[Any]:
         return [
             self._removed_cls(block_hashes=chunk.hashes, medium=medium, group_idx=group, **self._extra)
             for group in range(self.num_groups)
         ]
 
-    def _trim(self) -> None:
+    def _events(self, chunk: Chunk, emit: Emit) -> list[Any]:
+        stored, medium = _EMITS[emit]
+        return self._stored(chunk, medium) if stored else self._removed(chunk, medium)
+
+    def _trim(self, now: float) -> None:
         """Forget the oldest chunks past `max_watched` (announced ones with a removal)."""
         while len(self._chunks) > self.max_watched:
-            self._forget(next(iter(self._chunks.values())))
+            self._feed(next(iter(self._chunks.values())), Seen.DROPPED, now)
 
-    def _unannounce(self, chunk: _Chunk) -> None:
-        if chunk.announced:
-            self._outbox.extend(self._removed(chunk))
-        if chunk.storage:
-            self._outbox.extend(self._removed(chunk, STORAGE))
-        chunk.announced = chunk.storage = False
+    def _feed(self, chunk: Chunk, seen: Seen, now: float) -> None:
+        """Carry out what ``seen`` does to ``chunk`` (`_chunk_phases.TRANSITIONS`): its events,
+        its next checks, and forgetting it where it is gone."""
+        step = move(chunk.phase, seen)
+        chunk.phase = step.phase
+        if step.restart:
+            chunk.since = now
+        for emit in step.emit:
+            self._outbox.extend(self._events(chunk, emit))
+        if step.ram is not Check.KEEP:
+            self._check_ram(chunk, check_time(step.ram, now, chunk.since))
+        if step.below is not Check.KEEP:
+            self._check_below(chunk, check_time(step.below, now, chunk.since))
+        if step.phase is Phase.GONE:
+            self._forget(chunk)
 
-    def _forget(self, chunk: _Chunk) -> None:
-        self._unannounce(chunk)
+    def _forget(self, chunk: Chunk) -> None:
         if self._chunks.pop(chunk.keys[0], None) is chunk:
             self._salts[chunk.salt] -= 1
             if not self._salts[chunk.salt]:
@@ -368,42 +382,15 @@ class EventAnnouncer:
             if self._by_key.get(key) is chunk:
                 del self._by_key[key]
 
-    def _announce(self, chunk: _Chunk) -> None:
-        if not chunk.announced and chunk.present.issuperset(chunk.keys):
-            chunk.announced = True
-            self._outbox.extend(self._stored(chunk))
-            self._check_ram(chunk, time.monotonic() + RECHECK_S)
-
-    def _went(self, chunk: _Chunk, key: bytes, now: float) -> None:
-        chunk.present.discard(key)
-        if chunk.announced:  # watched again as if just planned: a new commit announces it again
-            chunk.announced = False
-            chunk.since = now  # a commit in the changes announces it again; forgotten if none comes
-            self._outbox.extend(self._removed(chunk))
-            self._check_ram(chunk, self._next_check(chunk, now))
-            self._check_below(chunk, now)  # is it still in a tier below?
-
-    def _below(self, chunk: _Chunk, held: bool, now: float) -> None:
-        """The tiers below RAM hold every rank's copy of the chunk (``held``), or not."""
-        went = chunk.storage and not held
-        if held and not chunk.storage:
-            self._outbox.extend(self._stored(chunk, STORAGE))
-        elif went:
-            self._outbox.extend(self._removed(chunk, STORAGE))
-        chunk.storage = held
-        self._check_below(chunk, now + STORAGE_CHECK_S if held else float("inf"))
-        if went and not chunk.announced:
-            chunk.since = now  # in no tier: forgotten in a minute unless a commit brings it back
-            self._check_ram(chunk, self._next_check(chunk, now))
-
-    def _next_check(self, chunk: _Chunk, now: float) -> float:
-        """When to ask the server whether RAM holds the chunk next."""
-        if chunk.announced:
-            return now + RECHECK_S
-        if chunk.storage:
-            return float("inf")  # the changes say when it is back in RAM; the tiers' check when it goes
-        # planned or gone: asked a second after it was, then given up a minute on
-        return max(now + CHECK_AFTER_S, chunk.since + PENDING_TTL_S)
+    def _saw(self, chunk: Chunk, key: bytes, in_ram: bool, now: float) -> None:
+        """The server holds ``key``, one rank's copy of ``chunk``, in RAM (``in_ram``), or not."""
+        if not in_ram:
+            chunk.present.discard(key)
+            self._feed(chunk, Seen.KEY_GONE, now)
+            return
+        chunk.present.add(key)
+        if chunk.present.issuperset(chunk.keys):
+            self._feed(chunk, Seen.ALL_IN_RAM, now)
 
     def _pump(self, now: float) -> None:
         if self._poll is not None:
@@ -419,26 +406,8 @@ class EventAnnouncer:
         in RAM, and of those to check in the tiers below."""
         self._polled_at = now
         server = self.client.server_id or ""
-        if server != self._server:
-            self._check_all = True  # a new server instance: its numbering and its RAM are new
-        since = self._since
-        if self._check_all:
-            # After a gap or a restart: every chunk is asked about again, CHECKS_PER_POLL a poll,
-            # and the changes are read from where the server stands now (the queries cover the rest).
-            since, self._check_all = 0, False
-            for chunk in self._chunks.values():
-                self._check_ram(chunk, now)
-                if chunk.storage:
-                    self._check_below(chunk, now)
-        due = self._due(self._ram_due, now, lambda c, at: c.check_at == at)
-        below = self._due(self._below_due, now, lambda c, at: c.storage_check_at == at)
-        for chunk in [c for c in due if not (c.announced or c.storage) and now - c.since >= PENDING_TTL_S]:
-            self._forget(chunk)  # planned or gone a minute ago, and never seen committed since
-        due = [c for c in due if self._watched(c)]
-        for chunk in due:
-            self._check_ram(chunk, self._next_check(chunk, now))
-        for chunk in below:
-            self._check_below(chunk, now + STORAGE_CHECK_S)  # until its answer comes
+        since = self._changes_from(server, now)
+        due, below = self._checks_due(now)
         ram = [(chunk, key) for chunk in due for key in chunk.keys]
         salts = sorted(self._salts)
         try:
@@ -455,18 +424,43 @@ class EventAnnouncer:
             return
         self._poll = _Poll(changes, ram_queries, ram, tier_queries, below, server, since)
 
-    def _retry(self, due: list[_Chunk], below: list[_Chunk], now: float) -> None:
+    def _changes_from(self, server: str, now: float) -> int:
+        """The number to ask the changes from. After a gap or a restart (a new server instance:
+        its numbering and its RAM are new), every chunk is asked about again, CHECKS_PER_POLL a
+        poll, and the changes are read from where the server stands now (0: the queries cover the rest)."""
+        if server != self._server:
+            self._check_all = True
+        if not self._check_all:
+            return self._since
+        self._check_all = False
+        for chunk in self._chunks.values():
+            self._feed(chunk, Seen.CHECK_ALL, now)
+        return 0
+
+    def _checks_due(self, now: float) -> tuple[list[Chunk], list[Chunk]]:
+        """The chunks to ask about in RAM and in the tiers below in this poll; those planned or
+        gone a minute ago, and never seen committed since, are forgotten instead."""
+        due_ram = self._due(self._ram_due, now, lambda c, at: c.check_at == at)
+        below = self._due(self._below_due, now, lambda c, at: c.storage_check_at == at)
+        for chunk in due_ram:
+            self._feed(chunk, due(chunk.since, now), now)
+        for chunk in below:
+            if self._watched(chunk):
+                self._feed(chunk, Seen.BELOW_CHECK_DUE, now)
+        return [c for c in due_ram if self._watched(c)], below
+
+    def _retry(self, due: list[Chunk], below: list[Chunk], now: float) -> None:
         """A poll that failed: its checks are due again a second later (and the poll with them)."""
         self._polled_at = now + CHECK_AFTER_S - POLL_S
         for chunk in due:
             if self._watched(chunk):
-                self._check_ram(chunk, now + CHECK_AFTER_S)
+                self._feed(chunk, Seen.RAM_CHECK_FAILED, now)
         for chunk in below:
             if self._watched(chunk):
-                self._check_below(chunk, now + CHECK_AFTER_S)
+                self._feed(chunk, Seen.BELOW_CHECK_FAILED, now)
 
     @staticmethod
-    def _queries(batch: Any, keys: list[tuple[_Chunk, bytes]], *, tiers: bool) -> list[Future[Any]]:
+    def _queries(batch: Any, keys: list[tuple[Chunk, bytes]], *, tiers: bool) -> list[Future[Any]]:
         """Queries of one key each (so each answer is that key's alone), as few messages as the protocol allows."""
         return [
             batch.query(
@@ -477,46 +471,46 @@ class EventAnnouncer:
 
     def _apply(self, poll: _Poll, now: float) -> None:
         try:
-            replies = [future.result() for future in poll.changes]
-            ram = [result for query in poll.ram_queries for result in query.result().results]
-            below = [result for query in poll.tier_queries for result in query.result().results]
+            replies, ram, below = poll.results()
         except Exception as exc:
             log.debug("kvdepot events: changes not read: %s", exc)
             self._retry([chunk for chunk, _ in poll.ram], poll.below, now)
             return
         reply = replies[0]  # each asked the same numbers, of other salts
-        if poll.server != self._server:
-            self._server = poll.server
+        self._server = poll.server
         self._since = reply.next
         if reply.lost:
             self._check_all = True  # what was missed is asked next time, with the changes after it
-        for change in (change for r in replies for change in r.changes):
-            chunk = self._by_key.get(change.key)
-            if chunk is None:
-                continue  # keys are salted digests: a known key is this chunk, whatever salt asked
-            if change.stored:
-                chunk.present.add(change.key)
-                self._announce(chunk)
-            else:
-                self._went(chunk, change.key, now)
-        at = 0
-        for chunk in poll.below:  # a key in RAM is taken as held below too: it was read back, or is written behind
-            results, at = below[at : at + len(chunk.keys)], at + len(chunk.keys)
-            if self._watched(chunk) and len(results) == len(chunk.keys):
-                self._below(chunk, all(r.ram or r.below for r in results), now)
+        self._apply_changes(replies, now)
+        self._apply_below(poll.below, below, now)
         if (poll.since and reply.next - poll.since >= CHANGES_PER_POLL) or reply.lost:
             # More changes to read, or missed: the RAM answers describe another moment than the
             # changes read so far. Ask again at the next step, those chunks with it.
             self._polled_at = float("-inf")
             for chunk, _ in poll.ram:
                 if self._watched(chunk):
-                    self._check_ram(chunk, now)
-            return
-        for (chunk, key), result in zip(poll.ram, ram, strict=False):
-            if self._by_key.get(key) is not chunk:
-                continue
-            if result.ram:
-                chunk.present.add(key)
-                self._announce(chunk)
-            else:
-                self._went(chunk, key, now)
+                    self._feed(chunk, Seen.RAM_CHECK_AGAIN, now)
+        else:
+            self._apply_ram(poll.ram, ram, now)
+
+    def _apply_ram(self, asked: list[tuple[Chunk, bytes]], results: list[Any], now: float) -> None:
+        """The RAM queries' answers, one per (chunk, key) asked."""
+        for (chunk, key), result in zip(asked, results, strict=False):
+            if self._by_key.get(key) is chunk:
+                self._saw(chunk, key, bool(result.ram), now)
+
+    def _apply_changes(self, replies: list[Any], now: float) -> None:
+        for change in (change for r in replies for change in r.changes):
+            chunk = self._by_key.get(change.key)
+            if chunk is not None:  # keys are salted digests: a known key is this chunk, whatever salt asked
+                self._saw(chunk, change.key, change.stored, now)
+
+    def _apply_below(self, chunks: list[Chunk], results: list[Any], now: float) -> None:
+        """The tiers' answers for ``chunks``, their keys' in order. A key in RAM is taken as held
+        below too: it was read back, or is written behind."""
+        at = 0
+        for chunk in chunks:
+            mine, at = results[at : at + len(chunk.keys)], at + len(chunk.keys)
+            if self._watched(chunk) and len(mine) == len(chunk.keys):
+                held = all(r.ram or r.below for r in mine)
+                self._feed(chunk, Seen.HELD_BELOW if held else Seen.NOT_BELOW, now)
