@@ -171,15 +171,13 @@ class RemoteTier:
             offset = end
             pipe.set(self._key(digest), value, px=self.ttl_ms)
             sizes.append(payload.nbytes)
-        try:
+        with _Commands(self._link, generation, pipe) as run:
             replies = pipe.execute(raise_on_error=False)
-        except self._errors as exc:
-            if not self._link.failed(generation, exc):
-                self._warn("remote_tier_write_failed", url=self.address.display, error=repr(exc))
+        if run.error is not None:
+            if not run.down:
+                self._warn("remote_tier_write_failed", url=self.address.display, error=repr(run.error))
             self._counters.add(failed_writes=len(items), errors=1)
             return [False] * len(items)
-        finally:
-            pipe.reset()
         results = [reply is True for reply in replies]
         failures = [r for r in replies if isinstance(r, BaseException)]
         written = sum(size for size, ok in zip(sizes, results, strict=True) if ok)
@@ -207,12 +205,11 @@ class RemoteTier:
         quotas: dict[str, int],
     ) -> None:
         """Count the chunks written in their salts' totals and delete what that pushed out."""
-        try:
+        with _Commands(self._link, generation) as run:
             popped = charge(client, self.prefix, items, results, quotas)
-        except self._errors as exc:
-            self._link.failed(generation, exc)
+        if run.error is not None:
             self._counters.add(errors=1)
-            self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(exc))
+            self._warn("remote_tier_quota_failed", url=self.address.display, error=repr(run.error))
             return
         if popped:
             self._delete_keys(client, generation, popped)
@@ -233,24 +230,19 @@ class RemoteTier:
     def _fetch(self, client: Any, generation: int, keys: list[str]) -> list[Any]:
         """One pipeline of GETs, on a read thread."""
         pipe = client.pipeline(transaction=False)
-        try:
+        with _Commands(self._link, generation, pipe) as run:
             for key in keys:
                 pipe.get(key)
             return list(pipe.execute(raise_on_error=False))
-        except self._errors as exc:
-            self._link.failed(generation, exc)
-            raise
-        finally:
-            pipe.reset()
+        raise run.failure()
 
     def _read_on_thread(self, client: Any, generation: int, landing: Landing) -> None:
         """Stream the GETs and land each reply; those redirected by a moving cluster are fetched
         again through the cluster pipeline. On a read thread."""
-        try:
+        with _Commands(self._link, generation) as run:
             again = stream_gets(client, landing, cluster=self.address.cluster)
-        except self._errors as exc:
-            self._link.failed(generation, exc)
-            raise
+        if run.error is not None:
+            raise run.failure()
         if again and landing.open:
             values = self._fetch(client, generation, [landing.keys[i] for i in again])
             for i, value in zip(again, values, strict=True):
@@ -307,14 +299,10 @@ class RemoteTier:
 
     def _delete_keys(self, client: Any, generation: int, keys: list[str]) -> None:
         pipe = client.pipeline(transaction=False)
-        try:
+        with _Commands(self._link, generation, pipe):  # best effort: a failure only tells the link
             for key in keys:
                 pipe.delete(key)
             pipe.execute(raise_on_error=False)
-        except self._errors as exc:
-            self._link.failed(generation, exc)
-        finally:
-            pipe.reset()
 
     def lengths(self, refs: Sequence[ChunkRef], *, timeout: float | None = None) -> list[int | None]:
         """STRLEN of every chunk in one pipeline, less its header; all None while down, and
@@ -337,7 +325,7 @@ class RemoteTier:
 
     def _lengths(self, client: Any, generation: int, refs: Sequence[ChunkRef]) -> list[int | None]:
         pipe = client.pipeline(transaction=False)
-        try:
+        with _Commands(self._link, generation, pipe):
             for ref in refs:
                 pipe.strlen(self._key(ref.digest))
             return [
@@ -346,11 +334,7 @@ class RemoteTier:
                 else None
                 for ref, n in zip(refs, pipe.execute(False), strict=True)
             ]
-        except self._errors as exc:
-            self._link.failed(generation, exc)
-            return [None] * len(refs)
-        finally:
-            pipe.reset()
+        return [None] * len(refs)
 
     def delete(self, refs: Sequence[ChunkRef]) -> None:
         """Delete these chunks (best effort; nothing happens while down)."""
@@ -365,12 +349,10 @@ class RemoteTier:
         if current is None:
             raise TierError(f"the remote tier at {self.address.display} is down", url=self.address.display)
         client, generation = current
-        try:
+        with _Commands(self._link, generation) as run:
             return clear_objects(client, self.prefix, salt)
-        except self._errors as exc:
-            self._link.failed(generation, exc)
-            self._counters.add(errors=1)
-            raise TierError(f"clearing the remote tier failed: {exc!r}", url=self.address.display) from exc
+        self._counters.add(errors=1)
+        raise TierError(f"clearing the remote tier failed: {run.error!r}", url=self.address.display) from run.error
 
     def key_of(self, salt: str, key: bytes) -> str:
         """The key a chunk has on the server (for operators and tests)."""
@@ -397,6 +379,36 @@ class RemoteTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _Commands:
+    """``with _Commands(link, generation, pipe):`` around a client's commands: an error of the
+    link's kinds (`RemoteLink.errors`) is told to the link (a connection error or a timeout marks
+    it down: ``down``), kept in ``error`` and not raised, so the caller goes on after the block
+    with its fallback; ``pipe`` (a pipeline) is reset either way. Any other error propagates."""
+
+    def __init__(self, link: RemoteLink, generation: int, pipe: Any = None) -> None:
+        self._link, self._generation, self._pipe = link, generation, pipe
+        self.error: BaseException | None = None
+        self.down = False
+
+    def __enter__(self) -> _Commands:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: object) -> bool:
+        try:
+            if exc is None or not isinstance(exc, self._link.errors):
+                return False
+            self.error, self.down = exc, self._link.failed(self._generation, exc)
+            return True
+        finally:
+            if self._pipe is not None:
+                self._pipe.reset()
+
+    def failure(self) -> BaseException:
+        """The error caught, for a caller that raises it again."""
+        assert self.error is not None
+        return self.error
 
 
 def _give_up(future: concurrent.futures.Future[Any]) -> None:
