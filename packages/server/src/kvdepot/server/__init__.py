@@ -7,7 +7,8 @@ answers the `kvdepot.transport` protocol. Below the pool it may keep chunks in a
 made), written behind (`WriteBehind`). It never imports torch, gpu or vllm.
 """
 
-from kvdepot.server._cli import ENTRY_POINT_GROUP, Command, SimpleCommand, configure_logging, main
+from kvdepot.server._cli import ENTRY_POINT_GROUP, Command, SimpleCommand, main
+from kvdepot.server._cli_args import configure_logging
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import (
     ChunkTooLargeError,

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvdepot.server._cli_args import configure_logging, read_secret_file, seconds_arg
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._units import format_size, parse_size
 
@@ -37,12 +38,11 @@ class _Failed(Exception):
 
 
 def _common(parser: argparse.ArgumentParser, *, timeout: float = 3.0) -> None:
-    from kvdepot.server._cli import _seconds
     from kvdepot.transport import default_address
 
     parser.add_argument("--address", default=None, help=f"server address (default {default_address()})")
     parser.add_argument(
-        "--timeout", type=_seconds, default=timeout, help=f"seconds to wait for the server ({timeout:g})"
+        "--timeout", type=seconds_arg, default=timeout, help=f"seconds to wait for the server ({timeout:g})"
     )
     parser.add_argument(
         "--auth-secret-file",
@@ -62,7 +62,6 @@ def _bytes(text: str) -> int:
 
 def _run(name: str, args: argparse.Namespace, body: Callable[[Any], int]) -> int:
     """Open a client for ``args``, run ``body(client)``, and turn every failure into a message."""
-    from kvdepot.server._cli import configure_logging, read_secret_file
     from kvdepot.transport import CacheClient, default_address
 
     configure_logging("pretty", "warning", "stderr")
@@ -156,11 +155,10 @@ def configure_clear(parser: argparse.ArgumentParser) -> None:
         "server using it (each server's RAM and disk are its own: clear each server to remove a "
         "tenant everywhere)",
     )
-    from kvdepot.server._cli import _seconds
 
     parser.add_argument(
         "--wait",
-        type=_seconds,
+        type=seconds_arg,
         default=30.0,
         help="seconds to keep clearing chunks that a client holds while they are read (30)",
     )

@@ -16,19 +16,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import Any, Protocol
 
 import attrs
 import structlog
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server import _admin_cli, _dashboard, _label_key, _query_cli, _settings_file
+from kvdepot.server._cli_args import (
+    add_log_flags,
+    configure_logging,
+    port_arg,
+    positive_int_arg,
+    read_secret_file,
+    seconds_arg,
+    size_arg,
+)
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._metrics_http import (
     DEFAULT_MAX_CONNECTIONS,
@@ -37,7 +45,7 @@ from kvdepot.server._metrics_http import (
     HTTPLimits,
 )
 from kvdepot.server._server import HEALTH_STALL_S
-from kvdepot.server._units import format_size, parse_size
+from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
 from kvdepot.transport import MAX_CONNECTIONS
 
@@ -73,79 +81,6 @@ class SimpleCommand:
 # -- logging ------------------------------------------------------------------------------
 
 
-def configure_logging(fmt: str = "auto", level: str = "info", stream: str = "stdout") -> str:
-    """Configure structlog once for the process: JSON unless the stream is a terminal.
-
-    `stream` names the `sys` attribute to write to ("stdout" or "stderr"); it is looked up
-    for every message, so a replaced `sys.stdout` (a test's capture) is followed.
-    """
-
-    def current() -> TextIO:
-        out: TextIO = getattr(sys, stream)
-        return out
-
-    tty = current().isatty()
-    if fmt == "auto":
-        fmt = "pretty" if tty else "json"
-    renderer: Any = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=tty)
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks if fmt == "json" else structlog.dev.set_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=lambda *args: structlog.PrintLogger(current()),
-        cache_logger_on_first_use=False,
-    )
-    return fmt
-
-
-# -- argument types (argparse turns ValueError/ArgumentTypeError into exit code 2) ------
-
-
-def _size(text: str) -> int:
-    try:
-        value = parse_size(text)
-    except ServerArgumentError as exc:
-        raise argparse.ArgumentTypeError(exc.message) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 bytes")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port {value} is outside 0-65535")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be more than 0 seconds")
-    return value
-
-
 # -- serve --------------------------------------------------------------------------------
 
 
@@ -158,15 +93,15 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         help=f"where to listen: ipc://PATH or tcp://127.0.0.1:PORT (default {default_address()})",
     )
     parser.add_argument(
-        "--capacity", type=_size, default=None, help="pool size, e.g. 64GiB (default: half the available memory)"
+        "--capacity", type=size_arg, default=None, help="pool size, e.g. 64GiB (default: half the available memory)"
     )
-    parser.add_argument("--page-size", type=_size, default=None, help="allocation page, e.g. 256MiB (default: auto)")
+    parser.add_argument("--page-size", type=size_arg, default=None, help="allocation page, e.g. 256MiB (default: auto)")
     parser.add_argument(
-        "--chunk-size", type=_positive_int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk offered to clients"
+        "--chunk-size", type=positive_int_arg, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk offered to clients"
     )
     parser.add_argument(
         "--metrics-port",
-        type=_port,
+        type=port_arg,
         default=None,
         help=f"Prometheus port on 127.0.0.1 (0: any free port; default {DEFAULT_METRICS_PORT}, skipped if busy)",
     )
@@ -179,28 +114,28 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-metrics", action="store_true", help="do not serve Prometheus metrics")
     parser.add_argument(
         "--metrics-max-connections",
-        type=_positive_int,
+        type=positive_int_arg,
         default=DEFAULT_MAX_CONNECTIONS,
         help="connections the metrics endpoint keeps open at once; past it the oldest unfinished request is "
         f"closed, or the new one gets 503 (default {DEFAULT_MAX_CONNECTIONS}; at most 1/8 of the file limit)",
     )
     parser.add_argument(
         "--metrics-request-deadline",
-        type=_seconds,
+        type=seconds_arg,
         default=DEFAULT_REQUEST_DEADLINE_S,
         help="seconds a metrics request's line and headers may take to arrive, in all; past it 408 "
         f"(default {DEFAULT_REQUEST_DEADLINE_S:g})",
     )
     parser.add_argument(
         "--metrics-max-header-bytes",
-        type=_size,
+        type=size_arg,
         default=DEFAULT_MAX_HEADER_BYTES,
         help="bytes of a metrics request's line and headers, in all; past it 431 "
         f"(default {format_size(DEFAULT_MAX_HEADER_BYTES)})",
     )
     parser.add_argument(
         "--health-stall",
-        type=_seconds,
+        type=seconds_arg,
         default=None,
         help=f"/healthz answers 503 once the loop has not turned for this many seconds (default {HEALTH_STALL_S:g})",
     )
@@ -218,22 +153,24 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start with an empty pool: discard what the kept pool holds (it is kept again from now on)",
     )
-    parser.add_argument("--lease-ttl", type=_seconds, default=None, help="seconds before an unreleased lease expires")
     parser.add_argument(
-        "--reservation-ttl", type=_seconds, default=None, help="seconds before an uncommitted reservation expires"
+        "--lease-ttl", type=seconds_arg, default=None, help="seconds before an unreleased lease expires"
+    )
+    parser.add_argument(
+        "--reservation-ttl", type=seconds_arg, default=None, help="seconds before an uncommitted reservation expires"
     )
     parser.add_argument(
         "--default-quota",
-        type=_size,
+        type=size_arg,
         default=None,
         help="bytes each cache_salt without a quota of its own may hold, e.g. 8GiB (default: no limit)",
     )
     parser.add_argument(
-        "--peer-timeout", type=_seconds, default=None, help="seconds of silence before a client is gone"
+        "--peer-timeout", type=seconds_arg, default=None, help="seconds of silence before a client is gone"
     )
     parser.add_argument(
         "--max-connections",
-        type=_positive_int,
+        type=positive_int_arg,
         default=MAX_CONNECTIONS,
         metavar="N",
         help=f"connections a tcp --address takes at once; past it new ones wait unanswered (default {MAX_CONNECTIONS}; "
@@ -241,18 +178,18 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     )
     flood = parser.add_argument_group("what one peer's flood may cost (docs/server.md, 'Limits')")
     flood.add_argument(
-        "--peer-queue", type=_positive_int, default=16, metavar="N", help="messages queued per peer (default 16)"
+        "--peer-queue", type=positive_int_arg, default=16, metavar="N", help="messages queued per peer (default 16)"
     )
     flood.add_argument(
         "--max-bad-frames",
-        type=_positive_int,
+        type=positive_int_arg,
         default=256,
         metavar="N",
         help="frames that are not requests a peer may send per second before it is muted for a second (default 256)",
     )
     flood.add_argument(
         "--trim-after",
-        type=_size,
+        type=size_arg,
         default=64 << 20,
         metavar="SIZE",
         help="bytes taken in after which a quiet moment gives free memory back to the system (default 64MiB)",
@@ -271,7 +208,10 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     tiers = parser.add_argument_group("tiers below RAM (docs/server.md, 'Tiers below RAM')")
     tiers.add_argument("--disk-dir", type=Path, default=None, help="a local disk tier in this directory")
     tiers.add_argument(
-        "--disk-capacity", type=_size, default=None, help="bytes the disk tier may hold (default: half its free space)"
+        "--disk-capacity",
+        type=size_arg,
+        default=None,
+        help="bytes the disk tier may hold (default: half its free space)",
     )
     tiers.add_argument(
         "--remote",
@@ -292,17 +232,17 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
     )
     tiers.add_argument("--remote-prefix", default="kvd:", help="prefix of the remote tier's keys (default kvd:)")
     tiers.add_argument(
-        "--remote-ttl", type=_seconds, default=None, help="expiry of every remote value (default: none, LRU evicts)"
+        "--remote-ttl", type=seconds_arg, default=None, help="expiry of every remote value (default: none, LRU evicts)"
     )
     tiers.add_argument(
         "--tier-deadline",
-        type=_seconds,
+        type=seconds_arg,
         default=None,
         help="seconds a lookup waits at most for the lower tiers; later chunks are misses (default 0.5)",
     )
     tiers.add_argument(
         "--tier-deadline-per-chunk",
-        type=_seconds,
+        type=seconds_arg,
         default=None,
         help="... and at most this many seconds per chunk the tiers would save: the prefill time of one "
         "chunk (default: none, --tier-deadline alone)",
@@ -328,38 +268,26 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
         help="the events' topic (default kv@node:<host name>@kvdepot)",
     )
     for flag, kind, default, text in (  # the publisher's bounds (docs/server.md, 'Limits')
-        ("--kv-events-max-connections", _positive_int, 64, "connections per KV-events tcp port (default 64)"),
-        ("--kv-events-subscriber-bytes", _size, 4 << 20, "queued for a subscriber that does not read (default 4MiB)"),
+        ("--kv-events-max-connections", positive_int_arg, 64, "connections per KV-events tcp port (default 64)"),
+        (
+            "--kv-events-subscriber-bytes",
+            size_arg,
+            4 << 20,
+            "queued for a subscriber that does not read (default 4MiB)",
+        ),
         (
             "--kv-events-subscriber-send-bytes",
-            _size,
+            size_arg,
             16 << 10,
             "bytes one tcp peer of the PUB port may send in all before a refused subscription cuts it (default 16KiB)",
         ),
-        ("--kv-events-replay-bytes", _size, 64 << 20, "batches kept for replay, in bytes (default 64MiB)"),
-        ("--kv-events-replay-page", _size, 256 << 10, "payload bytes of one replay answer (default 256KiB)"),
+        ("--kv-events-replay-bytes", size_arg, 64 << 20, "batches kept for replay, in bytes (default 64MiB)"),
+        ("--kv-events-replay-page", size_arg, 256 << 10, "payload bytes of one replay answer (default 256KiB)"),
     ):
         events.add_argument(
-            flag, type=kind, default=default, metavar="N" if kind is _positive_int else "SIZE", help=text
+            flag, type=kind, default=default, metavar="N" if kind is positive_int_arg else "SIZE", help=text
         )
-    _add_log_flags(parser)
-
-
-def _add_log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--log-format", choices=["auto", "json", "pretty"], default="auto", help="default: json unless a terminal"
-    )
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
-
-
-def read_secret_file(path: Path | None, option: str = "--auth-secret-file") -> str | None:
-    """The shared secret in `path` (stripped), None without a path; a clear error if unreadable."""
-    if path is None:
-        return None
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise ServerArgumentError(f"cannot read {option} {path}: {exc.strerror}", path=str(path)) from exc
+    add_log_flags(parser)
 
 
 def _settings_path(args: argparse.Namespace) -> Path | None:
@@ -380,8 +308,6 @@ def _settings_path(args: argparse.Namespace) -> Path | None:
 def _run_serve(args: argparse.Namespace) -> int:
     from kvdepot.server._file_limit import raise_file_limit
     from kvdepot.server._server import CacheServer, ServerConfig
-    from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
-    from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK
     from kvdepot.transport import PeerLimits
 
     fmt = configure_logging(args.log_format, args.log_level)
@@ -407,12 +333,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         metrics_limits=HTTPLimits(
             args.metrics_max_connections, args.metrics_request_deadline, args.metrics_max_header_bytes
         ),
-        health_stall=args.health_stall or HEALTH_STALL_S,
         pool_dir=args.pool_dir,
         keep_pool=args.keep_pool,
         fresh_pool=args.fresh_pool,
-        lease_ttl=args.lease_ttl or DEFAULT_LEASE_TTL,
-        reservation_ttl=args.reservation_ttl or DEFAULT_RESERVATION_TTL,
         default_quota=args.default_quota,
         peer_timeout=args.peer_timeout,
         peer_limits=PeerLimits(args.peer_queue, args.max_bad_frames, args.trim_after),
@@ -426,8 +349,6 @@ def _run_serve(args: argparse.Namespace) -> int:
         remote_prefix=args.remote_prefix,
         remote_ttl=args.remote_ttl,
         remote_ca_file=args.remote_ca_file,
-        tier_deadline=args.tier_deadline if args.tier_deadline is not None else DEFAULT_READ_DEADLINE,
-        tier_deadline_per_chunk=args.tier_deadline_per_chunk or DEFAULT_READ_DEADLINE_PER_CHUNK,
         kv_events=args.kv_events,
         kv_events_replay=args.kv_events_replay,
         kv_events_topic=args.kv_events_topic,
@@ -438,6 +359,14 @@ def _run_serve(args: argparse.Namespace) -> int:
         kv_events_replay_page_bytes=args.kv_events_replay_page,
         label_key_file=args.label_key_file,
         settings_file=_settings_path(args),
+        # Flags left out take ServerConfig's defaults, written there only.
+        **_given(
+            health_stall=args.health_stall,
+            lease_ttl=args.lease_ttl,
+            reservation_ttl=args.reservation_ttl,
+            tier_deadline=args.tier_deadline,
+            tier_deadline_per_chunk=args.tier_deadline_per_chunk,
+        ),
     )
     try:
         server = CacheServer(config)
@@ -472,6 +401,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _given(**values: Any) -> dict[str, Any]:
+    """The values a command line gave (argparse leaves the others None)."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def _banner(summary: dict[str, Any]) -> str:
     rows = [
         ("address", summary["address"]),
@@ -498,7 +432,7 @@ def _configure_stats(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--address", default=None, help=f"server address (default {default_address()})")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the server")
+    parser.add_argument("--timeout", type=seconds_arg, default=3.0, help="seconds to wait for the server")
     parser.add_argument(
         "--auth-secret-file",
         type=Path,

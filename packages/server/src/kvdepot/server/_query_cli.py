@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdepot.core import DEFAULT_CHUNK_SIZE, Namespace, chunk_keys
+from kvdepot.server._cli_args import configure_logging, read_secret_file
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvdepot.server._cli import configure_logging, read_secret_file
     from kvdepot.transport import query_prefixes
 
     configure_logging("pretty", "warning", "stderr")
