@@ -246,8 +246,10 @@ def test_engine_streams_say_what_kvdepot_holds(tiny_llama, vllm_engine, node, tm
         assert index.holds(others[-1]) == LENGTH // CHUNK  # the newest stay, the oldest went
         assert index.holds(others[0]) == 0
 
-        # 5. A server restart (its RAM is gone): the engine notices and removes what it announced.
+        # 5. A server restart that lost its RAM (its kept pool removed, as after a reboot): the engine
+        # notices and removes what it announced.
         server.stop()
+        assert server.remove_kept_pool()
         server.start()
         pauses.go("evicted")
         pauses.wait("restarted")
