@@ -284,12 +284,18 @@ def short_tmp() -> Iterator[Path]:
     """A private directory ``/tmp/kvd-XXXXXXXX`` (ipc paths must stay under 108 bytes), removed at the end.
 
     Fixtures that use it are finalized first, so a server they start in it has stopped by then.
+    The pools those servers kept in the shared-memory directory go too (a kept pool whose ipc
+    address's directory is gone is never adopted again).
     """
+    from kvdepot.server._kept_pool import remove_abandoned_pools
+    from kvdepot.server._pool import default_pool_dir
+
     path = Path(tempfile.mkdtemp(prefix="kvd-", dir="/tmp"))
     try:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+        remove_abandoned_pools(default_pool_dir())
 
 
 @pytest.fixture
