@@ -124,16 +124,24 @@ class _Pin:
 class _Copy:
     """What a tier's writer calls to get a chunk's bytes: a copy out of its slot, checked against
     the slot's header before and after (None when the slot no longer holds the chunk). The
-    chunk is unpinned once copied, or once the writer is done with it without copying."""
+    chunk is unpinned once copied, or once the writer is done with it without copying:
+    ``unpin`` runs on the loop thread, ``post`` hands a call to it from a writer's thread."""
 
-    def __init__(self, tiers: TierSet, name: tuple[str, bytes], slot: tuple[int, int], pin: _Pin) -> None:
-        self.tiers, self.name, self.pin = tiers, name, pin
+    def __init__(
+        self,
+        pool: memoryview,
+        name: tuple[str, bytes],
+        slot: tuple[int, int],
+        unpin: Callable[[], None],
+        post: Callable[[Callable[[], None]], None],
+    ) -> None:
+        self.pool, self._unpin, self._post = pool, unpin, post
         self.start, self.length = slot  # the payload's offset in the pool, and its bytes
         self.digest = slot_digest(*name)
         self._done = False
 
     def __call__(self) -> bytes | None:
-        pool, start = self.tiers.pool, self.start
+        pool, start = self.pool, self.start
         header = start - SLOT_HEADER_BYTES
         try:
             before = bytes(pool[header:start])
@@ -148,13 +156,13 @@ class _Copy:
     def done(self) -> None:
         if not self._done:
             self._done = True
-            self.tiers._post(lambda: self.tiers._unpin(self.name, self.pin))
+            self._post(self._unpin)
 
     def cancel(self) -> None:
         """Never to be copied: unpin now (loop thread)."""
         if not self._done:
             self._done = True
-            self.tiers._unpin(self.name, self.pin)
+            self._unpin()
 
 
 class TierSet:
@@ -257,7 +265,12 @@ class TierSet:
                 self.holds.tier_release([old.lease_id])
             pin = self._pins[name] = _Pin(outcome.lease_id, len(self._writers))
             for writer in self._writers:
-                item = DeferredWrite(event.salt, event.key, event.length, _Copy(self, name, outcome.slots[0], pin))
+                item = DeferredWrite(
+                    event.salt,
+                    event.key,
+                    event.length,
+                    _Copy(self.pool, name, outcome.slots[0], functools.partial(self._unpin, name, pin), self._post),
+                )
                 if not writer.submit([item], first=event.pinned):
                     self._unpin(name, pin)  # the queue is full: dropped, and counted by the writer
 
