@@ -64,8 +64,8 @@ def test_decode_engine_loads_what_the_prefill_engine_stored_and_computes_only_th
     nothing: it read the prefill engine's chunks from the same shared memory). The prefill's
     chunks are pinned (leased to the server itself, for `kvdepot.handoff_pin`) until the decode
     engine has them; the decode engine leaves no lease of its own. Then the server restarts
-    before the second prompt's decode: its chunks are gone, and the decode engine computes that
-    prompt whole, with the same output."""
+    before the second prompt's decode and loses its RAM (its kept pool removed): its chunks are
+    gone, and the decode engine computes that prompt whole, with the same output."""
     whole = vllm_engine(tiny_llama, PROMPTS).check()
     prefill = vllm_engine(tiny_llama, PROMPTS, max_tokens=1, kv_transfer_config=server.config("kv_producer")).check()
     assert [out[0] for out in whole.outputs] == [out[0] for out in prefill.outputs]
@@ -92,6 +92,7 @@ def test_decode_engine_loads_what_the_prefill_engine_stored_and_computes_only_th
         assert after_decode.leases <= after_prefill.leases  # the pins (or fewer, as they end); none of the decode's
         assert after_decode.reservations == 0
         server.kill()
+        assert server.remove_kept_pool()  # its RAM lost too (a kept pool would be adopted: test_kept_pool.py)
         server.start()
     finally:
         (engines / "first.go").touch()

@@ -35,7 +35,8 @@ class TierServer(kvdepot.server.ServerProcess):
         super().__init__(
             f"ipc://{workdir}/kvdepot.sock",
             capacity="512MiB",
-            args=["--no-metrics", *tier_args],
+            # A restarted server reads back from its tiers: its RAM is not kept (test_e2e.py keeps it).
+            args=["--no-metrics", "--no-keep-pool", *tier_args],
             log_path=workdir / "server.log",
         )
 
