@@ -267,7 +267,7 @@ def test_with_nobody_reading_a_burst_keeps_at_most_max_pending_and_counts_the_re
     )
     try:
         events = ram_commits(1000)
-        publisher(events)
+        publisher.take(events)
         assert len(publisher._pending) <= 100
         assert publisher.dropped == 900
         assert wait_until(lambda: publisher.published_events + publisher.dropped == 1000, T)
@@ -301,7 +301,7 @@ def test_with_nobody_reading_many_calls_keep_the_queue_and_the_replay_buffer_bou
     try:
         total, most = 0, 0
         for i in range(2000):
-            publisher(ram_commits(10, tag=f"{i}"))
+            publisher.take(ram_commits(10, tag=f"{i}"))
             total += 10
             most = max(most, len(publisher._pending))
         assert most <= 100
@@ -325,11 +325,11 @@ def test_with_nobody_reading_many_calls_keep_the_queue_and_the_replay_buffer_bou
 def test_events_of_other_tiers_and_empty_calls_publish_nothing(short_tmp, wait_until):
     publisher = KVEventPublisher(f"ipc://{short_tmp}/ev", topic="t", max_pending=10)
     try:
-        publisher([])
-        publisher([Committed("s", b"\1" * 32, 1, "engine", tier="disk"), Cleared("s", b"\2" * 32, 1, tier="disk")])
+        publisher.take([])
+        publisher.take([Committed("s", b"\1" * 32, 1, "engine", tier="disk"), Cleared("s", b"\2" * 32, 1, tier="disk")])
         time.sleep(0.2)  # give the thread a chance to (wrongly) send something
         assert (publisher.seq, publisher.published_events, publisher.dropped) == (0, 0, 0)
-        publisher([Cleared("s", b"\2" * 32, 1)])
+        publisher.take([Cleared("s", b"\2" * 32, 1)])
         assert wait_until(lambda: publisher.seq == 1, T)
         assert publisher.published_events == 1
     finally:

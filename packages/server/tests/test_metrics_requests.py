@@ -128,7 +128,7 @@ def test_chunk_changes_count_the_index_event_stream():
     at zero from the start, chunks and bytes apart."""
     changes = ChunkChanges()
     assert changes.snapshot() == {(change, RAM): (0, 0) for change in CHANGES}
-    changes.add(
+    changes.take(
         [
             Committed("s", b"a", 100, client="engine"),
             Committed("s", b"b", 50, client=TIER_CLIENT),

@@ -12,6 +12,9 @@ index for them, and gets nothing when the chunk has gone meanwhile.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 import attrs
 
 #: The tier an event happened in. The index is the RAM tier's; the tiers below have their own.
@@ -48,3 +51,10 @@ class Cleared(ChunkChange):
 
 
 IndexEvent = Committed | Evicted | Cleared
+
+
+class EventConsumer(Protocol):
+    """What takes the index's events after each request (loop thread), in the order they
+    happened: the change log, the tiers, the metrics, the KV event publisher."""
+
+    def take(self, events: Sequence[IndexEvent]) -> None: ...

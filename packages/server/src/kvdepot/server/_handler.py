@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.core import SaltLabeler
 from kvdepot.server._change_log import CHANGE_WORK_BYTES, ChangeLog
 from kvdepot.server._errors import AdminRefusedError, LayoutConflictError, ServerArgumentError, StalePoolError
+from kvdepot.server._events import EventConsumer
 from kvdepot.server._index import MAX_KEYS_PER_REQUEST, ChunkIndex
 from kvdepot.server._label_key import random_labeler
 from kvdepot.server._ranking import SaltRanking
@@ -26,7 +27,6 @@ from kvdepot.server._version import __version__
 from kvdepot.transport import get_logger
 
 if TYPE_CHECKING:
-    from kvdepot.server._events import IndexEvent
     from kvdepot.server._tiering import Answer, TierSet
 from kvdepot.transport import (
     PROTOCOL_VERSION,
@@ -101,7 +101,7 @@ class CacheHandler:
         client_connected: Callable[[str], bool] = lambda client: False,
         admin_allowed: bool = True,
         labeler: SaltLabeler | None = None,
-        consumers: Sequence[Callable[[Sequence[IndexEvent]], None]] = (),
+        consumers: Sequence[EventConsumer] = (),
         timed: Callable[[str, float], None] | None = None,
         looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
         settings: SettingsFile | None = None,
@@ -133,7 +133,8 @@ class CacheHandler:
         self.label = labeler if labeler is not None else random_labeler()
         self.tiers = tiers
         self.changes = ChangeLog(server_id)
-        self.consumers = tuple(consumers)
+        # Every taker of the index's events, in order: the change log, the tiers, then the others.
+        self.consumers: tuple[EventConsumer, ...] = (self.changes, *(() if tiers is None else (tiers,)), *consumers)
         self.timed = timed
         self.looked_up = looked_up
         self.settings = settings if settings is not None else SettingsFile(None)
@@ -181,11 +182,8 @@ class CacheHandler:
         events = self.index.take_events()
         if not events:
             return
-        self.changes.take(events)
-        if self.tiers is not None:
-            self.tiers.take(events)
-        for consume in self.consumers:
-            consume(events)
+        for consumer in self.consumers:
+            consumer.take(events)
 
     def answer(self, answer: Answer) -> ReplyBody:
         """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:

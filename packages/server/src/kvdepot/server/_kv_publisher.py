@@ -251,7 +251,7 @@ class KVEventPublisher:
             secure_ipc_socket(path)  # its directory is owner-only already (check_ipc_trusted)
         return sock
 
-    def __call__(self, events: Sequence[ChunkChange]) -> None:
+    def take(self, events: Sequence[ChunkChange]) -> None:
         """Queue the RAM tier's events (loop thread); the publisher thread turns them into
         vLLM's and sends them. Past `max_pending` the oldest are dropped: the next batch then
         skips a sequence number, so subscribers see a gap (that replay cannot fill)."""
@@ -286,6 +286,7 @@ class KVEventPublisher:
             figures[f"kv_events_replay_refused_{reason}"] = count
         for name, listener in self._listeners.items():
             figures[f"kv_events_{name}_connections"] = listener.connections
+            figures[f"kv_events_{name}_accepted"] = listener.accepted
             figures[f"kv_events_{name}_full"] = listener.full
         return figures
 

@@ -159,7 +159,7 @@ class ChunkChanges:
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], list[int]] = {(change, RAM): [0, 0] for change in CHANGES}
 
-    def add(self, events: Sequence[IndexEvent]) -> None:
+    def take(self, events: Sequence[IndexEvent]) -> None:
         for event in events:
             if isinstance(event, Committed):
                 change = "read_back" if event.client.startswith(RESERVED_CLIENT_PREFIX) else "committed"

@@ -259,7 +259,7 @@ class CacheServer:
                 client_connected=self._client_connected,
                 admin_allowed=not ((config.address or "").startswith("tcp://") and not config.auth_secret),
                 labeler=self.labeler,
-                consumers=(self.chunk_changes.add, *(() if self.kv_events is None else (self.kv_events,))),
+                consumers=(self.chunk_changes, *(() if self.kv_events is None else (self.kv_events,))),
                 timed=self.latency.observe,
                 looked_up=self.salt_lookups.add,
                 settings=settings,

@@ -109,6 +109,7 @@ class CappedListener:
         self.name = name
         self.cap = cap
         self.connections = 0  # open now (accepted, not yet closed)
+        self.accepted = 0  # accepted so far (a connection closed between two looks still counts)
         self.full = 0  # times the listener reached its cap and began refusing
         self.handshake_failed = 0  # connections closed in or for their handshake
         self._filtered = False
@@ -154,6 +155,7 @@ class CappedListener:
         with self._lock:
             if event == zmq.EVENT_ACCEPTED:
                 self.connections += 1
+                self.accepted += 1
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connections = max(0, self.connections - 1)
             elif event & _HANDSHAKE_FAILED:
