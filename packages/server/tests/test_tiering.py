@@ -11,7 +11,7 @@ import time
 from kvdepot.server import ChunkIndex, DiskTier, SlabAllocator
 from kvdepot.server._pool import SlotHeaders
 from kvdepot.server._tier_read import ReadState
-from kvdepot.server._tiering import TierSet
+from kvdepot.server._tiering import ClearAnswer, TierSet
 
 PAGE = 64 * 1024
 CHUNK = 4096 - 64  # one 4 KiB slot
@@ -44,7 +44,7 @@ class LoopTiers(TierSet):
 
     def run(self):
         for answer in super().run():
-            if answer.cleared is not None:  # a Clear's answer: what the tiers did
+            if isinstance(answer, ClearAnswer):  # a Clear's answer: what the tiers did
                 self.answers.append(answer.cleared)
                 continue
             self.answers.append(self.index.lookup(answer.client, answer.items, time.monotonic()))

@@ -23,6 +23,7 @@ from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._results import IndexStats, LookupOutcome, Reclaimed
 from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SLOT_ALIGNMENT
+from kvdepot.server._tiering import ClearAnswer, QueryAnswer
 from kvdepot.server._version import __version__
 from kvdepot.transport import get_logger
 
@@ -188,14 +189,15 @@ class CacheHandler:
     def answer(self, answer: Answer) -> ReplyBody:
         """The reply to a lookup the tiers are done with: from RAM, as it stands now (a Query:
         what RAM held when it came, and what the tiers hold past that)."""
-        if (cleared := answer.cleared) is not None:
+        if isinstance(answer, ClearAnswer):
+            cleared = answer.cleared
             return ClearReply(
                 removed=cleared.removed,
                 left=self.index.visible_chunks(cleared.salt),
                 tiers=cleared.tiers,
                 tier_errors=cleared.errors,
             )
-        if answer.held is not None:
+        if isinstance(answer, QueryAnswer):
             return QueryReply([QueryResult(ram, below, tiers) for ram, below, tiers in answer.held])
         try:
             return self.lookup_reply(answer.client, answer.items, self.clock(), answer.read_back)

@@ -86,19 +86,35 @@ OVERDUE_GRACE_S = 1.0
 
 
 @attrs.frozen
-class Answer:
-    """A deferred lookup the tiers are done waiting for: the server answers it from RAM now.
-    For a Query, `held` says per item what RAM held when it came (its prefix), and what the
-    tiers hold past that: the run a lookup would read back, and each tier's part of it."""
+class LookupAnswer:
+    """A deferred lookup the tiers are done waiting for: the server answers it from RAM now."""
 
     deferred: Deferred
     client: str
     items: list[tuple[str, Sequence[bytes]]]
-    held: list[tuple[int, int, dict[str, int]]] | None = None
-    #: For a lookup: per item, the keys (by position) that were just read back, and from which tier.
-    read_back: list[dict[int, str]] | None = None
-    #: For a Clear: what the tiers did.
-    cleared: TierClear | None = None
+    #: Per item, the keys (by position) that were just read back, and from which tier.
+    read_back: list[dict[int, str]]
+
+
+@attrs.frozen
+class QueryAnswer:
+    """A Query the tiers answered: per item, what RAM held when it came (its prefix), and what
+    the tiers hold past that: the run a lookup would read back, and each tier's part of it."""
+
+    deferred: Deferred
+    held: list[tuple[int, int, dict[str, int]]]
+
+
+@attrs.frozen
+class ClearAnswer:
+    """A Clear every tier is done with (or failed): what RAM and the tiers removed."""
+
+    deferred: Deferred
+    cleared: TierClear
+
+
+#: What the tiers hand the loop to answer (`TierSet.run`).
+Answer = LookupAnswer | QueryAnswer | ClearAnswer
 
 
 @attrs.define(eq=False)
@@ -304,7 +320,7 @@ class TierSet:
         self.counters["reads_deferred"] += 1
         return self._start(read, count)
 
-    def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | Answer | None:
+    def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | QueryAnswer | None:
         """Ask the tiers which keys past each item's RAM prefix they hold (a Query: no slot, no
         lease, no transfer). None when there is nothing to ask (the caller answers from RAM at
         once); the answer itself when every tier up answers from memory (the disk's index: asked
@@ -433,7 +449,7 @@ class TierSet:
             if not writer.call(functools.partial(self._clear_on_writer, job, tier)):
                 self._clear_done(job, tier.kind, "the server is closing")()
         if not self.tiers:
-            self._answers.append(Answer(deferred, "", [], cleared=job))
+            self._answers.append(ClearAnswer(deferred, job))
         log.info("tiers_clearing", salt=self._label(salt))
         return job
 
@@ -464,16 +480,16 @@ class TierSet:
                 # A read that started before every tier was done may hold bytes they deleted.
                 self.clears.mark(job.salt, below=True)
                 log.info("tiers_cleared", salt=self._label(job.salt), deleted=job.tiers, errors=job.errors)
-                self._answers.append(Answer(job.deferred, "", [], cleared=job))
+                self._answers.append(ClearAnswer(job.deferred, job))
 
         return done
 
-    def _held(self, read: TierRead) -> Answer:
+    def _held(self, read: TierRead) -> QueryAnswer:
         """The answer to a Query: per item, its RAM prefix and what the tiers hold past it."""
         assert read.query_prefixes is not None
         below = read.held_below(self.tiers)
         held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
-        return Answer(read.deferred, read.client, read.items, held=held)
+        return QueryAnswer(read.deferred, held)
 
     def _answer(self, read: TierRead) -> None:
         if read.query_prefixes is not None:
@@ -484,7 +500,7 @@ class TierSet:
             start = len(keys) - len(read.missing[item][1])  # the RAM prefix when the lookup came
             filled = read.filled[item] if item < len(read.filled) else {}
             read_back.append({start + i: self.tiers[t].kind for i, t in filled.items()})
-        self._answers.append(Answer(read.deferred, read.client, read.items, read_back=read_back))
+        self._answers.append(LookupAnswer(read.deferred, read.client, read.items, read_back))
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
         """Each tier's figures and its write queue, flat, for the Stats reply's `extra`."""
