@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 
 import pytest
 
@@ -98,11 +97,13 @@ def test_build_rejects_bad_head_counts(tmp_path):
 def test_store_gate_holds_until_its_path_exists(tmp_path):
     """`wait_for_gate` (the hook of ``kvdepot.test.store_gate``) returns only once its file exists."""
     gate = tmp_path / "go"
-    threading.Timer(0.2, gate.touch).start()
-    started = time.monotonic()
-    testing.wait_for_gate(str(gate))
-    assert gate.exists()
-    assert time.monotonic() - started >= 0.15
+    waiting = threading.Thread(target=testing.wait_for_gate, args=(str(gate),))
+    waiting.start()
+    waiting.join(0.3)
+    assert waiting.is_alive(), "returned with no gate"  # a slow machine only makes it wait longer
+    gate.touch()
+    waiting.join(testing.STORE_GATE_MAX_S)
+    assert not waiting.is_alive(), "the gate opened and it still waits"
 
 
 def test_the_store_gate_is_a_hook_only_where_a_test_sets_it(tmp_path):
