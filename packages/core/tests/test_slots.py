@@ -51,3 +51,13 @@ def test_the_digest_is_blake2b_of_the_salts_length_the_salt_and_the_key(salt):
         assert slot_digest(salt, key) == definition(salt, key)
         assert slot_digest("other", key) != slot_digest(salt, key)
         assert slot_digest(salt, key) == definition(salt, key)
+
+
+def test_unpack_slot_header_reads_a_header_and_refuses_what_is_not_one():
+    from kvdepot.core import unpack_slot_header
+
+    digest = slot_digest("salt", b"k" * 32)
+    header = pack_slot_header(6, 4096, digest)
+    assert unpack_slot_header(header) == (6, 4096, digest)
+    assert unpack_slot_header(b"x" + header[1:]) is None  # not the magic
+    assert unpack_slot_header(header[:-1]) is None  # not a header's size

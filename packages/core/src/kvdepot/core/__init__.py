@@ -21,6 +21,7 @@ from kvdepot.core._slots import (
     pack_slot_header,
     slot_digest,
     slot_header_holds,
+    unpack_slot_header,
 )
 from kvdepot.core._state import TRANSITIONS, Event, RequestState
 from kvdepot.core._version import __version__
@@ -57,4 +58,5 @@ __all__ = [
     "salt_label",
     "slot_digest",
     "slot_header_holds",
+    "unpack_slot_header",
 ]

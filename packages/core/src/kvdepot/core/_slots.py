@@ -55,6 +55,15 @@ def pack_slot_header(generation: int, length: int, digest: bytes) -> bytes:
     return _HEADER.pack(_MAGIC, generation, length, digest)
 
 
+def unpack_slot_header(header: bytes | memoryview) -> tuple[int, int, bytes] | None:
+    """(generation, length, digest) of a slot's header, or None when it is not one (its size or
+    magic): for a reader that must tell a slot that moved on from one that was damaged."""
+    if len(header) != SLOT_HEADER_BYTES:
+        return None
+    magic, generation, length, digest = _HEADER.unpack(header)
+    return (generation, length, digest) if magic == _MAGIC else None
+
+
 def slot_header_holds(header: bytes | memoryview, digest: bytes, length: int) -> bool:
     """True when ``header`` says its slot holds a committed chunk of ``length`` bytes with
     ``digest`` (`slot_digest`)."""

@@ -21,12 +21,10 @@ from typing import Protocol
 
 import attrs
 
-from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
+from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, unpack_slot_header
 from kvdepot.server._pool_journal import COMMITTED, RESERVED, Record
 from kvdepot.server._results import AdoptOutcome
 from kvdepot.server._tier_format import payload_checksum
-
-SLOT_MAGIC = b"kvdslot1"  # `kvdepot.core`'s slot header layout
 
 
 class Adopter(Protocol):
@@ -81,16 +79,15 @@ def _check(buffer: memoryview, record: Record) -> str:
     slot, length = record.slot, record.length
     if slot < 0 or slot % 64 or slot + SLOT_HEADER_BYTES + length > len(buffer) or length <= 0:
         return "outside"
-    header = buffer[slot : slot + SLOT_HEADER_BYTES]
-    generation = int.from_bytes(header[8:16], "little")
+    if (fields := unpack_slot_header(buffer[slot : slot + SLOT_HEADER_BYTES])) is None:
+        return "header"
+    generation, got_length, digest = fields
     if generation != record.generation:
         return "moved_on"  # freed, reused or pending again after the record
-    digest = slot_digest(record.salt, record.key)
-    if record.kind == RESERVED:  # still pending: odd, and naming what the reservation was for
-        holds = bytes(header[:8]) == SLOT_MAGIC and bytes(header[24:56]) == digest
-        return "" if generation % 2 and holds and int.from_bytes(header[16:24], "little") == length else "header"
-    if not slot_header_holds(header, digest, length):
+    if got_length != length or digest != slot_digest(record.salt, record.key):
         return "header"
+    if record.kind == RESERVED:  # still pending (odd): what the reservation was for
+        return "" if generation % 2 else "moved_on"
     data = buffer[slot + SLOT_HEADER_BYTES : slot + SLOT_HEADER_BYTES + length]
     if payload_checksum(data) != record.checksum:
         return "checksum"
