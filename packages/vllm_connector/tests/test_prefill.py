@@ -46,3 +46,20 @@ def test_a_skipped_output_errs_towards_waiting_longer():
     assert rate.seconds_for(1000) >= 0.1
     rate.step_done(0.4)
     assert rate.seconds_for(1000) >= 0.1
+
+
+@pytest.mark.parametrize(
+    ("tokens", "started", "done", "seconds"),
+    [
+        (1000, 0.0, 0.5, 0.5),  # a prefill step
+        (4, 0.0, 0.02, 0.02),  # a decode step: no rate sample, but a step that computed
+        (0, 0.0, 0.01, None),  # an idle step computed nothing
+    ],
+)
+def test_a_step_that_came_back_says_how_long_it_took_when_it_computed(
+    tokens: int, started: float, done: float, seconds: float | None
+) -> None:
+    rate = PrefillRate()
+    rate.step_started(tokens, started)
+    assert rate.step_done(done) == (pytest.approx(seconds) if seconds is not None else None)
+    assert rate.step_done(done + 1) is None  # nothing was in flight

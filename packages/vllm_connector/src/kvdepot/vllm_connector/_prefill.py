@@ -42,20 +42,22 @@ class PrefillRate:
         """A step of ``tokens`` scheduled tokens left for the workers."""
         self._started.append((now, tokens))
 
-    def step_done(self, now: float) -> None:
-        """The oldest step in flight came back. With asynchronous scheduling the next step may
-        have left before this one came back; its time then starts when this one ended."""
+    def step_done(self, now: float) -> float | None:
+        """The oldest step in flight came back; its seconds when it computed anything. With
+        asynchronous scheduling the next step may have left before this one came back; its
+        time then starts when this one ended."""
         if not self._started:
-            return
+            return None
         started, tokens = self._started.popleft()
         seconds = now - max(started, self._last_done)
         self._last_done = now
         if tokens < MIN_STEP_TOKENS or seconds <= 0:
-            return
+            return seconds if tokens and seconds > 0 else None
         sample = seconds / tokens
         self._per_token = (
             sample if self._per_token is None else self._per_token + SMOOTHING * (sample - self._per_token)
         )
+        return seconds
 
     def seconds_for(self, tokens: int) -> float | None:
         """The estimated time to compute ``tokens`` tokens; None until a step of enough tokens was seen."""
