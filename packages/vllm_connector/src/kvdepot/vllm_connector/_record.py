@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ class Record:
     sync_load: bool = False
     #: Of its last lookup's hit: the chunk it ends at, and how many chunks before that end the
     #: server had just read back for it from each tier below RAM (the rest came from RAM).
-    read_back: tuple[int, dict[str, int]] = (0, {})
+    read_back: tuple[int, Mapping[str, int]] = (0, {})
     #: The keys of its last lookup, one list per KV rank (for its KV events).
     keys: list[list[bytes]] = attrs.Factory(list)
     #: A handed-over request (prefill elsewhere): the tokens its producer stored that it may

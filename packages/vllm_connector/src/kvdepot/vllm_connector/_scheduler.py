@@ -46,6 +46,7 @@ from kvdepot.vllm_connector._handoff import (
 )
 from kvdepot.vllm_connector._identity import lora_identity, request_marks
 from kvdepot.vllm_connector._lease_book import LeaseBook
+from kvdepot.vllm_connector._lookup_reply import LookupStatus, hit_sources, lookup_status, read_reply
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
 from kvdepot.vllm_connector._prefill import PrefillRate
 from kvdepot.vllm_connector._record import Record
@@ -536,76 +537,72 @@ class SchedulerSide:
             record.lookup, record.first_item, record.server_id = future, index * self.kv_world_size, server_id
 
     def _poll_lookup(self, record: Record) -> bool:
-        """Apply the lookup reply if it is in; True once the request is looked up."""
-        req_id, future = record.request.request_id, record.lookup
+        """Apply the lookup reply if it is in; True once the request is looked up (`_lookup_reply.py`
+        reads the reply, this is the I/O around it)."""
+        future = record.lookup
         assert future is not None
         if not future.done() and not self._yielded:
             self._yielded = True
             with contextlib.suppress(TimeoutError):
                 future.exception(timeout=LOOKUP_YIELD_S)  # lets a reply on its way in arrive
-        if not future.done():
-            if time.monotonic() - record.sent_at < self.lookup_timeout:
-                return False
+        status = lookup_status(future.done(), time.monotonic() - record.sent_at, self.lookup_timeout)
+        if status is LookupStatus.TIMED_OUT:
+            req_id = record.request.request_id
             log.warning("kvdepot lookup for %s took over %.1fs; counting it as a miss", req_id, self.lookup_timeout)
             self.health.report_timeout()
             self.stats.add("lookup_misses_timeout")
             self._release_on_arrival(record)
             self.planner.on_lookup_done(req_id, [0], ())
-            return True
-        record.lookup = None
-        record.read_back = (0, {})
-        hits, handles, slots = [0], [], []
-        try:
-            results = future.result().results[record.first_item : record.first_item + self.kv_world_size]
-        except Exception as exc:
-            if isinstance(exc, DeadlineExceededError):
-                self.health.report_timeout()
-            log.warning("kvdepot lookup for %s failed, counting it as a miss: %s", req_id, exc)
-            results = []
-        # The slots are only meaningful in the pool of the server that answered: if the
-        # client reconnected to another instance meanwhile, the reply counts as a miss.
-        same_server = bool(record.server_id) and record.server_id == self.client.server_id
-        lengths = {s.length for r in results for s in r.slots}
-        if len(results) == self.kv_world_size and same_server:
-            handles = [self.leases.handle(record.server_id, r.lease_id) for r in results]
-            if len(lengths) <= 1:  # slots of mixed lengths cannot all be this layout's chunks: a miss
-                hits = [r.num_hits for r in results]
-                slots = [[s.offset for s in r.slots] for r in results]
-                record.slot_bytes = lengths.pop() if lengths else 0
-                first = self.planner.get(req_id).lookup_first
-                record.read_back = (first + results[0].num_hits, dict(results[0].read_back))
-                if self.events is not None and min(hits) > 0:
-                    hit_keys = [rank_keys[: min(hits)] for rank_keys in record.keys]
-                    self.events.hit(record.request, first, hit_keys, self.planner.get(req_id).cache_salt)
-        self.planner.on_lookup_done(req_id, hits, handles, slots=slots, source=record.server_id, at=record.sent_at)
+        elif status is LookupStatus.ANSWERED:
+            record.lookup = None
+            self._apply_reply(record, self._reply_results(record, future))
+        return status is not LookupStatus.WAITING
+
+    def _apply_reply(self, record: Record, results: list[Any]) -> None:
+        """Feed a request's lookup reply, read (`read_reply`), to the planner, its record, its KV
+        events and the counters."""
+        req_id = record.request.request_id
         tracker = self.planner.get(req_id)
+        reading = read_reply(
+            results,
+            record.first_item,
+            world=self.kv_world_size,
+            # The slots are only meaningful in the pool of the server that answered: if the
+            # client reconnected to another instance meanwhile, the reply counts as a miss.
+            same_server=bool(record.server_id) and record.server_id == self.client.server_id,
+            lookup_first=tracker.lookup_first,
+        )
+        record.slot_bytes, record.read_back = reading.slot_bytes, reading.read_back
+        if self.events is not None and reading.hit_chunks > 0:
+            hit_keys = [rank_keys[: reading.hit_chunks] for rank_keys in record.keys]
+            self.events.hit(record.request, tracker.lookup_first, hit_keys, tracker.cache_salt)
+        handles = [self.leases.handle(record.server_id, lease) for lease in reading.leases]
+        self.planner.on_lookup_done(
+            req_id, reading.hits, handles, slots=reading.slots, source=record.server_id, at=record.sent_at
+        )
         self.stats.add("lookups")
         self.stats.add("lookup_seconds_sum", time.monotonic() - record.sent_at)
         hit_chunks = tracker.hit_chunks - tracker.lookup_first if tracker.hit_chunks else 0
         self.stats.add("lookup_hit_tokens", hit_chunks * self.planner.chunk_size)
-        return True
+
+    def _reply_results(self, record: Record, future: Future[Any]) -> list[Any]:
+        """The results of a lookup reply that is in; none (a miss) if the lookup failed."""
+        try:
+            results: list[Any] = future.result().results
+        except Exception as exc:
+            if isinstance(exc, DeadlineExceededError):
+                self.health.report_timeout()
+            log.warning("kvdepot lookup for %s failed, counting it as a miss: %s", record.request.request_id, exc)
+            return []
+        return results
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[str, int]:
-        """The tokens a load brings, by where the server had them: ``"host"`` (its RAM), or the
-        tier it just read them back from (``"disk"``, ``"remote"``). Read-back chunks end the
-        hit, the disk's first (the tier asked first); the counts sum to ``num_external_tokens``."""
+        """The tokens a load brings, by where the server had them (`_lookup_reply.hit_sources`)."""
         record = self._records.get(request.request_id)
-        if not num_external_tokens:
-            return {}
-        start = self.planner.get(request.request_id).engine_hit_tokens if record is not None else 0
-        end = start + num_external_tokens
-        hit_end, read_back = record.read_back if record is not None else (0, {})
-        size = self.planner.chunk_size
-        out: dict[str, int] = {}
-        at = (hit_end - sum(read_back.values())) * size
-        for kind in sorted(read_back, key=lambda k: (k != "disk", k)):
-            span = read_back[kind] * size
-            if (overlap := min(end, at + span) - max(start, at)) > 0:
-                out[kind] = overlap
-            at += span
-        if host := num_external_tokens - sum(out.values()):
-            out["host"] = host
-        return out
+        if record is None or not num_external_tokens:
+            return hit_sources(0, num_external_tokens, (0, {}), self.planner.chunk_size)
+        start = self.planner.get(request.request_id).engine_hit_tokens
+        return hit_sources(start, num_external_tokens, record.read_back, self.planner.chunk_size)
 
     def _release_on_arrival(self, record: Record) -> None:
         """Release whatever leases a reply we no longer wait for brings when it arrives."""
