@@ -11,6 +11,8 @@ import attrs
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
+    from kvdepot.vllm_connector._handoff_wait import HandoffWait
+
 
 @attrs.define
 class Record:
@@ -33,9 +35,5 @@ class Record:
     read_back: tuple[int, Mapping[str, int]] = (0, {})
     #: The keys of its last lookup, one list per KV rank (for its KV events).
     keys: list[list[bytes]] = attrs.Factory(list)
-    #: A handed-over request (prefill elsewhere): the tokens its producer stored that it may
-    #: load, and until when (monotonic) it waits for them; `handoff_late` once it stopped waiting.
-    handoff_tokens: int = 0
-    handoff_deadline: float = 0.0
-    handoff_late: bool = False
-    handoff_polls: int = 0  # lookups sent again while waiting
+    #: A handed-over request (prefill elsewhere): its wait for the chunks its producer stored.
+    handoff: HandoffWait | None = None

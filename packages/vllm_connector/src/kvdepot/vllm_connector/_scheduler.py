@@ -37,13 +37,8 @@ from typing import TYPE_CHECKING, Any
 from kvdepot.core import Namespace, Planner, RequestState, RequestTracker
 from kvdepot.transport import DeadlineExceededError, LookupItem
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup, ours
-from kvdepot.vllm_connector._handoff import (
-    DEFAULT_HANDOFF_TIMEOUT,
-    expected_chunks,
-    handoff_params,
-    namespace_digest,
-    poll_interval,
-)
+from kvdepot.vllm_connector._handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_params, namespace_digest
+from kvdepot.vllm_connector._handoff_wait import Decision, HandoffWait
 from kvdepot.vllm_connector._identity import lora_identity, request_marks
 from kvdepot.vllm_connector._lease_book import LeaseBook
 from kvdepot.vllm_connector._lookup_reply import LookupStatus, hit_sources, lookup_status, read_reply
@@ -174,7 +169,7 @@ class SchedulerSide:
             if num_computed_tokens >= tracker.lookup_first * self.planner.chunk_size:
                 break
         num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
-        if record.handoff_tokens and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
+        if record.handoff is not None and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
             return None, False
         record.sync_load = num > 0 and self._joins_this_step(record, num_computed_tokens, num)
         return num, num > 0 and not record.sync_load
@@ -214,30 +209,26 @@ class SchedulerSide:
         return bool(time.monotonic() - tracker.hit_at > LEASE_REFRESH_S)
 
     def _handoff_pending(self, record: Record, num_computed_tokens: int, have: int) -> bool:
-        """True while a handed-over request should wait: the server holds fewer of its chunks
-        than the producer stored, and its deadline has not passed (a new lookup is then on its way)."""
-        if have >= record.handoff_tokens or record.handoff_late:
-            return False
-        now = time.monotonic()
-        if now >= record.handoff_deadline:
-            record.handoff_late = True
+        """True while a handed-over request should wait (`_handoff_wait.py` decides; this supplies
+        the clock, looks the request up again, and says why it stopped waiting)."""
+        assert record.handoff is not None
+        decision = record.handoff.step(have, time.monotonic(), record.sent_at)
+        if decision is Decision.GIVE_UP:
             self.stats.add("handoff_timeouts")
             log.warning(
                 "kvdepot: request %s waited %.1f s for the %d tokens its prefill engine stored and found %d; "
                 "it computes the rest (kv_load_failure_policy=recompute)",
                 record.request.request_id,
                 self.handoff_timeout,
-                record.handoff_tokens,
+                record.handoff.tokens,
                 have,
             )
-            return False
-        if now - record.sent_at >= poll_interval(record.handoff_polls):  # the producer's store may have landed
-            record.handoff_polls += 1
+        elif decision is Decision.POLL:  # the producer's store may have landed
             self.stats.add("handoff_polls")
             if not self._start_lookup(record, num_computed_tokens):
                 return False
             self._send_lookups()
-        return True
+        return decision.waits
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -437,14 +428,16 @@ class SchedulerSide:
         self.planner.add_request(req_id, cache_salt=request.cache_salt, lora=lora_identity(request), marks=marks)
         record = self._records[req_id] = Record(request)
         if self.loads:
-            chunks, why_not = expected_chunks(getattr(request, "kv_transfer_params", None), self._handoff_digest())
+            params = getattr(request, "kv_transfer_params", None)
+            record.handoff, why_not = HandoffWait.named_by(
+                params,
+                self._handoff_digest(),
+                num_tokens=request.num_tokens,
+                chunk_size=self.planner.chunk_size,
+                deadline=time.monotonic() + self.handoff_timeout,
+            )
             if why_not is not None:
                 log.warning("kvdepot: request %s is not waited for as a handoff: %s", req_id, why_not)
-            if chunks:
-                # At most the prompt's own full chunks, less the token vLLM always computes.
-                size = self.planner.chunk_size
-                record.handoff_tokens = min(min(chunks, request.num_tokens // size) * size, request.num_tokens - 1)
-                record.handoff_deadline = time.monotonic() + self.handoff_timeout
         return record
 
     def _local_hit_tokens(self, request: Request) -> int:
