@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 from types import ModuleType
+from typing import Any
 
 from kvdepot.vllm_connector._groups import ConnectorConfigError
 
@@ -94,3 +95,24 @@ def check_release(version: str) -> None:
         )
     else:
         log.info("kvdepot runs on vLLM %s (tested: %s)", version, TESTED_RANGE)
+
+
+def recompute_failed_loads(kv_transfer_config: Any) -> None:
+    """Set vLLM's ``kv_load_failure_policy`` to ``"recompute"``: the one place kvdepot writes vLLM's config.
+
+    vLLM's default is ``"fail"``: a request whose external KV fails to load ends with an error.
+    For a cache that is wrong: a chunk evicted or changed under a load, or a server gone mid-load,
+    must cost the request a recompute, never the request itself (design.md, "Load-failure
+    recovery"). vLLM's scheduler reads the policy once, right after it builds its connector
+    (`Scheduler.__init__`), and has no hook through which a connector could ask for it, so the
+    scheduler's connector writes it at its construction, and says so once when it changes a
+    policy a user chose.
+    """
+    if kv_transfer_config.kv_load_failure_policy == "recompute":
+        return
+    log.warning(
+        "kvdepot sets kv_load_failure_policy=recompute (was %r): a load from a cache that fails is "
+        "recomputed, never turned into a failed request",
+        kv_transfer_config.kv_load_failure_policy,
+    )
+    kv_transfer_config.kv_load_failure_policy = "recompute"

@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import platform
 import shlex
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.core import Namespace, ParallelStrategy
-from kvdepot.transport import CacheClient, default_address
-from kvdepot.vllm_connector._compat import check_release, connector_api, vllm_version
-from kvdepot.vllm_connector._config import ConnectorConfig
-from kvdepot.vllm_connector._groups import (
-    CacheGroup,
-    ConnectorConfigError,
-    cache_groups,
-    layout_part,
-    unserved_layers,
-)
+from kvdepot.transport import CacheClient
+from kvdepot.vllm_connector._compat import check_release, connector_api, recompute_failed_loads, vllm_version
+from kvdepot.vllm_connector._groups import ConnectorConfigError
 from kvdepot.vllm_connector._health import ServerHealth
-from kvdepot.vllm_connector._identity import model_identity
 from kvdepot.vllm_connector._kv_events import EventAnnouncer
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, make_prom_metrics
 from kvdepot.vllm_connector._plugin import announce
 from kvdepot.vllm_connector._scheduler import SchedulerSide
 from kvdepot.vllm_connector._server import ensure_server
+from kvdepot.vllm_connector._setup import ConnectorSetup, layout_name
+from kvdepot.vllm_connector._setup import strategy_from_vllm as _worker_strategy
 from kvdepot.vllm_connector._worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -100,196 +91,36 @@ def _route_structlog_to_stdlib() -> None:
 __all__ = ["ConnectorConfigError", "KVDepotConnector", "layout_name"]
 
 
-def layout_name(vllm_config: VllmConfig, groups: tuple[CacheGroup, ...] = ()) -> str:
-    """The KV layout as both halves derive it from the config alone (part of every key).
-
-    Everything a user or an upgrade can change about a block's bytes: device, dtypes, shape,
-    parallel layout, the attention backend asked for, vLLM's KV-cache layout setting and
-    vLLM's version, on a CPU the attention's instruction set, and the KV-cache groups of a
-    hybrid or sliding-window model. What the
-    worker then measures on its tensors goes to the server as the layout's fingerprint, and
-    the server refuses a second fingerprint under one name.
-    """
-    from vllm.platforms import current_platform
-
-    import vllm
-
-    model, cache, parallel = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return "|".join(
-        str(part)
-        for part in (
-            current_platform.device_type,
-            model.dtype,
-            cache.cache_dtype,
-            f"L{model.get_num_layers(parallel)}",
-            f"H{model.get_num_kv_heads(parallel)}",
-            f"D{model.get_head_size()}",
-            f"B{cache.block_size}",
-            f"mla{int(model.use_mla)}",
-            f"tp{parallel.tensor_parallel_size}",
-            f"pp{parallel.pipeline_parallel_size}",
-            f"attn={getattr(backend, 'name', backend) or 'auto'}",
-            f"kvlayout={os.environ.get('VLLM_KV_CACHE_LAYOUT') or 'auto'}",
-            f"vllm={getattr(vllm, '__version__', '')}",
-            *filter(None, [_cpu_attention_isa(vllm_config), layout_part(groups)]),
-        )
-    )
-
-
-def _cpu_attention_isa(vllm_config: VllmConfig) -> str | None:
-    """On a CPU, the machine and the instruction set vLLM's attention uses (``isa=x86_64-amx``):
-    the order of the bytes within a block follows it (AMX tiles differ from the vector
-    kernels), so nodes of different CPUs sharing a tier must not share chunks. None elsewhere."""
-    from vllm.platforms import current_platform
-
-    if current_platform.device_type != "cpu":
-        return None
-    model, cache = vllm_config.model_config, vllm_config.cache_config
-    try:
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        isa = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
-    except Exception:  # another vLLM, or a combination its CPU attention refuses anyway
-        isa = "unknown"
-    return f"isa={platform.machine()}-{isa}"
-
-
 class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
     """Stores computed KV chunks in a kvdepot server and loads hits instead of recomputing."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        """vLLM's constructor: reads its config into a `ConnectorSetup` (nothing connects before
+        that has refused what kvdepot cannot serve), then wires the half of ``role`` to a server."""
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         announce()  # the plugin's own log line, held back until vLLM's logging is set up
         check_release(vllm_version())
         _route_structlog_to_stdlib()
+        self.setup = setup = ConnectorSetup.from_vllm_config(
+            vllm_config, role, kv_cache_config, worker_strategy=_worker_strategy
+        )
+        self.groups, self.kv_role, self.config = setup.groups, setup.kv_role, setup.config
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
-        # Refuses layer types it cannot serve (Mamba state, ...) before anything starts.
-        self.groups = cache_groups(kv_cache_config)
-        ktc = vllm_config.kv_transfer_config
-        self.kv_role = str(ktc.kv_role)
-        cache = vllm_config.cache_config
-        parallel = vllm_config.parallel_config
-        self.config = ConnectorConfig.from_extra_config(
-            ktc.kv_connector_extra_config,
-            lmcache_backend=getattr(cache, "kv_offloading_backend", None) == "lmcache",
-            offloading_gib=getattr(cache, "kv_offloading_size", None),
-        )
-        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-            if getattr(parallel, name, 1) > 1:
-                raise ConnectorConfigError(
-                    f"kvdepot does not support {name} > 1 yet (got {getattr(parallel, name)}): its chunks would "
-                    f"map to the wrong blocks. Run with {name}=1, or without the kvdepot connector.",
-                    setting=name,
-                )
-        block_size = cache.block_size
-        if self.config.chunk_size % block_size:
-            raise ConnectorConfigError(
-                f"kvdepot.chunk_size {self.config.chunk_size} is not a multiple of the engine's block size "
-                f"{block_size}; set kvdepot.chunk_size to a multiple of {block_size}",
-                chunk_size=self.config.chunk_size,
-                block_size=block_size,
-            )
-        use_mla = bool(vllm_config.model_config.use_mla)
-        if role == KVConnectorRole.WORKER:
-            strategy = _worker_strategy(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, use_mla)
-        else:
-            strategy = ParallelStrategy.from_config(
-                parallel.world_size, 0, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, use_mla
-            )
-        address = self.config.address or default_address()
-        if self.config.start_server:
-            ensure_server(address, capacity=self.config.capacity, timeout=self.config.timeout)
-        self.client = CacheClient(
-            address,
-            timeout=self.config.timeout,
-            heartbeat_interval=self.config.heartbeat_interval,
-            client_name=f"vllm-{role.name.lower()}-{strategy.rank}-{uuid.uuid4().hex[:8]}",
-            auth_secret=self.config.auth or None,
-            on_reconnect=self._on_reconnect,
-        )
-        _check_server(self.client, self.config.timeout)
+        self.client = _connect(setup, self._on_reconnect)
         self.health = ServerHealth(self.client)
-        name = layout_name(vllm_config, self.groups)
-        if role == KVConnectorRole.SCHEDULER:
-            if ktc.kv_load_failure_policy != "recompute":
-                # A cache miss is never an error: a failed load is recomputed, never turned
-                # into a failed request. Said once, so a user who chose "fail" knows why.
-                log.warning(
-                    "kvdepot sets kv_load_failure_policy=recompute (was %r): a load from a cache that fails is "
-                    "recomputed, never turned into a failed request",
-                    ktc.kv_load_failure_policy,
-                )
-                ktc.kv_load_failure_policy = "recompute"
-            namespace = Namespace(model=model_identity(vllm_config), layout=name, kv_world_size=strategy.kv_world_size)
-            # What a router needs to key prompts as this engine does (`kvdepot query`, docs/core.md).
-            log.info(
-                "kvdepot: chunk keys use namespace model=%r layout=%r kv_world_size=%d chunk_size=%d; "
-                "ask a server what it holds of a prompt with: kvdepot query --model %s --layout %s "
-                "--kv-world-size %d --chunk-size %d --tokens ...",
-                namespace.model,
-                namespace.layout,
-                namespace.kv_world_size,
-                self.config.chunk_size,
-                shlex.quote(namespace.model),
-                shlex.quote(namespace.layout),
-                namespace.kv_world_size,
-                self.config.chunk_size,
-            )
-            self._scheduler = SchedulerSide(
-                namespace,
-                block_size=block_size,
-                chunk_size=self.config.chunk_size,
-                client=self.client,
-                lookup_timeout=self.config.lookup_timeout,
-                health=self.health,
-                groups=self.groups,
-                events=self._event_announcer(vllm_config, block_size),
-                loads=ktc.kv_role != "kv_producer",
-                stores=ktc.kv_role != "kv_consumer" or self.config.consumer_stores,
-                producer=ktc.kv_role == "kv_producer",
-                handoff_timeout=self.config.handoff_timeout,
-                # The test knob that keeps loads in flight makes every load asynchronous.
-                sync_load_bytes=0 if self.config.load_delay else self.config.sync_load_bytes,
-            )
+        if setup.scheduler:
+            recompute_failed_loads(vllm_config.kv_transfer_config)
+            self._scheduler = _scheduler_side(setup, self.client, self.health)
         else:
-            self._worker = WorkerSide(
-                client=self.client,
-                health=self.health,
-                strategy=strategy,
-                chunk_size=self.config.chunk_size,
-                block_size=block_size,
-                layout_name=name,
-                model=str(vllm_config.model_config.model),
-                backend_hint=_backend_name(vllm_config),
-                fail_loads=self.config.fail_loads,
-                load_delay=self.config.load_delay,
-                prefault_pool=self.config.prefault_pool,
-                load_step_share=self.config.load_step_share,
-                groups=self.groups,
-                num_blocks=kv_cache_config.num_blocks,
-                pin_s=self.config.handoff_pin if ktc.kv_role == "kv_producer" else 0.0,
-                before_commit=_store_gate(self.config.store_gate),
-                skip_layers=unserved_layers(kv_cache_config),
-            )
+            self._worker = _worker_side(setup, self.client, self.health)
         log.info(
             "kvdepot connector (%s, %s) using server %s, chunk size %d tokens, KV-cache groups: %s",
-            role.name.lower(),
-            ktc.kv_role,
-            address,
-            self.config.chunk_size,
-            ", ".join(group.describe() for group in self.groups),
-        )
-
-    def _event_announcer(self, vllm_config: VllmConfig, block_size: int) -> EventAnnouncer | None:
-        """What kvdepot holds, in the engine's KV events, where the engine publishes them."""
-        events_config = getattr(vllm_config, "kv_events_config", None)
-        if events_config is None or not events_config.enable_kv_cache_events:
-            return None
-        log.info("kvdepot: the engine's KV events also announce the chunks it can load from kvdepot (medium CPU)")
-        return EventAnnouncer(
-            self.client, block_size=block_size, chunk_size=self.config.chunk_size, num_groups=len(self.groups)
+            setup.role,
+            setup.kv_role,
+            setup.address,
+            setup.config.chunk_size,
+            ", ".join(group.describe() for group in setup.groups),
         )
 
     def _on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
@@ -474,21 +305,88 @@ class KVDepotConnector(KVConnectorBase_V1, SupportsHMA):
         self.client.close()
 
 
-def _worker_strategy(tp_size: int, pp_size: int, use_mla: bool) -> ParallelStrategy:
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+def _connect(setup: ConnectorSetup, on_reconnect: Callable[[HelloReply, RegisterReply | None], None]) -> CacheClient:
+    """A client of the setup's server (started first where configured), once it answers."""
+    config = setup.config
+    if config.start_server:
+        ensure_server(setup.address, capacity=config.capacity, timeout=config.timeout)
+    client = CacheClient(
+        setup.address,
+        timeout=config.timeout,
+        heartbeat_interval=config.heartbeat_interval,
+        client_name=f"vllm-{setup.role}-{setup.strategy.rank}-{uuid.uuid4().hex[:8]}",
+        auth_secret=config.auth or None,
+        on_reconnect=on_reconnect,
+    )
+    _check_server(client, config.timeout)
+    return client
 
-    tp_rank = get_tp_group().rank_in_group
-    pp_rank = get_pp_group().rank_in_group
-    return ParallelStrategy.from_config(tp_size * pp_size, pp_rank * tp_size + tp_rank, tp_size, pp_size, use_mla)
+
+def _scheduler_side(setup: ConnectorSetup, client: CacheClient, health: ServerHealth) -> SchedulerSide:
+    namespace, config = setup.namespace, setup.config
+    assert namespace is not None  # the scheduler's setup has one
+    # What a router needs to key prompts as this engine does (`kvdepot query`, docs/core.md).
+    log.info(
+        "kvdepot: chunk keys use namespace model=%r layout=%r kv_world_size=%d chunk_size=%d; "
+        "ask a server what it holds of a prompt with: kvdepot query --model %s --layout %s "
+        "--kv-world-size %d --chunk-size %d --tokens ...",
+        namespace.model,
+        namespace.layout,
+        namespace.kv_world_size,
+        config.chunk_size,
+        shlex.quote(namespace.model),
+        shlex.quote(namespace.layout),
+        namespace.kv_world_size,
+        config.chunk_size,
+    )
+    return SchedulerSide(
+        namespace,
+        block_size=setup.block_size,
+        chunk_size=config.chunk_size,
+        client=client,
+        lookup_timeout=config.lookup_timeout,
+        health=health,
+        groups=setup.groups,
+        events=_event_announcer(setup, client),
+        loads=setup.loads,
+        stores=setup.stores,
+        producer=setup.producer,
+        handoff_timeout=config.handoff_timeout,
+        sync_load_bytes=setup.sync_load_bytes,
+    )
 
 
-def _backend_name(vllm_config: VllmConfig) -> str | None:
-    try:
-        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backend
-
-        return str(get_current_attn_backend(vllm_config).get_name())
-    except Exception:
+def _event_announcer(setup: ConnectorSetup, client: CacheClient) -> EventAnnouncer | None:
+    """What kvdepot holds, in the engine's KV events, where the engine publishes them."""
+    if not setup.kv_events:
         return None
+    log.info("kvdepot: the engine's KV events also announce the chunks it can load from kvdepot (medium CPU)")
+    return EventAnnouncer(
+        client, block_size=setup.block_size, chunk_size=setup.config.chunk_size, num_groups=len(setup.groups)
+    )
+
+
+def _worker_side(setup: ConnectorSetup, client: CacheClient, health: ServerHealth) -> WorkerSide:
+    config = setup.config
+    return WorkerSide(
+        client=client,
+        health=health,
+        strategy=setup.strategy,
+        chunk_size=config.chunk_size,
+        block_size=setup.block_size,
+        layout_name=setup.layout,
+        model=setup.model,
+        backend_hint=setup.backend_hint,
+        fail_loads=config.fail_loads,
+        load_delay=config.load_delay,
+        prefault_pool=config.prefault_pool,
+        load_step_share=config.load_step_share,
+        groups=setup.groups,
+        num_blocks=setup.num_blocks,
+        pin_s=setup.pin_s,
+        before_commit=_store_gate(config.store_gate),
+        skip_layers=setup.skip_layers,
+    )
 
 
 def _check_server(client: CacheClient, timeout: float) -> None:
