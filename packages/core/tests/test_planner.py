@@ -435,3 +435,41 @@ def test_a_request_preempted_twice_mid_load_gives_back_each_loads_leases_in_orde
     assert p.take_releases() == [7]
     assert p.end_preempted_load("r") is True
     assert p.take_releases() == [9]
+
+
+def test_each_lease_goes_back_with_the_server_instance_that_granted_it():
+    """The planner hands back (server instance, lease id) pairs: a lookup's leases carry its
+    reply's source through a repeated lookup, a load, a preemption mid-load, a reply after the end
+    and a reply from before a cache reset, so the caller needs no map of its own."""
+    p = planner()
+    tokens = list(range(24))
+    p.add_request("r")
+    p.start_lookup("r", tokens)
+    p.on_lookup_done("r", [2], (7,), slots=[[0, 1]], source="a")
+    p.start_lookup("r", tokens)  # looked up again (the server restarted meanwhile): the old lease goes back
+    assert p.take_leases() == [("a", 7)]
+    p.on_lookup_done("r", [2], (8,), slots=[[0, 1]], source="b")
+    plan = p.on_allocated("r", list(range(6)), p.num_tokens_to_load("r", 0, 24))
+    assert plan is not None
+    assert (plan.source, plan.lease_ids) == ("b", (8,))
+    p.on_preempted("r")
+    assert p.end_preempted_load("r") is True
+    assert p.take_leases() == [("b", 8)]
+    p.start_lookup("r", tokens)
+    p.abort("r")
+    p.on_lookup_done("r", [2], (9, 0), source="c")  # a reply after the end: its leases (not 0) go back
+    assert p.take_leases() == [("c", 9)]
+    p.add_request("s")
+    p.start_lookup("s", tokens)
+    p.new_epoch("e2")
+    p.on_lookup_done("s", [2], (10,), source="c")  # asked before the reset: no hit, the lease goes back
+    assert p.take_leases() == [("c", 10)]
+    assert p.get("s").hit_chunks == 0
+
+
+def test_take_releases_gives_the_ids_alone_and_drains_the_same_leases():
+    """For a caller with one server the ids are enough; either take drains what the planner holds."""
+    p = planner()
+    admitted(p, "r", list(range(16)), hits=0)
+    assert p.take_releases() == [7]
+    assert p.take_leases() == []

@@ -2,7 +2,9 @@
 
 The planner is fed by the engine's scheduler (lookups, allocations, each step's
 scheduled tokens, preemption, finish, abort) and answers with plain values:
-`RetrievePlan`, `StorePlan`, and lease ids to release (`take_releases`).
+`RetrievePlan`, `StorePlan`, and the leases to release, each as the pair of the server
+instance that granted it and its id there (`take_leases`), so a lease is never given back
+to another instance (a restarted server's leases died with it).
 """
 
 from __future__ import annotations
@@ -94,6 +96,15 @@ class RequestTracker:
 MAX_KEY_SPACES = 4096
 
 
+#: A lease held for a request: the server instance that granted it, and its id there.
+Lease = tuple[str, int]
+
+
+def _leases(source: str, lease_ids: Sequence[int]) -> list[Lease]:
+    """The leases among ``lease_ids`` (0: none) of server instance ``source``."""
+    return [(source, lease) for lease in lease_ids if lease]
+
+
 def _non_negative(name: str, value: int) -> None:
     if value < 0:
         raise InvalidArgumentError(f"{name} must not be negative, got {value}", field=name, got=value)
@@ -120,17 +131,17 @@ class Planner:
         self.blocks_per_chunk = chunk_size // block_size
         self._requests: dict[str, RequestTracker] = {}
         self._spaces: dict[tuple[str, str, tuple[bytes, ...]], list[Namespace]] = {}
-        self._releases: list[int] = []
+        self._releases: list[Lease] = []
         # Requests that ended while their lookup was in flight: its lease is released on arrival.
         self._orphans: set[str] = set()
         # Leases of loads in flight, by request: given back when the load ends, not before,
         # even if the request itself ends (aborted) while its copy runs.
-        self._loading: dict[str, tuple[int, ...]] = {}
+        self._loading: dict[str, list[Lease]] = {}
         # Leases of loads whose request the engine preempted before the step copying them had
         # ended (a synchronous load copies before its step's forward pass, and the engine may
         # preempt the request in the next pass, before that step is over), oldest first: given
         # back as those loads end (`end_preempted_load`), never before.
-        self._preempted_loads: dict[str, list[tuple[int, ...]]] = {}
+        self._preempted_loads: dict[str, list[list[Lease]]] = {}
 
     # -- bookkeeping ---------------------------------------------------------------
 
@@ -158,18 +169,23 @@ class Planner:
         loads = self._preempted_loads.get(req_id)
         if not loads:
             return False
-        self._releases.extend(lease for lease in loads.pop(0) if lease)
+        self._releases.extend(loads.pop(0))
         if not loads:
             del self._preempted_loads[req_id]
         return True
 
-    def take_releases(self) -> list[int]:
-        """Lease ids to release with the server, each exactly once."""
+    def take_leases(self) -> list[Lease]:
+        """Leases to release, each exactly once: (the server instance that granted it, its id),
+        the instance being the ``source`` of the lookup reply that brought it."""
         out, self._releases = self._releases, []
         return out
 
+    def take_releases(self) -> list[int]:
+        """The ids alone of the leases to release (`take_leases`), for a caller with one server."""
+        return [lease for _source, lease in self.take_leases()]
+
     def _release(self, tracker: RequestTracker) -> None:
-        self._releases.extend(lease for lease in tracker.lease_ids if lease)
+        self._releases.extend(_leases(tracker.hit_source, tracker.lease_ids))
         tracker.lease_ids = ()
 
     def _namespaces(self, space: tuple[str, str, tuple[bytes, ...]]) -> list[Namespace]:
@@ -263,12 +279,12 @@ class Planner:
         """
         if req_id in self._orphans:
             self._orphans.discard(req_id)
-            self._releases.extend(lease for lease in lease_ids if lease)
+            self._releases.extend(_leases(source, lease_ids))
             return
         tracker = self.get(req_id)
         tracker.move(Event.LOOKUP_DONE)
         if tracker.lookup_epoch != self.namespace.epoch:  # asked before a cache reset
-            self._releases.extend(lease for lease in lease_ids if lease)
+            self._releases.extend(_leases(source, lease_ids))
             hit_chunks, lease_ids, slots = (0,), (), ()
         hits = min(hit_chunks, default=0)
         _non_negative("hit_chunks", hits)
@@ -327,7 +343,7 @@ class Planner:
             )
         tracker.move(Event.ALLOCATED_WITH_LOAD)
         lease_ids, tracker.lease_ids = tracker.lease_ids, ()
-        self._loading[req_id] = lease_ids
+        self._loading[req_id] = _leases(tracker.hit_source, lease_ids)
         offset = tracker.lookup_first
         return RetrievePlan(
             req_id=req_id,
@@ -398,7 +414,7 @@ class Planner:
         tracker = self._requests.get(req_id)
         if leases is None and tracker is None:
             raise UnknownRequestError(f"request {req_id!r} has no load in flight", req_id=req_id)
-        self._releases.extend(lease for lease in leases or () if lease)
+        self._releases.extend(leases or ())
         return tracker
 
     def on_load_done(self, req_id: str) -> None:

@@ -1,16 +1,15 @@
-"""The scheduler's leases on the server: the handles the planner holds for them, and their release.
+"""The scheduler's leases on the server: their release to the instance that granted them.
 
-The planner sees lease handles unique across server instances; each names the server that
-granted it, so a lease is never released to a restarted server (its leases died with it).
-Handles are made on the engine's scheduler thread and released there, or on the transport's
-settler thread for a lookup reply nobody waits for any more: hence the lock.
+The planner holds each lease as a pair, the server instance that granted it and its id there
+(`kvdepot.core.Planner.take_leases`), and hands back the pairs to release. The book gives back
+those of the instance still serving, and drops the others: a restarted server's leases died
+with it. A lookup reply nobody waits for any more is released when it lands, on the
+transport's settler thread (`release_on_arrival`); the book keeps no state for it.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import threading
 from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
@@ -22,32 +21,18 @@ log = logging.getLogger("vllm.kvdepot.scheduler")
 
 
 class LeaseBook:
-    """Lease handles for `kvdepot.core.Planner`, and their release to the server that granted them."""
+    """Gives leases back to the server instance that granted them."""
 
     def __init__(self, client: CacheClient, kv_world_size: int) -> None:
         self.client = client
         self.kv_world_size = kv_world_size
-        self._handles = itertools.count(1)
-        self._leases: dict[int, tuple[str, int]] = {}
-        self._lock = threading.Lock()
 
-    def handle(self, server_id: str, lease_id: int) -> int:
-        """A handle for lease ``lease_id`` of server ``server_id`` (0: no lease)."""
-        if not lease_id:
-            return 0
-        handle = next(self._handles)
-        with self._lock:
-            self._leases[handle] = (server_id, lease_id)
-        return handle
-
-    def release(self, handles: Iterable[int]) -> None:
-        """Give back the leases behind ``handles``, those of the server instance still serving."""
+    def release(self, leases: Iterable[tuple[str, int]]) -> None:
+        """Give back ``leases`` (server instance, lease id), those of the instance still serving."""
         current = self.client.server_id
-        with self._lock:
-            owned = [self._leases.pop(h) for h in handles if h in self._leases]
-        leases = [lease for server_id, lease in owned if server_id == current]
-        if leases and current:
-            self._send(leases, current)
+        ids = [lease for server_id, lease in leases if server_id == current]
+        if ids and current:
+            self._send(ids, current)
 
     def release_on_arrival(self, future: Future[Any], first: int, server_id: str) -> None:
         """Release whatever leases a lookup reply nobody waits for any more brings when it

@@ -569,9 +569,8 @@ class SchedulerSide:
         if self.events is not None and reading.hit_chunks > 0:
             hit_keys = [rank_keys[: reading.hit_chunks] for rank_keys in record.keys]
             self.events.hit(record.request, tracker.lookup_first, hit_keys, tracker.cache_salt)
-        handles = [self.leases.handle(record.server_id, lease) for lease in reading.leases]
         self.planner.on_lookup_done(
-            req_id, reading.hits, handles, slots=reading.slots, source=record.server_id, at=record.sent_at
+            req_id, reading.hits, reading.leases, slots=reading.slots, source=record.server_id, at=record.sent_at
         )
         self.stats.add("lookups")
         self.stats.add("lookup_seconds_sum", time.monotonic() - record.sent_at)
@@ -604,8 +603,8 @@ class SchedulerSide:
             self.leases.release_on_arrival(future, record.first_item, record.server_id)
 
     def _flush_releases(self) -> None:
-        if handles := self.planner.take_releases():
-            self.leases.release(handles)
+        if leases := self.planner.take_leases():
+            self.leases.release(leases)
 
 
 def _was_aborted(request: Request) -> bool:
