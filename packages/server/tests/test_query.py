@@ -78,7 +78,7 @@ class Server:
         """What a tiered lookup of `keys` hits now (its lease given back)."""
         deferred = self.tiers.lookup("engine", [(salt, keys)], time.monotonic())
         if deferred is not None:
-            self.loop_until(lambda: not self.tiers._open)
+            self.loop_until(lambda: not self.tiers.book.open)
         (outcome,) = self.index.lookup("engine", [(salt, keys)], time.monotonic())
         self.index.release("engine", [outcome.lease_id])
         return outcome.num_hits
@@ -125,7 +125,7 @@ def test_a_lookup_read_back_from_the_disk_says_how_many_hits_came_from_it(server
     server.index.touch(PEER.client_id, time.monotonic())
     out = server.handler.handle(PEER, Lookup([LookupItem("", keys)]))
     assert isinstance(out, Deferred)
-    sent = server.loop_until(lambda: not server.tiers._open)
+    sent = server.loop_until(lambda: not server.tiers.book.open)
     ((deferred, reply),) = sent
     assert deferred is out
     (result,) = reply.results

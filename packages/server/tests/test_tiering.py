@@ -240,9 +240,9 @@ def test_a_client_cannot_queue_tier_reads_without_bound(tmp_path):
         assert tiers.lookup("b", [("", [b"\x01" * 32] * (MAX_KEYS_PER_REQUEST + 1))], now) is None
         settle(tiers, lambda: len(answers) == len(waiting) + 1)
         assert tiers.counters["reads_expired"] >= 1  # the last ones waited behind 0.2 s probes past 0.3 s
-        assert tiers._keys_of == {}
-        assert tiers._keys_waiting == 0
-        assert tiers._prefix_leases == 0
+        assert tiers.book.keys_of == {}
+        assert tiers.book.keys_waiting == 0
+        assert tiers.book.prefix_leases == 0
         assert index.stats().pending_chunks == 0
         index.check()
     finally:
@@ -357,9 +357,9 @@ def test_the_first_key_no_tier_holds_ends_the_probe_of_its_item(tmp_path, monkey
     """The tiers are asked about a window of keys at a time, and only for the items whose run
     covered the whole window: a cold prompt of many keys costs one window, while a run the
     tiers hold is found across windows, whole."""
-    import kvdepot.server._tier_read as tier_read
+    import kvdepot.server._tier_reader as tier_reader
 
-    monkeypatch.setattr(tier_read, "PROBE_WINDOW", 2)
+    monkeypatch.setattr(tier_reader, "PROBE_WINDOW", 2)
     answers: list = []
     pool, index, tiers = make(tmp_path, answers)
     try:
@@ -381,9 +381,9 @@ def test_a_lookup_is_answered_without_the_tiers_when_a_tier_call_hangs(tmp_path,
     it, and those queued behind it, are answered from RAM once past their longest wait, not
     when the read returns. What the read brings in later is still published, and no slot stays
     reserved."""
-    import kvdepot.server._tiering as tiering
+    import kvdepot.server._tier_read as tier_read
 
-    monkeypatch.setattr(tiering, "OVERDUE_GRACE_S", 0.1)
+    monkeypatch.setattr(tier_read, "OVERDUE_GRACE_S", 0.1)
     answers: list = []
     pool, index, tiers = make(tmp_path, answers, read_deadline=0.1, read_deadline_per_chunk=None)
     try:
@@ -395,10 +395,10 @@ def test_a_lookup_is_answered_without_the_tiers_when_a_tier_call_hangs(tmp_path,
         time.sleep(0.05)
         assert tiers.lookup("b", [("", keys)], 0.0) is not None
         settle(tiers, lambda: len(answers) == 2)
-        assert tiers._keys_waiting > 0  # both answered while the read still holds the reader, not when it returns
+        assert tiers.book.keys_waiting > 0  # both answered while the read still holds the reader, not when it returns
         assert [result.num_hits for (result,) in answers] == [0, 0]
         assert tiers.counters["reads_overdue"] == 2
-        settle(tiers, lambda: tiers._keys_waiting == 0)  # the reader is done: everything settled
+        settle(tiers, lambda: tiers.book.keys_waiting == 0)  # the reader is done: everything settled
         assert len(answers) == 2  # nobody is answered twice
         assert index.stats().pending_chunks == 0
         assert index.lookup("a", [("", keys)], time.monotonic())[0].num_hits == 1  # the chunk read in time
@@ -431,7 +431,7 @@ def test_a_clear_voids_a_tier_read_of_its_salt_already_under_way(tmp_path):
 
         disk._read_one = read_one
         assert tiers.lookup("a", [("", keys)], time.monotonic()) is not None
-        settle(tiers, lambda: tiers._open[0].state is ReadState.FILLING)  # probed, slots placed
+        settle(tiers, lambda: tiers.book.open[0].state is ReadState.FILLING)  # probed, slots placed
         assert read_done.wait(10)  # every chunk read into its slot
         deadline = time.monotonic() + 10
         while not tiers._posted:  # the fill's outcome waits for the loop

@@ -13,23 +13,33 @@ Write-behind (every committed chunk, written to every tier):
     with a pin (a prefill engine's handoff, which a decode engine on another node waits for)
     goes ahead of the queue.
 
-Read-through (a lookup that misses RAM), one `TierRead` moved by the table in `_tier_read.py`:
-    loop (`lookup`): lease the RAM prefixes, defer the reply --> reader: `probe` which keys past
-        the RAM prefix each tier holds, and at what length (the disk's index, a STRLEN pipeline
-        on the remote; a window of keys at a time, so the first key no tier holds ends the
-        probe) --> loop (`_probed`): the deadline follows from the longest run held
-        (`deadline_for`); reserve RAM slots of that length for those runs (owned by the asking
-        client: `ServerHolds.tier_reserve`) --> reader: `fill` them straight from the tiers (one
-        batch per tier, within the deadline; where a read fails, the next tier that holds the
-        chunk is asked) --> loop (`_filled`): commit the slots filled, abort the others, and
-        answer the lookup as if they had been in RAM (`run` returns it; the server sends the
-        deferred reply).
+Read-through (a lookup or a Query that misses RAM): `ReadBook` (`_tier_read.py`) decides every
+    move of every read; this module only executes what it asks (`_act`), as the transport's
+    client executes its connection's events:
+    loop (`lookup`): the RAM prefixes (`ChunkIndex.prefix_lengths`) --> book: a `LookupRead`,
+        `LeasePrefixes` (the loop leases them: `ServerHolds.tier_lease`), `Probe` --> reader:
+        `probe` which keys past the RAM prefix each tier holds, and at what length (the disk's
+        index, a STRLEN pipeline on the remote; a window of keys at a time, so the first key no
+        tier holds ends the probe) --> book (`probed`): the deadline follows from the longest
+        run held (`deadline_for`); `Reserve` RAM slots of that length for those runs (owned by
+        the asking client: `ServerHolds.tier_reserve`) --> book (`placed`): `Fill` --> reader:
+        `fill` them straight from the tiers (one batch per tier, within the deadline; where a
+        read fails, the next tier that holds the chunk is asked) --> book (`filled`): `Settle`
+        each reservation (commit the slots filled, abort the others), the `LookupAnswer`
+        (`run` returns it; the server answers from RAM as if they had been there), `Release`
+        the prefix leases.
     That is two hand-offs to the reader and two back. Slots are taken only for chunks a tier
     holds, so a cold prompt evicts nothing from RAM. A chunk not in by the deadline is a miss,
     the chunks before it still hit: the engine recomputes from there. Each run is read at the
     length its tier holds: engines of other models or layouts on one server store chunks of
     other sizes, and a chunk's name (its namespace covers the model and the layout) fixes
-    which size it has.
+    which size it has. A Query (`query`) is a `QueryRead`: probed only, on the loop when every
+    tier up answers from memory, else by the reader; answered with the runs found.
+
+Clear (`clear`, after the handler cleared RAM): mark the clear (a read from below that began
+    before it is a miss), have each tier's writer clear it after the batch it is on, count
+    each tier's outcome on the loop (`TierClear.done`), and after the last, mark it again and
+    hand out the `ClearAnswer`.
 """
 
 from __future__ import annotations
@@ -38,22 +48,41 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
-from kvdepot.server._errors import ServerError, TooManyError
+from kvdepot.server._errors import ServerError
 from kvdepot.server._events import Committed, IndexEvent
 from kvdepot.server._holds import TIER_CLIENT
-from kvdepot.server._index import ADOPTED_CLIENT, MAX_KEYS_PER_REQUEST, ChunkIndex
+from kvdepot.server._index import ADOPTED_CLIENT, ChunkIndex
 from kvdepot.server._label_key import random_labeler
-from kvdepot.server._sessions import MAX_LEASES_PER_CLIENT
-from kvdepot.server._tier_read import Probed, Reader, ReadEvent, ReadState, TierRead, fill, probe, up
+from kvdepot.server._tier_read import (
+    MAX_READ_KEYS_PER_CLIENT,
+    Fill,
+    LeasePrefixes,
+    LookupAnswer,
+    LookupRead,
+    Probe,
+    Probed,
+    QueryAnswer,
+    ReadBook,
+    Release,
+    Reserve,
+    Settle,
+    TierRead,
+    Warn,
+)
+from kvdepot.server._tier_reader import Reader, fill, probe, up
 from kvdepot.server._tiers import Tier, WarnLimiter
 from kvdepot.server._write_behind import DeferredWrite, QueuedWrite, WriteBehind
 from kvdepot.transport import Deferred, get_logger
 
 log = get_logger(__name__)
+
+#: Re-exported: the handler answers these, and tests bound the reads by it.
+__all__ = ["MAX_READ_KEYS_PER_CLIENT", "TIER_CLIENT", "Answer", "ClearAnswer", "LookupAnswer", "QueryAnswer", "TierSet"]
 
 #: Commits the tiers do not write below: their own (read from below), and a kept pool's chunks
 #: taken back at start (written below before, when the last server committed them).
@@ -66,43 +95,6 @@ DEFAULT_READ_DEADLINE = 0.5
 #: speed (256 tokens take ~10 ms on a GPU for a 1B model, seconds on a CPU), and a figure set
 #: too low turns healthy hits into misses (a cold read-pool connection alone takes ~50 ms).
 DEFAULT_READ_DEADLINE_PER_CHUNK: float | None = None
-#: Chunk keys of the lookups waiting for the tiers at once, per client and in all: past these
-#: a lookup is answered from RAM at once (`tier_reads_refused`). One reader thread serves them
-#: in turn, so without a bound one client's stream of lookups would queue reads (and their
-#: memory) without limit, and everyone else's would wait behind them. An engine sends a lookup
-#: every step while earlier ones wait, but of a few hundred keys each: far below these.
-MAX_READ_KEYS_PER_CLIENT = 4 * MAX_KEYS_PER_REQUEST
-MAX_READ_KEYS = 16 * MAX_KEYS_PER_REQUEST
-#: Leases the tiers' session may hold on the RAM prefixes of the lookups they read for; past
-#: this a read goes on without holding its prefix. The rest of the session's lease limit stays
-#: for the write-behind's pins.
-MAX_PREFIX_LEASES = MAX_LEASES_PER_CLIENT // 2
-#: Seconds past the longest a lookup may wait for the tiers (twice the read deadline: the probe,
-#: then the transfer) after which the loop answers it from RAM without them: a tier call that
-#: blocks (a hung NFS mount, a dying disk) holds the single reader thread, and the lookups
-#: waiting behind it would otherwise never be answered. Their slots stay reserved until the
-#: reader is done with them.
-OVERDUE_GRACE_S = 1.0
-
-
-@attrs.frozen
-class LookupAnswer:
-    """A deferred lookup the tiers are done waiting for: the server answers it from RAM now."""
-
-    deferred: Deferred
-    client: str
-    items: list[tuple[str, Sequence[bytes]]]
-    #: Per item, the keys (by position) that were just read back, and from which tier.
-    read_back: list[dict[int, str]]
-
-
-@attrs.frozen
-class QueryAnswer:
-    """A Query the tiers answered: per item, what RAM held when it came (its prefix), and what
-    the tiers hold past that: the run a lookup would read back, and each tier's part of it."""
-
-    deferred: Deferred
-    held: list[tuple[int, int, dict[str, int]]]
 
 
 @attrs.frozen
@@ -127,6 +119,15 @@ class TierClear:
     waiting: int  # tiers not done yet
     tiers: dict[str, int] = attrs.field(factory=dict)  # objects deleted per tier
     errors: dict[str, str] = attrs.field(factory=dict)  # tiers that could not be cleared, and why
+
+    def done(self, kind: str, outcome: int | str) -> bool:
+        """A tier is done: the objects it deleted, or why it failed; True after the last one."""
+        if isinstance(outcome, int):
+            self.tiers[kind] = outcome
+        else:
+            self.errors[kind] = outcome
+        self.waiting -= 1
+        return self.waiting == 0
 
 
 @attrs.define(eq=False)
@@ -182,7 +183,8 @@ class _Copy:
 
 
 class TierSet:
-    """The server's tiers below RAM, in the order they are asked (disk before remote)."""
+    """The server's tiers below RAM, in the order they are asked (disk before remote): the driver
+    of their write-behind, of their clears, and of the tiered reads that `ReadBook` decides."""
 
     def __init__(
         self,
@@ -203,46 +205,68 @@ class TierSet:
         self.holds = index.holds  # the tiers' leases and reservations in the index
         self.clears = index.clears  # a read from below before a clear of the tiers is a miss
         self.pool = pool
-        self.read_deadline = read_deadline
-        self.read_deadline_per_chunk = read_deadline_per_chunk
+        self.book = ReadBook([t.kind for t in self.tiers], self.clears, read_deadline, read_deadline_per_chunk)
         self._wake = wake
         self._posted: deque[Callable[[], None]] = deque()
         self._pins: dict[tuple[str, bytes], _Pin] = {}
         self._writers = [WriteBehind(t, on_done=self._written) for t in self.tiers]
         self._reader = Reader("kvdepot-tier-read")
-        self.counters = {
-            "read_hits": 0,
-            "read_misses": 0,
-            "read_late": 0,
-            "reads_deferred": 0,
-            "reads_refused": 0,
-            "reads_expired": 0,
-            "reads_overdue": 0,
-            "queries_probed": 0,
-            "queries_deferred": 0,
-            "pins_dropped": 0,
-        }
-        self._keys_of: dict[str, int] = {}  # per client: keys of its lookups waiting for the tiers
-        self._keys_waiting = 0  # and their sum
-        self._open: deque[TierRead] = deque()  # reads not done yet, oldest first (for `_answer_overdue`)
-        self._answers: list[Answer] = []  # lookups to answer, handed out by `run`
+        self.counters = self.book.counters  # the reads' counters, and the write-behind's below
+        self.counters["pins_dropped"] = 0
+        self._answers: list[Answer] = []  # requests to answer, handed out by `run`
         self._warn = WarnLimiter(log)
-        self._prefix_leases = 0  # leases held on the RAM prefixes of those lookups
         self._closed = False
+        self._execute: dict[type, Callable[[Any, float], None]] = {
+            LookupAnswer: lambda answer, _: self._answers.append(answer),
+            QueryAnswer: lambda answer, _: self._answers.append(answer),
+            LeasePrefixes: self._lease_prefixes,
+            Probe: self._probe,
+            Reserve: self._reserve,
+            Fill: self._fill,
+            Settle: self._settle,
+            Release: lambda release, _: self.holds.tier_release(release.lease_ids),
+            Warn: lambda warn, _: self._warn(warn.name, **warn.fields),
+        }
         self.holds.open_tiers(0.0)
+
+    @property
+    def read_deadline(self) -> float:
+        return self.book.read_deadline
+
+    @read_deadline.setter
+    def read_deadline(self, value: float) -> None:
+        self.book.read_deadline = value
+
+    @property
+    def read_deadline_per_chunk(self) -> float | None:
+        return self.book.read_deadline_per_chunk
+
+    @read_deadline_per_chunk.setter
+    def read_deadline_per_chunk(self, value: float | None) -> None:
+        self.book.read_deadline_per_chunk = value
+
+    def longest_wait(self) -> float:
+        """Seconds a lookup may wait for the tiers before it counts as overdue."""
+        return self.book.longest_wait()
+
+    def deadline_for(self, chunks: int, engine_per_chunk: float | None = None) -> float:
+        """Seconds a lookup may wait for the tiers when they hold a run of ``chunks`` (`ReadBook.deadline_for`)."""
+        return self.book.deadline_for(chunks, engine_per_chunk)
 
     # -- loop thread ------------------------------------------------------------------------
 
     def run(self) -> list[Answer]:
         """Apply what the tier threads handed back, and give up waiting for the reads the reader
-        is too late for (loop thread, every pass). Returns the lookups to answer now."""
+        is too late for (loop thread, every pass). Returns the requests to answer now."""
         while self._posted:
             try:
                 self._posted.popleft()()
             except Exception:  # a bug here must not stop the server: the chunk is only not written below
                 log.exception("tier_work_failed")
-        if self._open:
-            self._answer_overdue(time.monotonic())
+        if self.book.open:
+            now = time.monotonic()
+            self.book.timer(now)
+            self._act(now)
         answers, self._answers = self._answers, []
         return answers
 
@@ -252,18 +276,6 @@ class TierSet:
         committed = [e for e in events if isinstance(e, Committed) and e.client not in _NOT_WRITTEN_BELOW]
         if committed and not self._closed:
             self._pin(committed)
-
-    def _answer_overdue(self, now: float) -> None:
-        """Answer from RAM the lookups still waiting past their longest wait: the reader is stuck
-        in a tier call. What it reads for them later is still published when it is done."""
-        while self._open and (self._open[0].state is ReadState.DONE or self._open[0].overdue_at <= now):
-            read = self._open.popleft()
-            if read.state is ReadState.DONE:
-                continue
-            if read.advance(ReadEvent.OVERDUE):
-                self.counters["reads_overdue"] += 1
-                self._warn("tier_read_overdue", after_s=round(self.longest_wait(), 3), reason="a tier call hangs")
-                self._answer(read)
 
     def _pin(self, committed: list[Committed]) -> None:
         now = time.monotonic()
@@ -302,142 +314,82 @@ class TierSet:
         """Start reading the keys past each item's RAM prefix from the tiers; None when there
         is nothing to read (the caller answers from RAM at once). ``per_chunk``: the engine's
         seconds to compute a chunk, which bounds the wait like ``read_deadline_per_chunk``."""
-        if (start := self._may_read(client, items)) is None:
+        if (prefixes := self._prefixes(client, items)) is None:
             return None
-        count, _, missing = start
-        leases: list[int] = []
-        try:  # lease each RAM prefix, so that the slots taken for the rest cannot evict it meanwhile
-            if self._prefix_leases + len(items) > MAX_PREFIX_LEASES:
-                raise TooManyError("the tiers hold their share of leases on RAM prefixes")
-            leases = [o.lease_id for o in self.holds.tier_lease(items, now) if o.lease_id]
-        except ServerError:  # too many leases or sessions: read without holding the prefixes
-            pass
-        started = time.monotonic()
-        read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait(), per_chunk)
-        read.prefix_leases = leases
-        read.epoch = self.clears.now
-        self._prefix_leases += len(leases)
-        self.counters["reads_deferred"] += 1
-        return self._start(read, count)
+        if (read := self.book.lookup(client, items, prefixes, time.monotonic(), per_chunk)) is None:
+            return None
+        self._act(now)  # ``now``, the handler's clock, is the prefix leases' start
+        return read.deferred
 
     def query(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> Deferred | QueryAnswer | None:
         """Ask the tiers which keys past each item's RAM prefix they hold (a Query: no slot, no
         lease, no transfer). None when there is nothing to ask (the caller answers from RAM at
         once); the answer itself when every tier up answers from memory (the disk's index: asked
         here, on the loop); else a deferred reply, bounded as lookups are, with them."""
-        if (start := self._may_read(client, items)) is None:
+        if (prefixes := self._prefixes(client, items)) is None:
             return None
-        count, prefixes, missing = start
-        started = time.monotonic()
-        read = TierRead(Deferred(), client, items, missing, started, started + self.longest_wait())
-        read.query_prefixes = prefixes
-        self.counters["queries_probed"] += 1
+        if (read := self.book.query(client, items, prefixes, time.monotonic())) is None:
+            return None
         if all(tier.probes_in_memory for tier in self.tiers if up(tier)):
-            read.holders = probe(self.tiers, read, self.read_deadline).holders
-            return self._held(read)
-        self.counters["queries_deferred"] += 1
-        return self._start(read, count)
-
-    def _may_read(
-        self, client: str, items: list[tuple[str, Sequence[bytes]]]
-    ) -> tuple[int, list[int], list[tuple[str, list[bytes]]]] | None:
-        """(keys, RAM prefixes, keys past them) when the tiers are worth asking about `items`."""
-        if self._closed or not any(up(t) for t in self.tiers):
-            return None
-        count = sum(len(keys) for _, keys in items)
-        if count > MAX_KEYS_PER_REQUEST:
-            return None  # the answer from RAM refuses it with its typed error
-        own = self._keys_of.get(client, 0)
-        if own + count > MAX_READ_KEYS_PER_CLIENT or self._keys_waiting + count > MAX_READ_KEYS:
-            self.counters["reads_refused"] += 1
-            return None
-        prefixes = self.index.prefix_lengths(items)
-        missing = [(salt, list(keys[prefix:])) for (salt, keys), prefix in zip(items, prefixes, strict=True)]
-        if not any(keys for _, keys in missing):
-            return None  # all in RAM: the common case costs no lease
-        return count, prefixes, missing
-
-    def _start(self, read: TierRead, count: int) -> Deferred:
-        """Count a read against its client's bound and hand it to the reader (loop thread)."""
-        read.keys = count
-        self._open.append(read)
-        self._keys_of[read.client] = self._keys_of.get(read.client, 0) + count
-        self._keys_waiting += count
-        self._reader.submit(read.client, lambda: self._post_probed(read, probe(self.tiers, read, self.read_deadline)))
+            return self.book.probed_now(read, probe(self.tiers, read, self.read_deadline))
+        self.book.defer(read)
+        self._act(time.monotonic())
         return read.deferred
 
-    def longest_wait(self) -> float:
-        """Seconds a lookup may wait for the tiers before it counts as overdue."""
-        return 2 * self.read_deadline + OVERDUE_GRACE_S
+    def _prefixes(self, client: str, items: list[tuple[str, Sequence[bytes]]]) -> list[int] | None:
+        """Each item's RAM prefix, when the tiers are worth asking about ``items`` at all."""
+        if self._closed or not any(up(t) for t in self.tiers) or not self.book.admits(client, items):
+            return None
+        return self.index.prefix_lengths(items)
 
-    def deadline_for(self, chunks: int, engine_per_chunk: float | None = None) -> float:
-        """Seconds a lookup may wait for the tiers when they hold a run of ``chunks``: the prefill
-        that run saves (``read_deadline_per_chunk`` each, and the engine's own estimate
-        ``engine_per_chunk``, whichever is shorter), at most ``read_deadline``."""
-        per_chunk = [p for p in (self.read_deadline_per_chunk, engine_per_chunk) if p is not None]
-        return min([self.read_deadline, *(chunks * p for p in per_chunk)])
+    # -- what the reads' book asks for (loop thread) ----------------------------------------
 
-    def _probed(self, read: TierRead, found: Probed) -> None:
-        """The probe is back: reserve RAM slots for the run of chunks the tiers hold past each
-        RAM prefix, then have the reader fill them (loop thread)."""
-        self.counters["reads_expired"] += found.expired
-        read.holders, read.sizes = found.holders, found.sizes
-        if read.query_prefixes is not None:  # a Query: answered with what the probe found
-            self._filled(read, [], ReadEvent.NOTHING)
-            return
-        if not found.expired:
-            read.deadline += self.deadline_for(found.longest, read.per_chunk)
-        now = time.monotonic()
-        if now >= read.deadline:  # no time left for any transfer: take no slots (they might evict)
-            self.counters["read_late"] += sum(len(run) for run in read.holders)
-            read.holders = []
-        read.targets = [self._reserve(read, item, now) for item in range(len(read.holders))]
-        if now < read.deadline and any(slots for _, slots in read.targets):
-            read.advance(ReadEvent.PLACED)
-            self._reader.submit(read.client, lambda: self._post_filled(read, fill(self.tiers, self.pool, read)))
-        else:
-            self._filled(read, [], ReadEvent.NOTHING)
+    def _act(self, now: float) -> None:
+        """Execute what the reads' book asks for, in order, until it asks nothing more."""
+        while actions := self.book.take_actions():
+            for action in actions:
+                self._execute[type(action)](action, now)
 
-    def _reserve(self, read: TierRead, item: int, now: float) -> tuple[int, list[tuple[int, int, int]]]:
-        """RAM slots for item's run, owned by the asking client: (reservation id, slots)."""
-        holders = read.holders[item]
-        if not holders:
-            return (0, [])
-        salt, keys = read.missing[item]
+    def _lease_prefixes(self, action: LeasePrefixes, now: float) -> None:
         try:
-            out = self.holds.tier_reserve(read.client, salt, keys[: len(holders)], read.sizes[item], now)
+            leases = [o.lease_id for o in self.holds.tier_lease(action.read.items, now) if o.lease_id]
+        except ServerError:  # too many leases or sessions: read without holding the prefixes
+            leases = []
+        self.book.leased(action.read, leases)
+
+    def _probe(self, action: Probe, now: float) -> None:
+        read = action.read
+        self._reader.submit(
+            read.client, lambda: self._post(self._feed_probed(read, probe(self.tiers, read, self.read_deadline)))
+        )
+
+    def _reserve(self, action: Reserve, now: float) -> None:
+        self.book.placed(action.read, [self._reserve_run(action.read.client, run, now) for run in action.runs], now)
+
+    def _reserve_run(
+        self, owner: str, run: tuple[str, list[bytes], int] | None, now: float
+    ) -> tuple[int, list[tuple[int, int, int]]]:
+        """RAM slots for one item's run, owned by the asking client: (reservation id, slots)."""
+        if run is None:
+            return (0, [])
+        try:
+            out = self.holds.tier_reserve(owner, *run, now)
         except ServerError as exc:  # too many reservations: a miss
             log.warning("tier_read_not_placed", error=str(exc))
             return (0, [])
         return (out.reservation_id, out.slots)
 
-    def _filled(self, read: TierRead, filled: list[dict[int, int]], event: ReadEvent = ReadEvent.FILLED) -> None:
-        """Publish the slots filled in time, give back the others, answer the lookup unless it was
-        answered as overdue, and give back what the read held (loop thread)."""
-        now = time.monotonic()
-        read.filled = filled
-        for item, (reservation_id, _slots) in enumerate(read.targets):
-            done = set(filled[item]) if item < len(filled) else set()
-            if done and self.clears.since(read.missing[item][0], read.epoch, below=True):
-                done = set()  # read before a clear of its salt: those bytes were deleted
-            self.counters["read_hits"] += len(done)
-            self.counters["read_misses"] += len(read.missing[item][1]) - len(done)
-            if not reservation_id:
-                continue
-            try:
-                self.holds.tier_settle(reservation_id, done, now)
-            except ServerError as exc:  # a peer ended the tiers' session meanwhile: those chunks are misses
-                log.warning("tier_read_not_placed", error=str(exc))
-        if read.advance(event):
-            self._answer(read)
-        self.holds.tier_release(read.prefix_leases)  # the client holds its own leases now
-        self._prefix_leases -= len(read.prefix_leases)
-        self._keys_waiting -= read.keys
-        left = self._keys_of[read.client] - read.keys
-        if left:
-            self._keys_of[read.client] = left
-        else:
-            del self._keys_of[read.client]
+    def _fill(self, action: Fill, now: float) -> None:
+        read = action.read
+        self._reader.submit(read.client, lambda: self._post(self._feed_filled(read, fill(self.tiers, self.pool, read))))
+
+    def _settle(self, action: Settle, now: float) -> None:
+        try:
+            self.holds.tier_settle(action.reservation_id, action.done, now)
+        except ServerError as exc:  # a peer ended the tiers' session meanwhile: those chunks are misses
+            log.warning("tier_read_not_placed", error=str(exc))
+
+    # -- clears -----------------------------------------------------------------------------
 
     def clear(self, deferred: Deferred, salt: str | None, removed: int) -> TierClear:
         """Have every tier delete the objects of ``salt`` (None: all), after the batch its writer is
@@ -471,36 +423,13 @@ class TierSet:
         """What the loop runs once a tier is done clearing: count it, answer after the last one."""
 
         def done() -> None:
-            if isinstance(outcome, int):
-                job.tiers[kind] = outcome
-            else:
-                job.errors[kind] = outcome
-            job.waiting -= 1
-            if job.waiting == 0:
+            if job.done(kind, outcome):
                 # A read that started before every tier was done may hold bytes they deleted.
                 self.clears.mark(job.salt, below=True)
                 log.info("tiers_cleared", salt=self._label(job.salt), deleted=job.tiers, errors=job.errors)
                 self._answers.append(ClearAnswer(job.deferred, job))
 
         return done
-
-    def _held(self, read: TierRead) -> QueryAnswer:
-        """The answer to a Query: per item, its RAM prefix and what the tiers hold past it."""
-        assert read.query_prefixes is not None
-        below = read.held_below(self.tiers)
-        held = [(ram, run, each) for ram, (run, each) in zip(read.query_prefixes, below, strict=True)]
-        return QueryAnswer(read.deferred, held)
-
-    def _answer(self, read: TierRead) -> None:
-        if read.query_prefixes is not None:
-            self._answers.append(self._held(read))
-            return
-        read_back = []
-        for item, (_, keys) in enumerate(read.items):
-            start = len(keys) - len(read.missing[item][1])  # the RAM prefix when the lookup came
-            filled = read.filled[item] if item < len(read.filled) else {}
-            read_back.append({start + i: self.tiers[t].kind for i, t in filled.items()})
-        self._answers.append(LookupAnswer(read.deferred, read.client, read.items, read_back))
 
     def stats(self) -> dict[str, str | int | float | bool | None]:
         """Each tier's figures and its write queue, flat, for the Stats reply's `extra`."""
@@ -528,15 +457,28 @@ class TierSet:
         self._posted.append(fn)
         self._wake()
 
-    def _post_probed(self, read: TierRead, found: Probed) -> None:
-        self._post(lambda: self._probed(read, found))
+    def _feed_probed(self, read: TierRead, found: Probed) -> Callable[[], None]:
+        """What the loop runs once the reader probed ``read``: feed the book, execute its actions."""
+
+        def on_loop() -> None:
+            now = time.monotonic()
+            self.book.probed(read, found, now)
+            self._act(now)
+
+        return on_loop
+
+    def _feed_filled(self, read: LookupRead, filled: list[dict[int, int]]) -> Callable[[], None]:
+        """What the loop runs once the reader filled ``read``'s slots: feed the book, execute its actions."""
+
+        def on_loop() -> None:
+            self.book.filled(read, filled)
+            self._act(time.monotonic())
+
+        return on_loop
 
     def _label(self, salt: str | None) -> str:
         """How logs name a salt (never the salt itself: it may be a tenant's secret)."""
         return "*" if salt is None else self._salt_label(salt)
-
-    def _post_filled(self, read: TierRead, filled: list[dict[int, int]]) -> None:
-        self._post(lambda: self._filled(read, filled))
 
     def _written(self, item: QueuedWrite, ok: bool) -> None:
         """A writer is done with an item: unpin it if its bytes were never copied (dropped at close)."""
