@@ -15,24 +15,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import attrs
-
-from kvdepot.core import DEFAULT_CHUNK_SIZE
 from kvdepot.server._collector import Collector
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
-from kvdepot.server._kept_pool import kept_layout, open_pool, remove_abandoned_pools
-from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES
-from kvdepot.server._kv_publisher import (
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_REPLAY_BYTES,
-    DEFAULT_REPLAY_PAGE_BYTES,
-    DEFAULT_SUBSCRIBER_BYTES,
-    KVEventPublisher,
-)
+from kvdepot.server._kept_pool import KeptLayout, kept_layout, open_pool, remove_abandoned_pools
+from kvdepot.server._kv_publisher import KVEventPublisher
 from kvdepot.server._label_key import server_labeler
 from kvdepot.server._metrics import (
     MAX_SALT_LABELS,
@@ -47,33 +37,24 @@ from kvdepot.server._metrics_http import HTTPLimits, ListenerFigures
 from kvdepot.server._pool import SHM_DIR, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
-from kvdepot.server._sessions import DEFAULT_LEASE_TTL, DEFAULT_RESERVATION_TTL
+from kvdepot.server._server_config import ServerConfig
 from kvdepot.server._settings_file import SettingsFile
 from kvdepot.server._slabs import SlabAllocator
-from kvdepot.server._tiering import DEFAULT_READ_DEADLINE, DEFAULT_READ_DEADLINE_PER_CHUNK, TierSet
+from kvdepot.server._tiering import TierSet
 from kvdepot.server._tiers import Tier
 from kvdepot.server._units import format_size
 from kvdepot.server._version import __version__
-from kvdepot.transport import (
-    MAX_CONNECTIONS,
-    CappedListener,
-    PeerLimits,
-    Waker,
-    default_address,
-    get_logger,
-    open_endpoint,
-)
+from kvdepot.transport import CappedListener, ServerEndpoint, Waker, default_address, get_logger, open_endpoint
 
 log = get_logger(__name__)
+
+__all__ = ["CacheServer", "ServerConfig", "default_capacity"]  # ServerConfig: re-exported from _server_config
 
 # Longest wait in one poll: how late at most a lease or reservation expires, and how often
 # the stop flag is looked at when nothing arrives.
 POLL_INTERVAL = 0.05
 # How often the loop publishes figures for the metrics thread (seconds).
 SNAPSHOT_INTERVAL = 0.5
-# /healthz answers 503 once the loop has not turned for this long (seconds). An idle loop turns
-# every POLL_INTERVAL; a full garbage collection or a large request holds it for milliseconds.
-HEALTH_STALL_S = 10.0
 # With more salts than /metrics labels, the largest are worked out (O(salts)) this often (seconds).
 METRIC_SALT_RANKING_S = 5.0
 # The default capacity is this fraction of the memory the kernel says is available ...
@@ -101,51 +82,6 @@ def default_capacity(pool_dir: Path | None = None, reclaimable: int = 0) -> int:
     return min(mem, shm)
 
 
-@attrs.frozen
-class ServerConfig:
-    """Everything `kvdepot serve` can set; None means the documented default."""
-
-    address: str | None = None
-    capacity: int | None = None
-    page_size: int | None = None
-    chunk_size: int = DEFAULT_CHUNK_SIZE
-    metrics_port: int | None = None  # None: no metrics endpoint; 0: any free port
-    metrics_required: bool = True  # False: a busy port only logs a warning (the CLI's default port)
-    metrics_host: str = "127.0.0.1"
-    metrics_limits: HTTPLimits = attrs.field(factory=HTTPLimits)  # connections, deadline, header bytes
-    pool_dir: Path | None = None
-    lease_ttl: float = DEFAULT_LEASE_TTL
-    reservation_ttl: float = DEFAULT_RESERVATION_TTL
-    default_quota: int | None = None  # bytes a salt without its own quota may hold
-    peer_timeout: float | None = None
-    peer_limits: PeerLimits = attrs.field(factory=PeerLimits)  # what one peer's flood may cost
-    max_connections: int = MAX_CONNECTIONS  # a tcp address's connections at once (`cache_connections` caps it)
-    auth_secret: str | None = None
-    disk_dir: Path | None = None  # a disk tier below RAM
-    disk_capacity: int | None = None  # None: half the free space of its filesystem
-    remote_url: str | None = None  # a Valkey/Redis tier below RAM (and the disk)
-    remote_password_file: Path | None = None
-    remote_password_env: str | None = None
-    remote_prefix: str = "kvd:"
-    remote_ttl: float | None = None
-    remote_ca_file: Path | None = None  # CA certificates to verify a rediss:// server with (None: the system's)
-    tier_deadline: float = DEFAULT_READ_DEADLINE
-    tier_deadline_per_chunk: float | None = DEFAULT_READ_DEADLINE_PER_CHUNK  # None: always `tier_deadline`
-    kv_events: str | None = None  # a ZMQ PUB endpoint for the RAM tier's KV events (None: none)
-    kv_events_replay: str | None = None  # ... and a ROUTER endpoint to replay missed batches from
-    kv_events_topic: str | None = None  # None: `default_topic()`
-    kv_events_max_connections: int = DEFAULT_MAX_CONNECTIONS  # per tcp listener
-    kv_events_subscriber_bytes: int = DEFAULT_SUBSCRIBER_BYTES  # queued for one subscriber
-    kv_events_subscriber_send_bytes: int = DEFAULT_SEND_BYTES  # one tcp peer may send in all
-    kv_events_replay_bytes: int = DEFAULT_REPLAY_BYTES  # kept for replay
-    kv_events_replay_page_bytes: int = DEFAULT_REPLAY_PAGE_BYTES  # one replay answer
-    health_stall: float = HEALTH_STALL_S  # /healthz: seconds without a turn of the loop before 503
-    label_key_file: Path | None = None  # the salt-label key (None: `default_label_key_path()`)
-    settings_file: Path | None = None  # where quotas are kept across restarts (None: in memory only)
-    keep_pool: bool = False  # the address's kept pool: left at stop, adopted at start (`kvdepot serve`: on)
-    fresh_pool: bool = False  # ... but discard what it holds at this start
-
-
 class CacheServer:
     """One kvdepot server: `CacheServer(config)` binds and maps; `serve_forever()`; `close()`."""
 
@@ -158,26 +94,7 @@ class CacheServer:
             log.info("abandoned_pool_removed", path=str(path))
         address = config.address or default_address()
         kept = kept_layout(pool_dir, address) if config.keep_pool else None
-        # A kept pool's file is this server's to map again (or to replace): its bytes count as free,
-        # and a start that names no capacity or page size takes the ones it was made with.
-        reclaimable = kept.file_bytes if kept is not None else 0
-        if config.capacity is not None:
-            capacity = config.capacity
-        elif kept is not None and not config.fresh_pool:
-            capacity = kept.capacity
-        else:
-            capacity = default_capacity(pool_dir, reclaimable)
-        page_size = config.page_size
-        if page_size is None and kept is not None and not config.fresh_pool and capacity == kept.capacity:
-            page_size = kept.page_size
-        free = pool_dir_free_bytes(pool_dir) + reclaimable
-        if capacity > free:  # before anything is built: the allocator's tables grow with capacity
-            raise ServerArgumentError(
-                f"--capacity {format_size(capacity)} is more than the {format_size(free)} free in {pool_dir}; "
-                "lower --capacity (or make the shared-memory filesystem larger)",
-                capacity=capacity,
-                free=free,
-            )
+        capacity, page_size = _pool_layout(config, pool_dir, kept)
         self.allocator = SlabAllocator(capacity, page_size)  # validates capacity vs page size
         #: How /metrics, Stats to a peer that may not be the owner, logs and engines' KV events name a salt.
         self.labeler = server_labeler(config.label_key_file)
@@ -233,20 +150,7 @@ class CacheServer:
             parts.callback(self.metrics.close)
             waker = Waker()
             self.tiers = self._open_tiers(config, waker, parts)
-            self.kv_events: KVEventPublisher | None = None
-            if config.kv_events is not None:
-                self.kv_events = KVEventPublisher(
-                    config.kv_events,
-                    replay_endpoint=config.kv_events_replay,
-                    topic=config.kv_events_topic,
-                    max_connections=config.kv_events_max_connections,
-                    subscriber_bytes=config.kv_events_subscriber_bytes,
-                    subscriber_send_bytes=config.kv_events_subscriber_send_bytes,
-                    replay_bytes=config.kv_events_replay_bytes,
-                    replay_page_bytes=config.kv_events_replay_page_bytes,
-                )
-                parts.callback(self.kv_events.close)
-                self.metrics.registry.register(self.kv_events.collector())
+            self.kv_events = self._open_kv_events(config, parts)
             server_id = uuid.uuid4().hex
             self.handler = CacheHandler(
                 self.index,
@@ -264,33 +168,7 @@ class CacheServer:
                 looked_up=self.salt_lookups.add,
                 settings=settings,
             )
-            kwargs: dict[str, Any] = {"auth_secret": config.auth_secret, "limits": config.peer_limits}
-            if config.peer_timeout is not None:
-                kwargs["peer_timeout"] = config.peer_timeout
-            metrics_limits = config.metrics_limits
-            if config.metrics_port is not None:  # clamped once: the cache's cap leaves room for it
-                metrics_limits = metrics_limits.within_file_limit()
-            if (config.address or "").startswith("tcp://"):
-                kwargs["max_connections"] = _cache_cap(config, metrics_limits)
-            self.endpoint = open_endpoint(
-                config.address,
-                self.handler,
-                waker=waker,
-                server_id=server_id,
-                on_bad_frame=lambda bad: self.bad_frames.add(bad.peer),
-                **kwargs,
-            )
-            parts.callback(self.endpoint.close)
-            if (listener := self.endpoint.listener) is not None:
-                self.metrics.add_listener("cache", lambda: _figures(listener))
-            parts.callback(self.collector.give_back)
-            if config.metrics_port is not None:
-                try:
-                    self.metrics.serve(config.metrics_port, config.metrics_host, metrics_limits)
-                except ServerArgumentError as exc:
-                    if config.metrics_required:
-                        raise
-                    log.warning("metrics_unavailable", reason=exc.message)
+            self.endpoint = self._open_endpoint(config, waker, server_id, parts)
             self._publish()
             self.pool.keep = self.journal is not None
             self._parts = parts.pop_all()
@@ -299,6 +177,57 @@ class CacheServer:
         """A new kept pool whose server never came up is not kept: its journal goes with it."""
         if self.journal is not None and not self.pool.keep:
             self.journal.path.unlink(missing_ok=True)
+
+    def _open_kv_events(self, config: ServerConfig, parts: contextlib.ExitStack) -> KVEventPublisher | None:
+        """The RAM tier's KV-event publisher that `config` asks for (closed with `parts`), or None."""
+        if config.kv_events is None:
+            return None
+        kv_events = KVEventPublisher(
+            config.kv_events,
+            replay_endpoint=config.kv_events_replay,
+            topic=config.kv_events_topic,
+            max_connections=config.kv_events_max_connections,
+            subscriber_bytes=config.kv_events_subscriber_bytes,
+            subscriber_send_bytes=config.kv_events_subscriber_send_bytes,
+            replay_bytes=config.kv_events_replay_bytes,
+            replay_page_bytes=config.kv_events_replay_page_bytes,
+        )
+        parts.callback(kv_events.close)
+        self.metrics.registry.register(kv_events.collector())
+        return kv_events
+
+    def _open_endpoint(
+        self, config: ServerConfig, waker: Waker, server_id: str, parts: contextlib.ExitStack
+    ) -> ServerEndpoint:
+        """The cache endpoint (closed with `parts`), then the metrics endpoint beside it, if asked."""
+        kwargs: dict[str, Any] = {"auth_secret": config.auth_secret, "limits": config.peer_limits}
+        if config.peer_timeout is not None:
+            kwargs["peer_timeout"] = config.peer_timeout
+        metrics_limits = config.metrics_limits
+        if config.metrics_port is not None:  # clamped once: the cache's cap leaves room for it
+            metrics_limits = metrics_limits.within_file_limit()
+        if (config.address or "").startswith("tcp://"):
+            kwargs["max_connections"] = _cache_cap(config, metrics_limits)
+        endpoint = open_endpoint(
+            config.address,
+            self.handler,
+            waker=waker,
+            server_id=server_id,
+            on_bad_frame=lambda bad: self.bad_frames.add(bad.peer),
+            **kwargs,
+        )
+        parts.callback(endpoint.close)
+        if (listener := endpoint.listener) is not None:
+            self.metrics.add_listener("cache", lambda: _figures(listener))
+        parts.callback(self.collector.give_back)
+        if config.metrics_port is not None:
+            try:
+                self.metrics.serve(config.metrics_port, config.metrics_host, metrics_limits)
+            except ServerArgumentError as exc:
+                if config.metrics_required:
+                    raise
+                log.warning("metrics_unavailable", reason=exc.message)
+        return endpoint
 
     @property
     def address(self) -> str:
@@ -485,6 +414,31 @@ class CacheServer:
             self.chunk_changes.snapshot(),
         )
         self.metrics.publish(snapshot)
+
+
+def _pool_layout(config: ServerConfig, pool_dir: Path, kept: KeptLayout | None) -> tuple[int, int | None]:
+    """The pool's capacity and page size (None: the allocator's default). A kept pool's file is
+    this server's to map again (or to replace): its bytes count as free, and a start that names
+    no capacity or page size takes the ones it was made with."""
+    reclaimable = kept.file_bytes if kept is not None else 0
+    if config.capacity is not None:
+        capacity = config.capacity
+    elif kept is not None and not config.fresh_pool:
+        capacity = kept.capacity
+    else:
+        capacity = default_capacity(pool_dir, reclaimable)
+    page_size = config.page_size
+    if page_size is None and kept is not None and not config.fresh_pool and capacity == kept.capacity:
+        page_size = kept.page_size
+    free = pool_dir_free_bytes(pool_dir) + reclaimable
+    if capacity > free:  # before anything is built: the allocator's tables grow with capacity
+        raise ServerArgumentError(
+            f"--capacity {format_size(capacity)} is more than the {format_size(free)} free in {pool_dir}; "
+            "lower --capacity (or make the shared-memory filesystem larger)",
+            capacity=capacity,
+            free=free,
+        )
+    return capacity, page_size
 
 
 def _cache_cap(config: ServerConfig, metrics_limits: HTTPLimits) -> int:
