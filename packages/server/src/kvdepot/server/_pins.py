@@ -39,6 +39,22 @@ class _Holding:
     stamp: int = 0  # of its latest entry in the heap; older ones are stale
 
 
+@attrs.define
+class _Short:
+    """What the room lacks for a new pin: bytes and pins (met once neither is above 0)."""
+
+    bytes: int
+    pins: int
+
+    def met(self) -> bool:
+        return self.bytes <= 0 and self.pins <= 0
+
+    def take(self, size: int) -> None:
+        """A pin of `size` slot bytes will end."""
+        self.bytes -= size
+        self.pins -= 1
+
+
 class PinShares:
     """The pins per salt, and the room each may take (module docstring)."""
 
@@ -59,9 +75,8 @@ class PinShares:
     def make_room(self, salt: str, size: int) -> list[int]:
         """The pins (lease ids) to end so that a pin of `size` slot bytes of `salt` fits, oldest
         first (none while it fits); `TooManyError` when `salt` may not pin. Changes no pin."""
-        short_bytes = self.pinned_bytes + size - self.max_bytes
-        short_pins = self.pins + 1 - self.max_pins
-        if short_bytes <= 0 and short_pins <= 0:
+        short = _Short(self.pinned_bytes + size - self.max_bytes, self.pins + 1 - self.max_pins)
+        if short.met():
             return []
         own = self._salts.get(salt) or _Holding()
         n = len(self._salts) + (salt not in self._salts)  # the salts pinning and this one
@@ -71,10 +86,18 @@ class PinShares:
                 f"its share of it (1/{n}); its chunks are committed unpinned",
                 reason="share" if n > 1 and size <= self.max_bytes else "room",
             )
+        ended = self._take_room(salt, n, short)
+        if not short.met():  # not reached: the others hold past their shares what it needs
+            raise TooManyError("pins hold their room", reason="room")
+        return ended
+
+    def _take_room(self, salt: str, n: int, short: _Short) -> list[int]:
+        """The pins to end of the salts past their share (of `n`), the fullest salt first, until
+        `short` is met or no salt but `salt` is past its share (the heap is left as it was)."""
         ended: list[int] = []
         taken: list[tuple[float, int, str]] = []
         try:
-            while (short_bytes > 0 or short_pins > 0) and self._heap:
+            while not short.met() and self._heap:
                 item = heapq.heappop(self._heap)
                 holding = self._salts.get(item[2])
                 if holding is None or holding.stamp != item[1]:
@@ -82,22 +105,25 @@ class PinShares:
                 taken.append(item)
                 if item[2] == salt:
                     continue
-                left_bytes, left_pins = holding.bytes, len(holding.pins)
-                if not self._past_share(left_bytes, left_pins, n):
+                if not self._past_share(holding.bytes, len(holding.pins), n):
                     break  # the fullest first: no salt left past its share
-                for lease_id, pin_bytes in holding.pins.items():  # oldest first
-                    if (short_bytes <= 0 and short_pins <= 0) or not self._past_share(left_bytes, left_pins, n):
-                        break
-                    ended.append(lease_id)
-                    short_bytes -= pin_bytes
-                    short_pins -= 1
-                    left_bytes -= pin_bytes
-                    left_pins -= 1
+                ended += self._oldest_past_share(holding, n, short)
         finally:
             for item in taken:
                 heapq.heappush(self._heap, item)
-        if short_bytes > 0 or short_pins > 0:  # not reached: the others hold past their shares what it needs
-            raise TooManyError("pins hold their room", reason="room")
+        return ended
+
+    def _oldest_past_share(self, holding: _Holding, n: int, short: _Short) -> list[int]:
+        """A salt's oldest pins, each while the salt is still past its share and `short` is not met."""
+        ended = []
+        left_bytes, left_pins = holding.bytes, len(holding.pins)
+        for lease_id, pin_bytes in holding.pins.items():  # oldest first
+            if short.met() or not self._past_share(left_bytes, left_pins, n):
+                break
+            ended.append(lease_id)
+            short.take(pin_bytes)
+            left_bytes -= pin_bytes
+            left_pins -= 1
         return ended
 
     def _past_share(self, size: int, pins: int, n: int) -> bool:
