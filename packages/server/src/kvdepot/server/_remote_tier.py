@@ -143,7 +143,6 @@ class RemoteTier:
         if current is None:
             self._counters.add(failed_writes=len(items))
             return [False] * len(items)
-        client, generation = current
         quotas = quotas_of(self.quota_of, items)
         over = [quotas.get(item.salt) is not None and item.length > quotas[item.salt] for item in items]
         if any(over):  # a chunk larger than its salt's quota is never written
@@ -151,7 +150,37 @@ class RemoteTier:
             done = iter(self.write(kept) if kept else [])
             self._counters.add(failed_writes=sum(over))
             return [False if skip else next(done) for skip in over]
+        results = self._set_all(*current, items)
+        if quotas:
+            self._charge(*current, items, results, quotas)
+        return results
+
+    def _set_all(self, client: Any, generation: int, items: Sequence[ChunkWrite]) -> list[bool]:
+        """SET every chunk in one pipeline, and count what it wrote; per chunk, whether it was."""
         pipe = client.pipeline(transaction=False)
+        sizes = self._queue_sets(pipe, items)
+        with _Commands(self._link, generation, pipe) as run:
+            replies = pipe.execute(raise_on_error=False)
+        if run.error is not None:
+            if not run.down:
+                self._warn("remote_tier_write_failed", url=self.address.display, error=repr(run.error))
+            self._counters.add(failed_writes=len(items), errors=1)
+            return [False] * len(items)
+        results = [reply is True for reply in replies]
+        failures = [r for r in replies if isinstance(r, BaseException)]
+        written = sum(size for size, ok in zip(sizes, results, strict=True) if ok)
+        self._counters.add(
+            writes=sum(results),
+            bytes_written=written,
+            failed_writes=len(results) - sum(results),
+            errors=len(failures),
+        )
+        if failures:  # refused by the server (e.g. out of memory): the tier stays up
+            self._failed(generation, failures, "remote_tier_write_failed")
+        return results
+
+    def _queue_sets(self, pipe: Any, items: Sequence[ChunkWrite]) -> list[int]:
+        """Queue a SET of every chunk's value on ``pipe``; the payload bytes of each."""
         sizes = []
         scratch = self._scratch_for(items)
         offset = 0
@@ -171,30 +200,15 @@ class RemoteTier:
             offset = end
             pipe.set(self._key(digest), value, px=self.ttl_ms)
             sizes.append(payload.nbytes)
-        with _Commands(self._link, generation, pipe) as run:
-            replies = pipe.execute(raise_on_error=False)
-        if run.error is not None:
-            if not run.down:
-                self._warn("remote_tier_write_failed", url=self.address.display, error=repr(run.error))
-            self._counters.add(failed_writes=len(items), errors=1)
-            return [False] * len(items)
-        results = [reply is True for reply in replies]
-        failures = [r for r in replies if isinstance(r, BaseException)]
-        written = sum(size for size, ok in zip(sizes, results, strict=True) if ok)
-        self._counters.add(
-            writes=sum(results),
-            bytes_written=written,
-            failed_writes=len(results) - sum(results),
-            errors=len(failures),
-        )
-        if failures:
-            if any(isinstance(f, self._link.down_errors) for f in failures):
-                self._link.mark_down(generation, failures[0])
-            else:  # refused by the server (e.g. out of memory): the tier stays up
-                self._warn("remote_tier_write_failed", url=self.address.display, error=repr(failures[0]))
-        if quotas:
-            self._charge(client, generation, items, results, quotas)
-        return results
+        return sizes
+
+    def _failed(self, generation: int, failures: Sequence[BaseException], event: str) -> None:
+        """Commands of a batch failed: the tier goes down when one says the server is gone; else
+        (the server refused them) it stays up, and the operator is told as ``event``."""
+        if any(isinstance(f, self._link.down_errors) for f in failures):
+            self._link.mark_down(generation, failures[0])
+        else:
+            self._warn(event, url=self.address.display, error=repr(failures[0]))
 
     def _charge(
         self,
@@ -279,10 +293,7 @@ class RemoteTier:
         results, failures, corrupt, unknown = landing.results, landing.failures, landing.corrupt, landing.unknown
         if failures:
             self._counters.add(errors=len(failures))
-            if any(isinstance(f, self._link.down_errors) for f in failures):
-                self._link.mark_down(generation, failures[0])
-            else:
-                self._warn("remote_tier_read_failed", url=self.address.display, error=repr(failures[0]))
+            self._failed(generation, failures, "remote_tier_read_failed")
         hits = sum(results)
         self._counters.add(
             hits=hits,
