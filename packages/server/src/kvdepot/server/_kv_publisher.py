@@ -47,18 +47,18 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import zmq
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvdepot.core import KVDepotError
 from kvdepot.server._errors import ServerArgumentError
 from kvdepot.server._events import RAM, ChunkChange, Committed
 from kvdepot.server._kv_listener import CappedListener
+from kvdepot.server._kv_metrics import KVEventsCollector
 from kvdepot.server._kv_peers import DEFAULT_SEND_BYTES, PeerBudget
 from kvdepot.server._kv_replay import ReplayBuffer
 from kvdepot.server._metrics_http import ListenerFigures
@@ -290,11 +290,11 @@ class KVEventPublisher:
             figures[f"kv_events_{name}_full"] = listener.full
         return figures
 
-    def collector(self) -> _Collector:
+    def collector(self) -> KVEventsCollector:
         """A prometheus-client collector of this publisher's figures, for the server's registry;
         its ``listeners`` are the tcp listeners' figures, shown as ``kvdepot_listener_*``
         (``kv_events_pub``, ``kv_events_replay``)."""
-        return _Collector(self)
+        return KVEventsCollector(self)
 
     def listener_figures(self) -> dict[str, Callable[[], ListenerFigures]]:
         """Each tcp listener's figures now, by its name in /metrics."""
@@ -442,58 +442,6 @@ class KVEventPublisher:
             pass
         else:
             self.replay_pages += 1
-
-
-class _Collector:
-    """The publisher's figures in /metrics (duck-typed prometheus-client collector)."""
-
-    def __init__(self, publisher: KVEventPublisher) -> None:
-        self._publisher = publisher
-        #: the tcp listeners' figures: the server's registry shows them as ``kvdepot_listener_*``
-        self.listeners = publisher.listener_figures()
-
-    def collect(self) -> Iterator[Any]:
-        p = self._publisher
-        for name, value, doc in (
-            ("batches", p.seq, "KV-event batches numbered (published, or skipped for dropped events)."),
-            ("sent", p.published_events, "KV events published."),
-            ("dropped", p.dropped, "KV events dropped because the publisher fell behind (subscribers see a gap)."),
-            ("replay_pages", p.replay_pages, "Replay requests answered (one page each)."),
-        ):
-            yield CounterMetricFamily(f"kvdepot_kv_events_{name}", doc, value=value)
-        refused = CounterMetricFamily(
-            "kvdepot_kv_events_replay_refused",
-            "Replay requests not answered: bad_request (not one 8-byte number), unread (the peer has not "
-            "read its last page).",
-            labels=["reason"],
-        )
-        for reason, count in p.replay_refused.items():
-            refused.add_metric([reason], count)
-        yield refused
-        buffer = p._replay_buffer
-        yield GaugeMetricFamily(
-            "kvdepot_kv_events_replay_buffer_bytes",
-            "Payload bytes of the batches kept for replay (0 without a replay endpoint).",
-            value=buffer.bytes if buffer is not None else 0,
-        )
-        yield CounterMetricFamily(
-            "kvdepot_kv_events_subscriptions_refused",
-            "Subscriptions to the KV-events PUB socket not applied: not a prefix of the topic, so they could "
-            "match nothing (and any other message a subscriber sent).",
-            value=p.subscriptions_refused,
-        )
-        yield CounterMetricFamily(
-            "kvdepot_kv_events_subscribers_cut",
-            "tcp peers of the KV-events PUB port disconnected for sending more than --kv-events-subscriber-send-bytes "
-            "(checked when a subscription is refused).",
-            value=p._peer_budget.cut if p._peer_budget is not None else 0,
-        )
-        limits = GaugeMetricFamily(
-            "kvdepot_kv_events_limit", "The KV-events publisher's bounds (flags of kvdepot serve).", labels=["limit"]
-        )
-        for name, value in p.limits.items():
-            limits.add_metric([name], value)
-        yield limits
 
 
 def _figures(listener: CappedListener) -> ListenerFigures:
