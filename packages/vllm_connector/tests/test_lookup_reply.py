@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvdepot.core import KeyChain, Namespace, RequestTracker
 from kvdepot.transport import LookupResult, Slot
 from kvdepot.vllm_connector._lookup_reply import (
     MISS,
@@ -11,6 +12,7 @@ from kvdepot.vllm_connector._lookup_reply import (
     LookupStatus,
     hit_sources,
     lookup_status,
+    outdated,
     read_reply,
 )
 
@@ -94,3 +96,37 @@ def test_a_loads_tokens_are_split_by_where_the_server_had_them(
     """Read-back chunks end the hit, the disk's first; the counts sum to the tokens loaded."""
     assert hit_sources(start, num, read_back, 8) == expected
     assert sum(expected.values()) == num
+
+
+def tracker(lookup_first: int, hit_chunks: int, hit_at: float) -> RequestTracker:
+    return RequestTracker(
+        "r", "", KeyChain([Namespace(model="m")], 8), lookup_first=lookup_first, hit_chunks=hit_chunks, hit_at=hit_at
+    )
+
+
+@pytest.mark.parametrize(
+    ("computed", "hit_chunks", "stores_ended_at", "now", "expected"),
+    [
+        (8, 4, 0.0, 1.0, False),  # fresh, follows on from vLLM's hit, reaches the last full chunk
+        (0, 4, 0.0, 1.0, True),  # vLLM's own hit shrank below the chunk the lookup started at
+        (8, 3, 0.0, 1.0, False),  # stops short, but no store ended since it went out
+        (8, 3, 0.75, 1.0, True),  # stops short, and a store ended since: the rest may be there now
+        (8, 4, 0.75, 1.0, False),  # a store ended since, but the hit reaches the last full chunk
+        (8, 4, 0.0, 20.6, True),  # its leases are close to expiring
+    ],
+)
+def test_a_reply_read_while_its_request_waited_is_asked_again_when_it_may_be_stale(
+    computed: int, hit_chunks: int, stores_ended_at: float, now: float, expected: bool
+) -> None:
+    """A 33-token prompt (full chunks 0 to 3), looked up from chunk 1 at 0.5 s; hits count chunks from 0."""
+    old = tracker(lookup_first=1, hit_chunks=hit_chunks, hit_at=0.5)
+    got = outdated(
+        old,
+        num_tokens=33,
+        num_computed_tokens=computed,
+        chunk_size=8,
+        stores_ended_at=stores_ended_at,
+        now=now,
+        refresh_s=20.0,
+    )
+    assert got is expected

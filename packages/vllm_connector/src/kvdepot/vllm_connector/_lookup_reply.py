@@ -12,6 +12,7 @@ is pure, and lives here:
   is a miss: the wrong number of results, another server instance than the one asked (its
   slots are in another pool), or slots of mixed lengths (they cannot all be this layout's
   chunks; their leases still go back);
+- `outdated`: whether a reply read while its request waited is to be asked again;
 - `hit_sources`: a load's tokens split by where the server had them.
 
 The scheduler side feeds the reading to the planner and its counters, and acts on the rest.
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
+    from kvdepot.core import RequestTracker
     from kvdepot.transport import LookupResult
 
 
@@ -91,6 +93,35 @@ def read_reply(
         slot_bytes=lengths.pop() if lengths else 0,
         read_back=(lookup_first + mine[0].num_hits, dict(mine[0].read_back)),
     )
+
+
+def outdated(
+    tracker: RequestTracker,
+    *,
+    num_tokens: int,
+    num_computed_tokens: int,
+    chunk_size: int,
+    stores_ended_at: float,
+    now: float,
+    refresh_s: float,
+) -> bool:
+    """True when a request's lookup reply (its ``tracker``), read while it waited, may no longer
+    be what the server holds for it now that vLLM asks again with ``num_computed_tokens`` of its
+    ``num_tokens`` in its own prefix cache (it is then looked up again):
+
+    - vLLM's own prefix hit shrank below the chunks the lookup left out (they were in vLLM's
+      cache at admission, evicted since): the hit no longer follows on from it;
+    - the hit stops short of the prompt's last full chunk, and a step of this engine that
+      stored chunks has ended since the lookup went out (at ``stores_ended_at``): a request with
+      the same prefix that ran meanwhile may have committed the rest (what a queue of requests
+      sharing prefixes does under a small KV cache);
+    - its leases are close to expiring: the lookup went out more than ``refresh_s`` ago.
+    """
+    if num_computed_tokens < tracker.lookup_first * chunk_size:
+        return True
+    if tracker.hit_chunks < (num_tokens - 1) // chunk_size and stores_ended_at > tracker.hit_at:
+        return True
+    return now - tracker.hit_at > refresh_s
 
 
 def hit_sources(

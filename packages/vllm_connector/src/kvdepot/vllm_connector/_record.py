@@ -8,10 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from kvdepot.core import RequestState
+
 if TYPE_CHECKING:
     from vllm.v1.request import Request
 
     from kvdepot.vllm_connector._handoff_wait import HandoffWait
+
+#: The planner's states of a request vLLM runs: its blocks are allocated (and loaded, or loading).
+RUNNING = (RequestState.READY, RequestState.WAITING_FOR_LOAD)
 
 
 @attrs.define
