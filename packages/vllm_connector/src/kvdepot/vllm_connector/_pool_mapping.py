@@ -1,6 +1,8 @@
-"""The worker's mapping of the server's shared-memory pool, and its background prefault.
+"""The worker's mapping of the server's shared-memory pool, its background prefault, and the
+switch to a new mapping after a server restart.
 
-Mapped, and remapped after a server restart, on the worker's copy thread only (`_worker.py`).
+Mapped, and remapped after a server restart, on the worker's copy thread only (`_worker.py`,
+`PoolSwitch.current`).
 """
 
 from __future__ import annotations
@@ -13,9 +15,13 @@ import threading
 from typing import TYPE_CHECKING
 
 from kvdepot.core import SLOT_HEADER_BYTES
+from kvdepot.server import PoolError
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator, Sequence
+
     from kvdepot.gpu import KVLayout
+    from kvdepot.transport import RegisterReply
 
 log = logging.getLogger("vllm.kvdepot.worker")
 
@@ -111,6 +117,75 @@ class _PoolMapping:
         with contextlib.suppress(BufferError):  # a view of it is still alive somewhere: the OS unmaps at exit
             self._export.release()
             self.mmap.close()
+
+
+class PoolSwitch:
+    """The mapping the worker copies with, and the registration reply of a newer one to switch to.
+
+    A reply comes from the engine thread (the worker's registration) or from the transport's
+    settler thread (a reconnect to a restarted server); only the copy thread maps it
+    (`current`), and never while a copy may use the old mapping: the engine thread copies only
+    while it holds `lock`, and the switch takes it to swap the mappings.
+    """
+
+    def __init__(self, *, prefault: bool, may_run: threading.Event) -> None:
+        self.prefault = prefault
+        self.may_run = may_run
+        self.mapping: _PoolMapping | None = None
+        #: Held by the engine thread while it copies, and by the copy thread while it swaps mappings.
+        self.lock = threading.Lock()
+        self._pending_lock = threading.Lock()
+        self._pending: tuple[RegisterReply, str] | None = None
+
+    def offer(self, reply: RegisterReply, server_id: str, *, unless_pending: bool = False) -> None:
+        """A registration reply of server ``server_id``, mapped before the copy thread's next copy."""
+        with self._pending_lock:
+            if not unless_pending or self._pending is None:
+                self._pending = (reply, server_id)
+
+    def remap_pending(self) -> bool:
+        """Whether a newer registration waits to be mapped (by the copy thread)."""
+        with self._pending_lock:
+            return self._pending is not None
+
+    @contextlib.contextmanager
+    def for_engine(self) -> Iterator[_PoolMapping | None]:
+        """The mapping the engine's thread may copy with, held until the block ends; None when
+        there is none, or a newer one waits to be mapped by the copy thread."""
+        remap_pending = self.remap_pending()
+        with self.lock:
+            yield None if remap_pending else self.mapping
+
+    def current(self, layouts: Sequence[KVLayout]) -> _PoolMapping | None:
+        """The mapped pool, first switching to a newly registered one (copy thread only; a
+        registration before any ``layouts`` is dropped)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None or not layouts:
+            return self.mapping
+        reply, server_id = pending
+        if self.mapping is not None and self.mapping.server_id == server_id and self.mapping.path == reply.pool.path:
+            return self.mapping
+        try:
+            pool = _PoolMapping(
+                reply.pool.path, reply.pool.size, server_id, list(layouts), prefault=self.prefault,
+                may_run=self.may_run,
+            )  # fmt: skip
+            pool.reservation_ttl = reply.reservation_ttl_s
+        except (OSError, PoolError) as exc:
+            log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
+            return self.mapping
+        with self.lock:  # never under the engine thread's copy
+            old, self.mapping = self.mapping, pool
+            if old is not None:
+                old.close()
+        return pool
+
+    def close(self) -> None:
+        with self._pending_lock:
+            pool, self.mapping = self.mapping, None
+        if pool is not None:
+            pool.close()
 
 
 def _prefault(address: int, size: int, stop: threading.Event, may_run: threading.Event) -> None:

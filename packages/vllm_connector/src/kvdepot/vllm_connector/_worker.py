@@ -3,7 +3,7 @@
 Loads on a GPU, and the commits of stores, run on one copy thread of the worker's own, in the
 order the steps asked for them, while the engine goes on with its next steps. Loads on a CPU
 engine run on the engine's thread, at the end of a step, with torch's own OpenMP team
-(`PacedLoad`); stores read the KV cache on the engine's thread, within their step:
+(`_paced_loads.py`); stores read the KV cache on the engine's thread, within their step:
 
 - A load (`start_load_kv`) writes blocks of a request that vLLM keeps waiting, and that no
   other request can see, until `get_finished` reports the load done or failed. On a CPU, a
@@ -17,31 +17,32 @@ engine run on the engine's thread, at the end of a step, with torch's own OpenMP
   block at once, on either model runner: nothing is held and nothing waits at preemption.
 - The pool is mapped, and remapped after a server restart, on the copy thread only; the
   engine thread copies only while it holds the mapping's lock, so no copy ever runs on a
-  mapping that is being closed.
+  mapping that is being closed (`_pool_mapping.PoolSwitch`).
 
 With several KV-cache groups (a hybrid model) each group has its own `KVLayout` and copier
 over the same pool mapping: a slot holds the chunk's blocks of group 0, then group 1, ...
+(`_chunk_slots.SlotLayout`: the checks and copies that depend on that arrangement alone).
 
 A failed load is reported, never hidden.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
-from kvdepot.core import SLOT_HEADER_BYTES, ParallelStrategy, slot_digest, slot_header_holds
-from kvdepot.server import PoolError
+from kvdepot.core import ParallelStrategy
 from kvdepot.transport import DeadlineExceededError
+from kvdepot.vllm_connector._chunk_slots import SlotLayout
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
-from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
-from kvdepot.vllm_connector._loads import Checked, LoadFailures, PacedLoad, SlotChangedError, leading_nulls
-from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp, StoreOp
-from kvdepot.vllm_connector._pool_mapping import _PoolMapping
+from kvdepot.vllm_connector._groups import CacheGroup
+from kvdepot.vllm_connector._loads import Checked, LoadFailures, PacedLoad
+from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp
+from kvdepot.vllm_connector._paced_loads import PacedLoads
+from kvdepot.vllm_connector._pool_mapping import PoolSwitch, _PoolMapping
 from kvdepot.vllm_connector._stores import StepStores
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ log = logging.getLogger("vllm.kvdepot.worker")
 
 #: A step that computes nothing waits this long at most for its loads before reporting them.
 IDLE_STEP_LOAD_WAIT_S = 0.5
-#: A hybrid layout's fingerprint longer than this is sent as its digest (the wire allows 1024).
-FINGERPRINT_MAX = 512
 
 
 class WorkerSide:
@@ -90,7 +89,7 @@ class WorkerSide:
         """``num_blocks``: the engine's blocks (vLLM's `KVCacheConfig.num_blocks`), which every
         group's layout must have; None leaves that unchecked. ``load_step_share``: see
         `DEFAULT_LOAD_STEP_SHARE` (1 copies every load whole in the step that starts it).
-        ``engine_thread_loads``: loads are copied by the engine's thread (`_copy_paced`) rather
+        ``engine_thread_loads``: loads are copied by the engine's thread (`_paced_loads.py`) rather
         than the copy thread; None: on a CPU, unless ``load_delay`` keeps loads in flight.
         ``pin_s``: the server keeps each store's chunks from eviction that long (a prefill
         engine's, until the decode engine has looked them up). ``skip_layers``: layers of the
@@ -116,32 +115,23 @@ class WorkerSide:
         self.groups = groups
         self.skip_layers = skip_layers
         self.layout: KVLayout | None = None  # group 0's (the only one without a hybrid model)
-        self.layouts: list[KVLayout] = []
-        # Per group: where its blocks start in a slot, and how many bytes they take.
-        self.group_offsets: list[int] = []
-        self.group_bytes: list[int] = []
-        self.chunk_bytes = 0
+        self.slots = SlotLayout.of([], self.blocks_per_chunk)  # every group's, once registered
         self._stats = KVDepotStats()
         self._stats_lock = threading.Lock()
-        self._pool: _PoolMapping | None = None
-        # Held by the engine thread while it copies, and by the copy thread while it swaps mappings.
-        self._pool_lock = threading.Lock()
-        # A re-registration reply from the transport's settler thread, mapped by the copy thread
-        # before its next copy (never while a copy may use the old mapping).
-        self._lock = threading.Lock()
-        self._pending: tuple[RegisterReply, str] | None = None
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-copy")
         # Engine thread only: loads in flight, and this step's stores from `step_started` to `wait_for_save`.
         self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
         self._step_stores: StepStores | None = None
-        self._paced: list[PacedLoad] = []  # a CPU engine's loads, copied by its own thread (oldest first)
-        self._step_started_at = time.monotonic()
+        self._paced = PacedLoads(  # a CPU engine's loads, copied by its own thread
+            share=load_step_share, check=self._check_load, loaded=self._loaded, hand_off=self._handoff
+        )
         self.failures = LoadFailures(
             per_block=len(groups) == 1 and groups[0].stable, blocks_per_chunk=self.blocks_per_chunk
         )
         # Set between the engine's steps (and before the first): the pool's prefault runs only then.
         self._between_steps = threading.Event()
         self._between_steps.set()
+        self.pools = PoolSwitch(prefault=prefault_pool, may_run=self._between_steps)
         # This step computes no tokens: its `get_finished` waits for the loads in flight (engine thread).
         self._idle_step = False
         # Between vLLM's `unregister_kv_caches` (sleep) and `restore_kv_caches` (wake-up) the KV
@@ -160,19 +150,17 @@ class WorkerSide:
         # The engine's block size: vLLM splits an engine block into smaller kernel blocks where the
         # attention backend needs them (FlashMLA 64, FlashInfer at most 64, CPU multiples of 32),
         # while block ids count engine blocks; the layout merges the kernel blocks back.
-        self.layouts = [
+        layouts = [
             KVLayout.from_kv_caches(caches, self.block_size, backend_hint=self.backend_hint) for caches in per_group
         ]
-        for layout in self.layouts:
+        for layout in layouts:
             if self.num_blocks is not None and layout.num_blocks != self.num_blocks:
                 raise UnsupportedLayoutError(
                     f"the KV cache tensors hold {layout.num_blocks} blocks of {layout.block_size} tokens, the engine "
                     f"{self.num_blocks} of {self.block_size}: kvdepot cannot map its block ids to them"
                 )
-        self.layout = self.layouts[0]
-        self.group_bytes = [layout.chunk_bytes(self.blocks_per_chunk) for layout in self.layouts]
-        self.group_offsets = [sum(self.group_bytes[:i]) for i in range(len(self.group_bytes))]
-        self.chunk_bytes = sum(self.group_bytes)
+        self.slots = SlotLayout.of(layouts, self.blocks_per_chunk)
+        self.layout = layouts[0]
         before = self.client.server_id
         try:
             reply = self.client.register(
@@ -192,9 +180,8 @@ class WorkerSide:
             )
             return
         after = self.client.server_id
-        with self._lock:  # a reply paired with the id of the server that sent it; else on_reconnect brings one
-            if self._pending is None and (before is None or after == before):
-                self._pending = (reply, after or "")
+        if before is None or after == before:  # a reply paired with the id of the server that sent it
+            self.pools.offer(reply, after or "", unless_pending=True)  # else on_reconnect brings one
         pool = self._copier.submit(self._current_pool).result()
         log.info(
             "kvdepot worker rank %d registered: %s, %d bytes per chunk, pool %s, copies: %s",
@@ -205,45 +192,31 @@ class WorkerSide:
             pool.copiers[0].describe() if pool is not None else "none (pool not mapped)",
         )
 
+    @property
+    def chunk_bytes(self) -> int:
+        """A slot's payload: every group's blocks of one chunk (0 before registration)."""
+        return self.slots.chunk_bytes
+
+    @property
+    def layouts(self) -> tuple[KVLayout, ...]:
+        return self.slots.layouts
+
+    @property
+    def _pool(self) -> _PoolMapping | None:
+        return self.pools.mapping
+
     def fingerprint(self) -> str:
         """The layout's fingerprint: every group's, with what kind of attention it is."""
-        if len(self.layouts) == 1:
-            return self.layouts[0].fingerprint()
-        pairs = zip(self.groups, self.layouts, strict=True)
-        text = "|".join(f"{group.describe()}:{layout.fingerprint()}" for group, layout in pairs)
-        if len(text) > FINGERPRINT_MAX:
-            text = f"hybrid{len(self.layouts)}:sha256:{hashlib.sha256(text.encode()).hexdigest()}"
-        return text
+        return self.slots.fingerprint(self.groups)
 
     def on_reconnect(self, hello: HelloReply, register: RegisterReply | None) -> None:
         """The client re-registered with a (possibly restarted) server; runs on the transport's settler thread."""
         if register is not None:
-            with self._lock:
-                self._pending = (register, hello.server_id)
+            self.pools.offer(register, hello.server_id)
 
     def _current_pool(self) -> _PoolMapping | None:
         """The mapped pool, first switching to a newly registered one (copy thread only)."""
-        with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is None or self.layout is None:
-            return self._pool
-        reply, server_id = pending
-        if self._pool is not None and self._pool.server_id == server_id and self._pool.path == reply.pool.path:
-            return self._pool
-        try:
-            pool = _PoolMapping(
-                reply.pool.path, reply.pool.size, server_id, self.layouts,
-                prefault=self.prefault_pool, may_run=self._between_steps,
-            )  # fmt: skip
-            pool.reservation_ttl = reply.reservation_ttl_s
-        except (OSError, PoolError) as exc:
-            log.warning("kvdepot worker could not map the pool %s: %s", reply.pool.path, exc)
-            return self._pool
-        with self._pool_lock:  # never under the engine thread's copy
-            old, self._pool = self._pool, pool
-            if old is not None:
-                old.close()
-        return pool
+        return self.pools.current(self.slots.layouts)
 
     def _add(self, name: str, value: float = 1) -> None:
         with self._stats_lock:
@@ -256,7 +229,7 @@ class WorkerSide:
         stores are asked for now, and the prefault pauses until `get_finished`, at the step's end."""
         self._between_steps.clear()
         self._idle_step = meta.idle
-        self._step_started_at = time.monotonic()
+        self._paced.step_started_at = time.monotonic()
         if self._step_stores is not None:  # a step bound again without its wait_for_save: not in vLLM
             self._step_stores.abort()
         self._step_stores = self._reserve(meta)
@@ -266,8 +239,7 @@ class WorkerSide:
         if not meta.stores or not self.strategy.stores:
             return None
         pool = self._pool
-        with self._lock:
-            remap_pending = self._pending is not None
+        remap_pending = self.pools.remap_pending()
         if remap_pending:  # a restarted server's pool: mapped on the copy thread, used from the next step
             self._copier.submit(self._current_pool)
         if (
@@ -304,9 +276,7 @@ class WorkerSide:
             return
         if self._loads_on_engine_thread():
             for op in loads:
-                paced = PacedLoad(op)
-                self._paced.append(paced)
-                self._loads[op.req_id] = (op, paced.future)
+                self._loads[op.req_id] = (op, self._paced.add(op))
             return
         after = self._engine_event() if loads else None
         for op in loads:
@@ -319,14 +289,11 @@ class WorkerSide:
         try:
             if self._suspended:
                 self._refuse_asleep()
-            with self._lock:
-                remap_pending = self._pending is not None
-            with self._pool_lock:
-                pool = self._pool
-                if remap_pending or pool is None:
+            with self.pools.for_engine() as pool:
+                if pool is None:
                     raise RuntimeError("the pool is not mapped, or a restarted server's pool waits to be mapped")
                 checked = self._check_load(op, pool)
-                self._copy_load(op, pool, self._engine_copiers(pool), checked, start=0, stop=len(checked.slots))
+                self.slots.scatter(op, pool, self._engine_copiers(pool), checked, start=0, stop=len(checked.slots))
             self._loaded(op, len(checked.slots))
         except Exception as exc:
             self.failures.report(op, exc)
@@ -336,7 +303,7 @@ class WorkerSide:
         return pool.engine_copiers if self.layout is not None and self.layout.device.type == "cpu" else pool.copiers
 
     def _loads_on_engine_thread(self) -> bool:
-        """A CPU engine's loads are copied by the engine thread (`_copy_paced`), except with the
+        """A CPU engine's loads are copied by the engine thread (`_paced_loads.py`), except with the
         test knob that keeps loads in flight on the copy thread."""
         if self.engine_thread_loads is not None:
             return self.engine_thread_loads
@@ -352,7 +319,7 @@ class WorkerSide:
             self._add("store_skipped", len(stores.pending))
             stores.abort()
             return
-        with self._pool_lock:  # no remap under the copy
+        with self.pools.lock:  # no remap under the copy
             pool = self._pool
             if pool is None or pool.server_id != stores.server_id:
                 self._add("store_skipped", len(stores.pending))
@@ -360,7 +327,7 @@ class WorkerSide:
                 return
             copiers = self._engine_copiers(pool)
             stores.gather(
-                lambda op, reply: self._gather(op, reply, copiers),
+                lambda op, reply: self.slots.gather(op, reply, copiers),
                 reservation_ttl=pool.reservation_ttl,
                 count=self._add,
                 server_failed=self._server_failed,
@@ -377,26 +344,11 @@ class WorkerSide:
         store up at once do."""
         self._copier.submit(lambda: None).result()
 
-    def _gather(self, op: StoreOp, reply: Any, copiers: list[Any]) -> list[Any]:
-        """Copy a store's blocks, every group's, into its reserved slots; the copies' handles.
-
-        On a CPU the copy is done when this returns. On CUDA it runs on the copier's side stream
-        after the work queued so far, and the compute stream waits for it before anything later.
-        """
-        bpc = self.blocks_per_chunk
-        handles = []
-        for copier, ids, at, size in zip(copiers, op.block_ids, self.group_offsets, self.group_bytes, strict=True):
-            blocks = [ids[s.index * bpc : (s.index + 1) * bpc] for s in reply.slots]
-            handle = copier.gather(blocks, [s.offset + at for s in reply.slots], slot_size=size)
-            if hasattr(handle, "wait_stream"):
-                handle.wait_stream()  # the compute stream: no later kernel writes a block before the copy read it
-            handles.append(handle)
-        return handles
-
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: no request waits for a store, loads done or failed since the last call); the step's end."""
         if self._paced:
-            self._copy_paced(whole=self._idle_step or self.load_step_share >= 1)
+            with self.pools.for_engine() as pool:
+                self._paced.copy(pool, self.slots, whole=self._idle_step or self.load_step_share >= 1)
         self._between_steps.set()
         if self._idle_step and self._loads:
             # Nothing else runs in this step: its loads are reported from it rather than from a
@@ -426,9 +378,8 @@ class WorkerSide:
         if self._step_stores is not None:
             self._step_stores.abort()
             self._step_stores = None
-        for paced in self._paced:  # the engine thread's loads not yet copied fail: vLLM recomputes them
-            paced.future.set_exception(RuntimeError("the engine's KV cache was released (sleep mode) mid-load"))
-        self._paced.clear()
+        # The engine thread's loads not yet copied fail: vLLM recomputes them.
+        self._paced.fail_all(RuntimeError("the engine's KV cache was released (sleep mode) mid-load"))
         self._copier.submit(lambda: None).result()  # the copy thread runs its queue in order
         log.info("kvdepot worker rank %d: copies drained, the KV cache may be released", self.strategy.rank)
 
@@ -456,7 +407,7 @@ class WorkerSide:
             time.sleep(self.load_delay)
         pool = self._mapped_pool()
         checked = self._check_load(op, pool)
-        self._copy_load(op, pool, pool.copiers, checked, start=0, stop=len(checked.slots), after=after)
+        self.slots.scatter(op, pool, pool.copiers, checked, start=0, stop=len(checked.slots), after=after)
         self._loaded(op, len(checked.slots))
 
     def _loaded(self, op: LoadOp, num_chunks: int) -> None:
@@ -474,92 +425,7 @@ class WorkerSide:
         """The load's slots, keys and blocks to skip per group, once it is checked against the mapped pool."""
         if self.fail_loads:
             raise RuntimeError("kvdepot.test.fail_loads is set")
-        if not op.server_id or op.server_id != pool.server_id:
-            raise RuntimeError(f"the lease is from server {op.server_id!r}, the mapped pool from {pool.server_id!r}")
-        if op.slot_bytes != self.chunk_bytes:
-            raise RuntimeError(f"the slots hold {op.slot_bytes} bytes, this worker's chunks are {self.chunk_bytes}")
-        slots, keys = op.slots[self.strategy.kv_rank], op.keys[self.strategy.kv_rank]
-        bpc = self.blocks_per_chunk
-        if len(op.block_ids) != len(self.layouts):
-            raise RuntimeError(f"blocks of {len(op.block_ids)} KV-cache groups for {len(self.layouts)} groups")
-        if any(len(slots) * bpc != len(ids) for ids in op.block_ids) or len(keys) != len(slots):
-            raise RuntimeError(f"{len(slots)} slots and {len(keys)} keys for {[len(i) for i in op.block_ids]} blocks")
-        # vLLM's null block stands for blocks outside a sliding window: always leading, never written.
-        skips = [max(op.skip_blocks, leading_nulls(ids)) for ids in op.block_ids]
-        if any(NULL_BLOCK_ID in ids[skip:] for ids, skip in zip(op.block_ids, skips, strict=True)):
-            raise RuntimeError("vLLM's null block lies after a block to load")
-        if any(offset < SLOT_HEADER_BYTES or offset + self.chunk_bytes > pool.size for offset in slots):
-            raise RuntimeError("a slot lies outside the mapped pool")
-        return Checked(list(slots), list(keys), skips)
-
-    def _copy_load(
-        self, op: LoadOp, pool: _PoolMapping, copiers: list[Any], checked: Checked, *, start: int, stop: int,
-        after: Any = None,
-    ) -> None:  # fmt: skip
-        """Copy the load's chunks ``start`` to ``stop`` from their slots into their blocks.
-
-        The seqlock (kvdepot.core._slots): only chunks whose slots say they hold them are
-        copied, and only those whose header did not change while the copy read them are kept.
-        Raises `SlotChangedError` at the first that is not: the chunks before it are loaded.
-        """
-        bpc = self.blocks_per_chunk
-        slots, keys, skips = checked
-        before = [pool.header(offset) for offset in slots[start:stop]]
-        held = [
-            slot_header_holds(h, slot_digest(op.salt, k), self.chunk_bytes)
-            for h, k in zip(before, keys[start:stop], strict=True)
-        ]
-        good = start + (held.index(False) if False in held else len(held))
-        if good > start:
-            for copier, ids, skip, at, size in zip(
-                copiers, op.block_ids, skips, self.group_offsets, self.group_bytes, strict=True
-            ):
-                blocks = [ids[i * bpc : (i + 1) * bpc] for i in range(start, good)]
-                offsets = [offset + at for offset in slots[start:good]]
-                # The load's first `skip` blocks are vLLM's (computed, or its null block): not written.
-                skip_blocks = max(0, skip - start * bpc)
-                copier.scatter(offsets, blocks, skip_blocks=skip_blocks, slot_size=size, after=after).wait()
-            good = next((i for i in range(start, good) if pool.header(slots[i]) != before[i - start]), good)
-        if good < stop:
-            raise SlotChangedError(good, len(slots))
-
-    # -- on the engine thread (CPU) --------------------------------------------------------
-
-    def _copy_paced(self, *, whole: bool) -> None:
-        """Copy the loads waiting for the engine thread, oldest first: all of them (``whole``),
-        or whole chunks until `load_step_share` of the step's time so far is spent, one at least."""
-        started = time.monotonic()
-        budget = (started - self._step_started_at) * self.load_step_share
-        copied = False  # one chunk at least per step, whatever its budget
-        with self._lock:
-            remap_pending = self._pending is not None
-        with self._pool_lock:
-            pool = self._pool
-            while self._paced:
-                paced = self._paced[0]
-                if remap_pending or pool is None or paced.op.server_id != pool.server_id:
-                    # A newer mapping waits on the copy thread (a server restart): it loads this one.
-                    self._paced.pop(0)
-                    self._handoff(paced)
-                    continue
-                try:
-                    if paced.checked is None:
-                        paced.checked = self._check_load(paced.op, pool)
-                    total = len(paced.checked.slots)
-                    while paced.done_chunks < total:
-                        if not whole and copied and time.monotonic() - started >= budget:
-                            return  # the budget is spent: the next step goes on
-                        start = paced.done_chunks
-                        self._copy_load(paced.op, pool, pool.engine_copiers, paced.checked, start=start, stop=start + 1)
-                        paced.done_chunks += 1
-                        copied = True
-                except Exception as exc:
-                    self._paced.pop(0)
-                    paced.future.set_exception(exc)
-                    continue
-                self._paced.pop(0)
-                self._loaded(paced.op, total)
-                paced.future.set_result(None)
+        return self.slots.check(op, pool, self.strategy.kv_rank)
 
     def _handoff(self, paced: PacedLoad) -> None:
         """Finish a paced load on the copy thread (its first chunks already copied, if any)."""
@@ -568,7 +434,7 @@ class WorkerSide:
             pool = self._mapped_pool()
             checked = self._check_load(paced.op, pool)
             total = len(checked.slots)
-            self._copy_load(paced.op, pool, pool.copiers, checked, start=paced.done_chunks, stop=total)
+            self.slots.scatter(paced.op, pool, pool.copiers, checked, start=paced.done_chunks, stop=total)
             self._loaded(paced.op, total)
 
         def settle(done: Future[None]) -> None:
@@ -607,7 +473,4 @@ class WorkerSide:
         if self._step_stores is not None:
             self._step_stores.abort()
         self._copier.shutdown(wait=True, cancel_futures=True)
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.close()
+        self.pools.close()
