@@ -1,7 +1,7 @@
 """The disk tier: one file per chunk under a private directory, LRU-evicted by capacity.
 
-The directory, its layout and every file operation are `_disk_files.TierDirectory`'s; this
-module keeps the index of the files (LRU order, per-salt quotas) and the read and write paths.
+The directory, its layout and every file operation are `_disk_files.TierDirectory`'s, the index
+of the files (LRU order, per-salt quotas) `_disk_index.DiskIndex`'s; here are the read and write paths.
 
 One file per chunk rather than a few large files: a chunk is hundreds of KiB to MiBs, so a
 file's overhead is small; writing to a temporary name and renaming makes every object
@@ -41,12 +41,12 @@ import contextlib
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvdepot.server._disk_files import FULL, ObjectFile, TierDirectory, object_path, read_full
+from kvdepot.server._disk_index import DiskIndex
 from kvdepot.server._errors import CorruptObjectError, TierConfigError, UnknownFormatError
 from kvdepot.server._tier_format import (
     FIXED_HEADER_BYTES,
@@ -100,17 +100,9 @@ class DiskTier:
         self.quota_of = quota_of
         self._warn = WarnLimiter(log)
         self._files = TierDirectory(self.directory, self._warn)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held around every use of the index
         self._busy = 0  # reads and writes under way, which use the directory's descriptor (close waits for them)
-        self._index: OrderedDict[bytes, ObjectFile] = OrderedDict()  # least recently used first
-        self._used = 0  # bytes of the files in the index
-        self._salts: dict[bytes, OrderedDict[bytes, None]] = {}  # per salt tag: its digests, LRU first
-        self._salt_used: dict[bytes, int] = {}  # per salt tag: bytes of its files, and of one being written
-        self._reserved = 0  # bytes of files being written
-        # Files of a format this build does not read (digest -> bytes): left alone, but counted
-        # against the capacity.
-        self._unknown: dict[bytes, int] = {}
-        self._unknown_bytes = 0
+        self._index = DiskIndex(lambda digest: self._files.unlink(object_path(digest)))
         self._counters = Counters()
         self._closed = False
         # One helper thread for reads and one for writes (each starts at first use).
@@ -118,130 +110,50 @@ class DiskTier:
         self._write_helper = ThreadPoolExecutor(1, thread_name_prefix="kvdepot-disk-write")
         removed = self._files.remove_temporaries()
         scan = self._files.scan()
-        for _, digest, entry in sorted(scan.files, key=lambda item: item[0]):  # oldest first
-            self._add(digest, entry)
-        self._unknown = scan.unknown
-        self._unknown_bytes = sum(scan.unknown.values())
+        index = self._index
+        index.load(scan.files, scan.unknown)
         self._counters.add(corrupt=scan.broken, unknown_format=len(scan.unknown))
         if capacity is None:  # half of the free space, counting the tier's own files as free
-            capacity = max(1, (self._files.free_bytes() + self._used + self._unknown_bytes) // 2)
-        self.capacity = capacity
+            capacity = max(1, (self._files.free_bytes() + index.used + index.unknown_bytes) // 2)
+        index.capacity = capacity
         with self._lock:
-            evicted = self._make_room(0)
+            evicted = index.make_room(0)
         log.info(
             "disk_tier_opened",
             path=str(self.directory),
             capacity=capacity,
-            chunks=len(self._index),
-            used=self._used,
+            chunks=len(index.files),
+            used=index.used,
             temporaries_removed=removed,
             corrupt_removed=scan.broken,
             unknown_format_files=len(scan.unknown),
-            unknown_format_bytes=self._unknown_bytes,
+            unknown_format_bytes=index.unknown_bytes,
             evicted=evicted,
         )
 
-    # -- the index ----------------------------------------------------------------------------
+    # -- the index (`DiskIndex`, under the lock) -------------------------------------------------
 
-    def _occupied(self) -> int:
-        """Bytes held against the capacity (lock held): files, files being written, and files
-        of a format this build does not read."""
-        return self._used + self._reserved + self._unknown_bytes
-
-    def _make_room(self, size: int) -> int:
-        """Evict least recently used files until ``size`` more bytes fit (lock held); how many."""
-        evicted = 0
-        while self._index and self._occupied() + size > self.capacity:
-            self._evict(next(iter(self._index)))
-            evicted += 1
-        return evicted
-
-    def _make_salt_room(self, tag: bytes, size: int, quota: int) -> bool:
-        """Evict the salt's own least recently used files until ``size`` more bytes fit in its
-        quota (lock held); False when they cannot (the chunk alone is larger)."""
-        if size > quota:
-            return False
-        own = self._salts.get(tag)
-        while own and self._salt_used.get(tag, 0) + size > quota:
-            self._evict(next(iter(own)))
-        return self._salt_used.get(tag, 0) + size <= quota
-
-    def _add(self, digest: bytes, entry: ObjectFile) -> None:
-        """Index a file (lock held), most recently used."""
-        self._index[digest] = entry
-        self._used += entry.size
-        self._salts.setdefault(entry.tag, OrderedDict())[digest] = None
-        self._salt_used[entry.tag] = self._salt_used.get(entry.tag, 0) + entry.size
-
-    def _forget(self, digest: bytes) -> ObjectFile | None:
-        """Drop a file from the index (lock held); its entry, or None."""
-        entry = self._index.pop(digest, None)
-        if entry is not None:
-            self._used -= entry.size
-            own = self._salts[entry.tag]
-            del own[digest]
-            if not own:
-                del self._salts[entry.tag]
-            self._charge(entry.tag, -entry.size)
-        return entry
-
-    def _charge(self, tag: bytes, delta: int) -> None:
-        used = self._salt_used.get(tag, 0) + delta
-        if used:
-            self._salt_used[tag] = used
-        else:
-            self._salt_used.pop(tag, None)
-
-    def _touch(self, digest: bytes, entry: ObjectFile) -> None:
-        """Mark a file most recently used (lock held)."""
-        self._index.move_to_end(digest)
-        self._salts[entry.tag].move_to_end(digest)
-
-    def _evict(self, digest: bytes) -> None:
-        self._forget(digest)
-        self._files.unlink(object_path(digest))
+    @property
+    def capacity(self) -> int:
+        """Bytes of files at most (headers included)."""
+        return self._index.capacity
 
     def _forget_if(self, digest: bytes, entry: ObjectFile) -> None:
         """Forget a file found gone, unless it was written again meanwhile."""
         with self._lock:
-            if self._index.get(digest) is entry:
-                self._forget(digest)
+            self._index.forget_if(digest, entry)
 
     def _drop(self, digest: bytes) -> None:
         """Forget and delete one object (a corrupt or vanished one)."""
         with self._lock:
-            self._evict(digest)
+            self._index.evict(digest)
 
     # -- the tier API ------------------------------------------------------------------------
-
-    def _split(self, helper: ThreadPoolExecutor, count: int, nbytes: int, one: Callable[[int], bool]) -> list[bool]:
-        """`one(i)` for i in range(count); on two threads (every other i) for a batch of `SPLIT_BYTES`.
-
-        The helper's half goes back to the caller when the helper has not started it by the time
-        the caller is done with its own: a batch never waits for another batch to finish.
-        """
-        if count < 2 or nbytes < SPLIT_BYTES or self._closed:
-            return [one(i) for i in range(count)]
-        results = [False] * count
-
-        def every_other(first: int) -> None:
-            for i in range(first, count, 2):
-                results[i] = one(i)
-
-        odd = helper.submit(every_other, 1)
-        try:
-            every_other(0)
-        finally:
-            if odd.cancel():  # the helper is busy with another batch
-                every_other(1)
-            else:
-                odd.result()
-        return results
 
     def write(self, items: Sequence[ChunkWrite]) -> list[bool]:
         """Write each chunk to its own file (skipped when the same chunk is already there)."""
         nbytes = sum(memoryview(item.payload).nbytes for item in items)
-        return self._split(self._write_helper, len(items), nbytes, lambda i: self._write_one(items[i]))
+        return _split(self._write_helper, len(items), lambda i: self._write_one(items[i]), split=self._splits(nbytes))
 
     def _write_one(self, item: ChunkWrite) -> bool:
         if len(item.fingerprint) > MAX_FINGERPRINT_BYTES - SALT_TAG_BYTES or not self._enter():
@@ -262,56 +174,45 @@ class DiskTier:
         if size > self.capacity:
             self._counters.add(failed_writes=1)
             return False
-        final = object_path(digest)
         with self._lock:
-            kept = self._index.get(digest)
-            if kept is not None and kept.length == payload.nbytes and kept.fingerprint == item.fingerprint:
-                self._touch(digest, kept)
-            else:
-                kept = None
-        if kept is not None:  # already there: a use, for the LRU order of a restart too
-            try:
-                self._files.touch(final)
+            kept = self._index.use(digest, item.fingerprint, payload.nbytes)
+        if kept is not None:
+            try:  # already there: a use, for the LRU order of a restart too
+                self._files.touch(object_path(digest))
                 return True
             except FileNotFoundError:  # removed behind the tier's back: forget it, write it again
                 self._forget_if(digest, kept)
             except OSError:
                 return True
         with self._lock:
-            entry = self._index.get(digest)
-            if entry is not None:  # a stale object under this name: it goes, whatever happens next
-                self._evict(digest)
-            # The salt's quota first, from its own files; then the capacity, from everyone's LRU.
-            if quota is not None and not self._make_salt_room(tag, size, quota):
-                self._counters.add(failed_writes=1)
-                return False
-            self._make_room(size)
-            if self._occupied() + size > self.capacity:  # the rest is being written now, or unknown
-                self._counters.add(failed_writes=1)
-                return False
-            self._reserved += size
-            self._charge(tag, size)  # counts toward the salt's quota while it is written
+            room = self._index.reserve(digest, tag, size, quota)
+        if not room:
+            self._counters.add(failed_writes=1)
+            return False
         new = ObjectFile(size=size, length=payload.nbytes, fingerprint=item.fingerprint, tag=tag)
-        ok = False
+        ok = self._write_reserved(digest, new, header, payload)
+        if ok:
+            self._counters.add(writes=1, bytes_written=payload.nbytes)
+        return ok
+
+    def _write_reserved(self, digest: bytes, entry: ObjectFile, header: bytes, payload: memoryview) -> bool:
+        """Write the file whose room `DiskIndex.reserve` took (once more after a repair), then give
+        the room back to the index: the file's own entry counts it now, if it was written."""
         try:
             for retry in (False, True):
                 try:
-                    self._put_file(digest, new, [memoryview(header), payload])
-                    ok = True
-                    break
+                    self._put_file(digest, entry, [memoryview(header), payload])  # a new list: a write consumes it
+                    return True
                 except OSError as exc:
-                    if retry or not self._repair(exc, final, size):
+                    if retry or not self._repair(exc, object_path(digest), entry.size):
                         raise
         except OSError as exc:
             self._counters.add(failed_writes=1, errors=1)
             self._warn("disk_tier_write_failed", path=str(self.directory), error=exc.strerror or str(exc))
         finally:
             with self._lock:
-                self._reserved -= size
-                self._charge(tag, -size)
-        if ok:
-            self._counters.add(writes=1, bytes_written=payload.nbytes)
-        return ok
+                self._index.unreserve(entry.tag, entry.size)
+        return False
 
     def _put_file(self, digest: bytes, entry: ObjectFile, buffers: list[memoryview]) -> None:
         """Write the object to a temporary file and rename it into place; index it."""
@@ -319,9 +220,7 @@ class DiskTier:
         try:
             with self._lock:
                 self._files.rename(tmp, object_path(digest))
-                self._forget(digest)  # written meanwhile by another thread: the new file replaced it
-                self._unknown_bytes -= self._unknown.pop(digest, 0)  # a file of another format: replaced too
-                self._add(digest, entry)
+                self._index.replace(digest, entry)  # written meanwhile by another thread, or of another format
         except BaseException:
             self._files.discard(tmp)
             raise
@@ -334,11 +233,7 @@ class DiskTier:
             return True
         if exc.errno in FULL:
             with self._lock:
-                freed = 0
-                while self._index and freed < 2 * size:
-                    digest = next(iter(self._index))
-                    freed += self._index[digest].size
-                    self._evict(digest)
+                freed = self._index.free(2 * size)
             self._warn("disk_tier_full", path=str(self.directory), evicted_bytes=freed, capacity=self.capacity)
             return freed > 0
         return False
@@ -356,7 +251,11 @@ class DiskTier:
             self._counters.add(**({"hits": 1, "bytes_read": refs[i].length} if hit else {"misses": 1}))
             return hit
 
-        return self._split(self._read_helper, len(refs), sum(ref.length for ref in refs), one)
+        return _split(self._read_helper, len(refs), one, split=self._splits(sum(ref.length for ref in refs)))
+
+    def _splits(self, nbytes: int) -> bool:
+        """Whether a batch of ``nbytes`` is split between two threads (`SPLIT_BYTES`; not once closed)."""
+        return nbytes >= SPLIT_BYTES and not self._closed
 
     def _read_one(self, ref: ChunkRef, buf: memoryview) -> bool:
         if not self._enter():
@@ -369,42 +268,20 @@ class DiskTier:
     def _read_entered(self, ref: ChunkRef, buf: memoryview) -> bool:
         digest = ref.digest
         with self._lock:
-            entry = self._index.get(digest)
+            entry = self._index.files.get(digest)
             if entry is None:
                 return False
-            self._touch(digest, entry)
+            self._index.touch(digest, entry)
         if entry.length != ref.length or entry.fingerprint != ref.fingerprint:
             return False  # another chunk than the one asked for: a miss, and the file stays
         fingerprint = entry.tag + ref.fingerprint  # the tag: the name mixes the salt in, so it matches
-        try:
-            fd = self._files.open_object(object_path(digest))
-        except (FileNotFoundError, NotADirectoryError):  # evicted since we looked, or removed behind our back
-            self._forget_if(digest, entry)
+        header = bytearray(FIXED_HEADER_BYTES + len(fingerprint))
+        payload = buf.cast("B")
+        beyond = bytearray(1)  # a byte read here means the file is longer than its header says
+        total = len(header) + payload.nbytes
+        got = self._read_file(digest, entry, [memoryview(header), payload, memoryview(beyond)], total)
+        if got is None:
             return False
-        except CorruptObjectError as exc:  # a directory or a FIFO in the file's place
-            self._corrupt(digest, exc.fields.get("reason"))
-            return False
-        except OSError as exc:
-            self._counters.add(errors=1)
-            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
-            return False
-        try:
-            header = bytearray(FIXED_HEADER_BYTES + len(fingerprint))
-            payload = buf.cast("B")
-            beyond = bytearray(1)  # a byte read here means the file is longer than its header says
-            total = len(header) + payload.nbytes
-            got = read_full(fd, [memoryview(header), payload, memoryview(beyond)], 0, total)
-            with contextlib.suppress(OSError):  # the file's mtime is its last use: a restart rebuilds the LRU from it
-                os.utime(fd)
-        except CorruptObjectError as exc:
-            self._corrupt(digest, exc.fields.get("reason"))
-            return False
-        except OSError as exc:
-            self._counters.add(errors=1)
-            self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
-            return False
-        finally:
-            os.close(fd)
         try:
             if got != total:
                 # Another fingerprint or length makes the header itself a mismatch, so say why.
@@ -419,15 +296,44 @@ class DiskTier:
             return False
         return True
 
+    def _read_file(self, digest: bytes, entry: ObjectFile, buffers: list[memoryview], total: int) -> int | None:
+        """Read the object's file into ``buffers`` (up to ``total`` bytes, `read_full`); the bytes
+        read, or None when it could not be (a file gone is forgotten, a corrupt one deleted)."""
+        try:
+            fd = self._files.open_object(object_path(digest))
+        except (FileNotFoundError, NotADirectoryError):  # evicted since we looked, or removed behind our back
+            self._forget_if(digest, entry)
+            return None
+        except CorruptObjectError as exc:  # a directory or a FIFO in the file's place
+            self._corrupt(digest, exc.fields.get("reason"))
+            return None
+        except OSError as exc:
+            self._read_failed(exc)
+            return None
+        try:
+            got = read_full(fd, buffers, 0, total)
+            with contextlib.suppress(OSError):  # the file's mtime is its last use: a restart rebuilds the LRU from it
+                os.utime(fd)
+        except CorruptObjectError as exc:
+            self._corrupt(digest, exc.fields.get("reason"))
+            return None
+        except OSError as exc:
+            self._read_failed(exc)
+            return None
+        finally:
+            os.close(fd)
+        return got
+
+    def _read_failed(self, exc: OSError) -> None:
+        self._counters.add(errors=1)
+        self._warn("disk_tier_read_failed", path=str(self.directory), error=exc.strerror or str(exc))
+
     def _set_aside(self, digest: bytes, entry: ObjectFile, exc: UnknownFormatError) -> None:
         """A file found of a format this build does not read: out of the index (never evicted),
         still counted against the capacity, and left in place."""
         self._counters.add(unknown_format=1)
         with self._lock:
-            if self._index.get(digest) is entry:
-                self._forget(digest)
-                self._unknown[digest] = entry.size
-                self._unknown_bytes += entry.size
+            self._index.set_aside(digest, entry)
         self._warn("disk_tier_unknown_format", name=digest.hex(), reason=exc.fields.get("reason"))
 
     def _corrupt(self, digest: bytes, reason: str | None) -> None:
@@ -438,18 +344,14 @@ class DiskTier:
     def lengths(self, refs: Sequence[ChunkRef], *, timeout: float | None = None) -> list[int | None]:
         """From the in-memory index: no disk access (so no wait, whatever ``timeout``)."""
         with self._lock:
-            found = [self._index.get(ref.digest) for ref in refs]
-        return [
-            e.length if e is not None and e.fingerprint == ref.fingerprint else None
-            for e, ref in zip(found, refs, strict=True)
-        ]
+            return self._index.lengths(refs)
 
     def delete(self, refs: Sequence[ChunkRef]) -> int:
         """Delete these chunks; how many were there."""
         count = 0
         for ref in refs:
             with self._lock:
-                present = ref.digest in self._index
+                present = ref.digest in self._index.files
             if present:
                 self._drop(ref.digest)
                 count += 1
@@ -459,10 +361,8 @@ class DiskTier:
         """Delete every chunk of ``salt`` (None: of every salt, and the files of a format this
         build does not read, whose salt it cannot tell); how many there were."""
         with self._lock:
-            digests = list(self._index if salt is None else self._salts.get(salt_tag(salt), ()))
-            unknown = list(self._unknown) if salt is None else []
-            for digest in unknown:
-                self._unknown_bytes -= self._unknown.pop(digest)
+            digests = self._index.digests_of(None if salt is None else salt_tag(salt))
+            unknown = self._index.forget_unknown() if salt is None else []
         for digest in digests:
             self._drop(digest)
         for digest in unknown:
@@ -472,11 +372,11 @@ class DiskTier:
     def salt_bytes(self, salt: str) -> int:
         """Bytes of ``salt``'s files in the tier (headers included), as its quota counts them."""
         with self._lock:
-            return self._salt_used.get(salt_tag(salt), 0)
+            return self._index.salt_bytes(salt_tag(salt))
 
     def stats(self) -> TierStats:
         with self._lock:
-            used, objects = self._used + self._unknown_bytes, len(self._index)
+            used, objects = self._index.used + self._index.unknown_bytes, len(self._index.files)
         return TierStats(
             kind=self.kind,
             state=TierState.DOWN if self._closed else TierState.UP,
@@ -526,3 +426,28 @@ class DiskTier:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _split(helper: ThreadPoolExecutor, count: int, one: Callable[[int], bool], *, split: bool) -> list[bool]:
+    """`one(i)` for i in range(count); with ``split``, on two threads (every other i).
+
+    The helper's half goes back to the caller when the helper has not started it by the time
+    the caller is done with its own: a batch never waits for another batch to finish.
+    """
+    if count < 2 or not split:
+        return [one(i) for i in range(count)]
+    results = [False] * count
+
+    def every_other(first: int) -> None:
+        for i in range(first, count, 2):
+            results[i] = one(i)
+
+    odd = helper.submit(every_other, 1)
+    try:
+        every_other(0)
+    finally:
+        if odd.cancel():  # the helper is busy with another batch
+            every_other(1)
+        else:
+            odd.result()
+    return results
