@@ -67,19 +67,18 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from kvdepot.core import InvalidArgumentError, SaltLabeler
 from kvdepot.transport import MAX_ITEMS_PER_LOOKUP, MAX_SALTS_PER_CHANGES, LookupItem
 from kvdepot.vllm_connector._chunk_phases import (
     CHECK_AFTER_S,
     Check,
     Chunk,
-    Emit,
     Phase,
     Seen,
     check_time,
     due,
     move,
 )
+from kvdepot.vllm_connector._kv_event_blocks import BlockEvents
 
 if TYPE_CHECKING:
     from vllm.v1.request import Request
@@ -97,35 +96,6 @@ MAX_WATCHED = 8192
 CHECKS_PER_POLL = 1024
 #: Changes asked per poll; a poll that gets this many asks again at the next step.
 CHANGES_PER_POLL = 4096
-MEDIUM = "CPU"
-STORAGE = "STORAGE"
-OWNER = "kvdepot"
-#: Each of the phases' events: (stored, medium).
-_EMITS = {
-    Emit.STORED_RAM: (True, MEDIUM),
-    Emit.REMOVED_RAM: (False, MEDIUM),
-    Emit.STORED_BELOW: (True, STORAGE),
-    Emit.REMOVED_BELOW: (False, STORAGE),
-}
-
-
-def _same(block_hash: Any) -> Any:
-    return block_hash
-
-
-def _low_64_bits(block_hash: bytes) -> int:
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
-
-
-def _block_hash_converter(vllm_convert: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
-    """vLLM's conversion of a block hash for its events (bytes, or by default their low 64 bits as
-    an int), without its cost: vLLM reads its environment on every call, which costs more than
-    the rest of an announcement. Checked against vLLM's own on a probe; vLLM's is used if they differ."""
-    probe = bytes(range(32))
-    for convert in (_same, _low_64_bits):
-        if convert(probe) == vllm_convert(probe):
-            return convert
-    return vllm_convert
 
 
 @attrs.frozen
@@ -164,13 +134,7 @@ class EventAnnouncer:
         num_groups: int = 1,
         max_watched: int = MAX_WATCHED,
     ) -> None:
-        from vllm.distributed.kv_events import BlockRemoved, BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-
-        self._stored_cls, self._removed_cls = BlockStored, BlockRemoved
-        self._convert = _block_hash_converter(maybe_convert_block_hash)
-        fields = set(BlockStored.__struct_fields__)
-        self._extra = {name: value for name, value in (("locality", "LOCAL"), ("ownership", OWNER)) if name in fields}
+        self._blocks = BlockEvents(client, block_size=block_size, chunk_size=chunk_size, num_groups=num_groups)
         self.client = client
         self.block_size = block_size
         self.chunk_size = chunk_size
@@ -192,7 +156,6 @@ class EventAnnouncer:
         self._order = itertools.count()
         self._salts: collections.Counter[str] = collections.Counter()
         self._finer_hashes_logged = False
-        self._labeler: SaltLabeler | None = None  # keyed by the server's label key, once it sent one
 
     # -- what the scheduler tells it ------------------------------------------------------
 
@@ -255,50 +218,14 @@ class EventAnnouncer:
         return out
 
     def _watch(self, request: Request, index: int, keys: tuple[bytes, ...], salt: str) -> Chunk:
-        first_block = index * self.blocks_per_chunk
-        blocks = range(first_block, first_block + self.blocks_per_chunk)
-        lora = getattr(request, "lora_request", None)
-        lora_name = lora.name if lora is not None else None
-        extra = self._extra_keys(blocks, lora_name, salt)
         now = time.monotonic()
-        chunk = Chunk(
-            keys,
-            salt,
-            hashes=[self._convert(request.block_hashes[block]) for block in blocks],
-            parent=self._convert(request.block_hashes[first_block - 1]) if first_block else None,
-            tokens=tuple(request.all_token_ids[index * self.chunk_size : (index + 1) * self.chunk_size]),
-            lora=(lora.adapter_id if lora is not None else None, lora_name),
-            extra=extra,
-            since=now,
-        )
+        chunk = self._blocks.chunk(request, index, keys, salt, now)
         self._chunks[keys[0]] = chunk
         for key in keys:
             self._by_key[key] = chunk
         self._salts[salt] += 1
         self._check_ram(chunk, now + CHECK_AFTER_S)
         return chunk
-
-    def _extra_keys(self, blocks: range, lora_name: str | None, salt: str) -> list[tuple[Any, ...] | None] | None:
-        """Each block's extra keys (the LoRA's name; the salt's label on the first block of a
-        prompt), or None where no block has any."""
-        extra: list[tuple[Any, ...] | None] = []
-        for block in blocks:
-            label = self._label(salt) if block == 0 and salt else None
-            keys_of_block = ([lora_name] if lora_name else []) + ([label] if label else [])
-            extra.append(tuple(keys_of_block) or None)
-        return extra if any(extra) else None
-
-    def _label(self, salt: str) -> str | None:
-        """The server's label of ``salt`` (as its /metrics names it); None without its key."""
-        key = self.client.label_key
-        if not key:
-            return None
-        if self._labeler is None or self._labeler.key != key:  # first, or a server with a new key
-            try:
-                self._labeler = SaltLabeler(key)
-            except InvalidArgumentError:  # too short to be a key: no label rather than a guessable one
-                return None
-        return self._labeler(salt)
 
     def _check_ram(self, chunk: Chunk, at: float) -> None:
         chunk.check_at = at
@@ -324,34 +251,6 @@ class EventAnnouncer:
                 out[id(chunk)] = chunk
         return list(out.values())
 
-    def _stored(self, chunk: Chunk, medium: str = MEDIUM) -> list[Any]:
-        tokens = list(chunk.tokens)
-        return [
-            self._stored_cls(
-                block_hashes=chunk.hashes,
-                parent_block_hash=chunk.parent,
-                token_ids=tokens,
-                block_size=self.block_size,
-                lora_id=chunk.lora[0],
-                medium=medium,
-                lora_name=chunk.lora[1],
-                extra_keys=chunk.extra,
-                group_idx=group,
-                **self._extra,
-            )
-            for group in range(self.num_groups)
-        ]
-
-    def _removed(self, chunk: Chunk, medium: str = MEDIUM) -> list[Any]:
-        return [
-            self._removed_cls(block_hashes=chunk.hashes, medium=medium, group_idx=group, **self._extra)
-            for group in range(self.num_groups)
-        ]
-
-    def _events(self, chunk: Chunk, emit: Emit) -> list[Any]:
-        stored, medium = _EMITS[emit]
-        return self._stored(chunk, medium) if stored else self._removed(chunk, medium)
-
     def _trim(self, now: float) -> None:
         """Forget the oldest chunks past `max_watched` (announced ones with a removal)."""
         while len(self._chunks) > self.max_watched:
@@ -365,7 +264,7 @@ class EventAnnouncer:
         if step.restart:
             chunk.since = now
         for emit in step.emit:
-            self._outbox.extend(self._events(chunk, emit))
+            self._outbox.extend(self._blocks.events(chunk, emit))
         if step.ram is not Check.KEEP:
             self._check_ram(chunk, check_time(step.ram, now, chunk.since))
         if step.below is not Check.KEEP:
