@@ -141,24 +141,7 @@ class WorkerSide:
     # -- set-up ---------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        from kvdepot.gpu import KVLayout, UnsupportedLayoutError
-
-        if len(self.groups) == 1:  # every layer, and layers that share another's KV as aliases
-            per_group = [{n: t for n, t in kv_caches.items() if n not in self.skip_layers}]
-        else:  # layers of different groups share tensors (one block belongs to one group at a time)
-            per_group = [{n: kv_caches[n] for n in group.layer_names if n in kv_caches} for group in self.groups]
-        # The engine's block size: vLLM splits an engine block into smaller kernel blocks where the
-        # attention backend needs them (FlashMLA 64, FlashInfer at most 64, CPU multiples of 32),
-        # while block ids count engine blocks; the layout merges the kernel blocks back.
-        layouts = [
-            KVLayout.from_kv_caches(caches, self.block_size, backend_hint=self.backend_hint) for caches in per_group
-        ]
-        for layout in layouts:
-            if self.num_blocks is not None and layout.num_blocks != self.num_blocks:
-                raise UnsupportedLayoutError(
-                    f"the KV cache tensors hold {layout.num_blocks} blocks of {layout.block_size} tokens, the engine "
-                    f"{self.num_blocks} of {self.block_size}: kvdepot cannot map its block ids to them"
-                )
+        layouts = self._layouts(kv_caches)
         self.slots = SlotLayout.of(layouts, self.blocks_per_chunk)
         self.layout = layouts[0]
         before = self.client.server_id
@@ -191,6 +174,28 @@ class WorkerSide:
             reply.pool.path,
             pool.copiers[0].describe() if pool is not None else "none (pool not mapped)",
         )
+
+    def _layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[KVLayout]:
+        """Each KV-cache group's layout of the engine's tensors; refused unless each has the engine's blocks."""
+        from kvdepot.gpu import KVLayout, UnsupportedLayoutError
+
+        if len(self.groups) == 1:  # every layer, and layers that share another's KV as aliases
+            per_group = [{n: t for n, t in kv_caches.items() if n not in self.skip_layers}]
+        else:  # layers of different groups share tensors (one block belongs to one group at a time)
+            per_group = [{n: kv_caches[n] for n in group.layer_names if n in kv_caches} for group in self.groups]
+        # The engine's block size: vLLM splits an engine block into smaller kernel blocks where the
+        # attention backend needs them (FlashMLA 64, FlashInfer at most 64, CPU multiples of 32),
+        # while block ids count engine blocks; the layout merges the kernel blocks back.
+        layouts = [
+            KVLayout.from_kv_caches(caches, self.block_size, backend_hint=self.backend_hint) for caches in per_group
+        ]
+        for layout in layouts:
+            if self.num_blocks is not None and layout.num_blocks != self.num_blocks:
+                raise UnsupportedLayoutError(
+                    f"the KV cache tensors hold {layout.num_blocks} blocks of {layout.block_size} tokens, the engine "
+                    f"{self.num_blocks} of {self.block_size}: kvdepot cannot map its block ids to them"
+                )
+        return layouts
 
     @property
     def chunk_bytes(self) -> int:
