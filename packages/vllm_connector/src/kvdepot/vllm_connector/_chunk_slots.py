@@ -49,6 +49,23 @@ class SlotLayout:
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         return cls(tuple(layouts), blocks_per_chunk, offsets, sizes, sum(sizes))
 
+    @property
+    def on_cpu(self) -> bool:
+        """The KV cache is in host memory (a CPU engine); False before the worker registered."""
+        return bool(self.layouts) and self.layouts[0].device.type == "cpu"
+
+    def engine_copiers(self, pool: _PoolMapping) -> list[Any]:
+        """The copiers the engine's thread uses: on a CPU with torch's OpenMP team, on CUDA the side streams'."""
+        return pool.engine_copiers if self.on_cpu else pool.copiers
+
+    def engine_event(self) -> Any:
+        """The end of the work the engine queued so far (on this, its thread's stream): the copy
+        thread's copies wait for it, on a GPU, or a store could read blocks before this step's
+        layers wrote them, and a load write blocks kernels queued earlier still use."""
+        from kvdepot.gpu import compute_event
+
+        return compute_event(self.layouts[0].device) if self.layouts else None
+
     def fingerprint(self, groups: Sequence[CacheGroup]) -> str:
         """The layout's fingerprint: every group's, with what kind of attention it is."""
         if len(self.layouts) == 1:

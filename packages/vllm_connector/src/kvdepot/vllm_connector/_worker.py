@@ -10,6 +10,7 @@ engine run on the engine's thread, at the end of a step, with torch's own OpenMP
   step that computes nothing copies its loads whole; a step that computes copies whole
   chunks of them for at most `load_step_share` of its own time, so running requests' steps
   stay as fast as without a load (a copy beside the forward pass would take a core from it).
+  The load path is `_worker_loads.WorkerLoads`.
 - A store reads the engine's KV cache only within the step that scheduled it (`_stores.py`):
   its slots are reserved when the step starts, its blocks are gathered at `wait_for_save` on
   the engine's thread (on CUDA on a side stream the compute stream then waits for), and the
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import ParallelStrategy
@@ -39,11 +40,11 @@ from kvdepot.transport import DeadlineExceededError
 from kvdepot.vllm_connector._chunk_slots import SlotLayout
 from kvdepot.vllm_connector._config import DEFAULT_LOAD_STEP_SHARE
 from kvdepot.vllm_connector._groups import CacheGroup
-from kvdepot.vllm_connector._loads import Checked, LoadFailures, PacedLoad
+from kvdepot.vllm_connector._loads import LoadFailures
 from kvdepot.vllm_connector._meta import KVDepotMetadata, KVDepotStats, KVDepotWorkerMetadata, LoadOp
-from kvdepot.vllm_connector._paced_loads import PacedLoads
 from kvdepot.vllm_connector._pool_mapping import PoolSwitch, _PoolMapping
 from kvdepot.vllm_connector._stores import StepStores
+from kvdepot.vllm_connector._worker_loads import WorkerLoads
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -55,10 +56,6 @@ if TYPE_CHECKING:
     from kvdepot.vllm_connector._health import ServerHealth
 
 log = logging.getLogger("vllm.kvdepot.worker")
-
-
-#: A step that computes nothing waits this long at most for its loads before reporting them.
-IDLE_STEP_LOAD_WAIT_S = 0.5
 
 
 class WorkerSide:
@@ -107,11 +104,7 @@ class WorkerSide:
         self.layout_name = layout_name
         self.model = model
         self.backend_hint = backend_hint
-        self.fail_loads = fail_loads
-        self.load_delay = load_delay
         self.prefault_pool = prefault_pool
-        self.load_step_share = load_step_share
-        self.engine_thread_loads = engine_thread_loads
         self.groups = groups
         self.skip_layers = skip_layers
         self.layout: KVLayout | None = None  # group 0's (the only one without a hybrid model)
@@ -119,12 +112,12 @@ class WorkerSide:
         self._stats = KVDepotStats()
         self._stats_lock = threading.Lock()
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-copy")
-        # Engine thread only: loads in flight, and this step's stores from `step_started` to `wait_for_save`.
-        self._loads: dict[str, tuple[LoadOp, Future[None]]] = {}
+        # Engine thread only: this step's stores from `step_started` to `wait_for_save`.
         self._step_stores: StepStores | None = None
-        self._paced = PacedLoads(  # a CPU engine's loads, copied by its own thread
-            share=load_step_share, check=self._check_load, loaded=self._loaded, hand_off=self._handoff
-        )
+        self.loads = WorkerLoads(
+            self, fail_loads=fail_loads, load_delay=load_delay, load_step_share=load_step_share,
+            engine_thread_loads=engine_thread_loads,
+        )  # fmt: skip
         self.failures = LoadFailures(
             per_block=len(groups) == 1 and groups[0].stable, blocks_per_chunk=self.blocks_per_chunk
         )
@@ -136,7 +129,7 @@ class WorkerSide:
         self._idle_step = False
         # Between vLLM's `unregister_kv_caches` (sleep) and `restore_kv_caches` (wake-up) the KV
         # cache's memory may be gone: nothing is copied then (engine thread only).
-        self._suspended = False
+        self.suspended = False
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -223,7 +216,13 @@ class WorkerSide:
         """The mapped pool, first switching to a newly registered one (copy thread only)."""
         return self.pools.current(self.slots.layouts)
 
-    def _add(self, name: str, value: float = 1) -> None:
+    @property
+    def copier(self) -> ThreadPoolExecutor:
+        """The copy thread: loads off the engine's thread, commits, and pool mappings, in order."""
+        return self._copier
+
+    def count(self, name: str, value: float = 1) -> None:
+        """Add to a statistic (any thread)."""
         with self._stats_lock:
             self._stats.add(name, value)
 
@@ -234,7 +233,7 @@ class WorkerSide:
         stores are asked for now, and the prefault pauses until `get_finished`, at the step's end."""
         self._between_steps.clear()
         self._idle_step = meta.idle
-        self._paced.step_started_at = time.monotonic()
+        self.loads.paced.step_started_at = time.monotonic()
         if self._step_stores is not None:  # a step bound again without its wait_for_save: not in vLLM
             self._step_stores.abort()
         self._step_stores = self._reserve(meta)
@@ -248,14 +247,14 @@ class WorkerSide:
         if remap_pending:  # a restarted server's pool: mapped on the copy thread, used from the next step
             self._copier.submit(self._current_pool)
         if (
-            self._suspended
+            self.suspended
             or self.layout is None
             or pool is None
             or remap_pending
             or self.client.server_id != pool.server_id
             or not self.health.usable()
         ):
-            self._add("store_skipped", len(meta.stores))
+            self.count("store_skipped", len(meta.stores))
             return None
         try:
             return StepStores.reserve(
@@ -264,55 +263,14 @@ class WorkerSide:
             )  # fmt: skip
         except Exception as exc:  # the client is closed
             log.warning("kvdepot stores of this step skipped, the slots could not be asked for: %s", exc)
-            self._add("store_skipped", len(meta.stores))
+            self.count("store_skipped", len(meta.stores))
             return None
 
     def start_load_kv(self, meta: KVDepotMetadata) -> None:
         """Hits that join this step are copied now, before its forward pass (vLLM calls this before
         it when the step has any: `has_sync_kv_loads`); the others start, and are reported in
-        `get_finished`."""
-        for op in meta.loads:
-            if op.sync:
-                self._load_now(op)
-        loads = [op for op in meta.loads if not op.sync]
-        if self._suspended:  # reported as failed loads: vLLM recomputes them
-            for op in loads:
-                self._loads[op.req_id] = (op, self._copier.submit(self._refuse_asleep))
-            return
-        if self._loads_on_engine_thread():
-            for op in loads:
-                self._loads[op.req_id] = (op, self._paced.add(op))
-            return
-        after = self._engine_event() if loads else None
-        for op in loads:
-            self._loads[op.req_id] = (op, self._copier.submit(self._load, op, after))
-
-    def _load_now(self, op: LoadOp) -> None:
-        """Copy a hit on the engine's thread before the step's forward pass (on CUDA, on the copier's
-        side stream after the work queued so far, waited for); a failure is reported by its blocks
-        in this step (`get_block_ids_with_load_errors`), and vLLM recomputes them."""
-        try:
-            if self._suspended:
-                self._refuse_asleep()
-            with self.pools.for_engine() as pool:
-                if pool is None:
-                    raise RuntimeError("the pool is not mapped, or a restarted server's pool waits to be mapped")
-                checked = self._check_load(op, pool)
-                self.slots.scatter(op, pool, self._engine_copiers(pool), checked, start=0, stop=len(checked.slots))
-            self._loaded(op, len(checked.slots))
-        except Exception as exc:
-            self.failures.report(op, exc)
-
-    def _engine_copiers(self, pool: _PoolMapping) -> list[Any]:
-        """The copiers the engine's thread uses: on a CPU with torch's OpenMP team, on CUDA the side streams'."""
-        return pool.engine_copiers if self.layout is not None and self.layout.device.type == "cpu" else pool.copiers
-
-    def _loads_on_engine_thread(self) -> bool:
-        """A CPU engine's loads are copied by the engine thread (`_paced_loads.py`), except with the
-        test knob that keeps loads in flight on the copy thread."""
-        if self.engine_thread_loads is not None:
-            return self.engine_thread_loads
-        return self.layout is not None and self.layout.device.type == "cpu" and not self.load_delay
+        `get_finished` (`_worker_loads.py`)."""
+        self.loads.start(meta.loads)
 
     def wait_for_save(self, meta: KVDepotMetadata) -> None:
         """The step's forward pass wrote its blocks: gather its stores now (the engine's thread),
@@ -320,26 +278,26 @@ class WorkerSide:
         stores, self._step_stores = self._step_stores, None
         if stores is None:
             return
-        if self._suspended:
-            self._add("store_skipped", len(stores.pending))
+        if self.suspended:
+            self.count("store_skipped", len(stores.pending))
             stores.abort()
             return
         with self.pools.lock:  # no remap under the copy
             pool = self._pool
             if pool is None or pool.server_id != stores.server_id:
-                self._add("store_skipped", len(stores.pending))
+                self.count("store_skipped", len(stores.pending))
                 stores.abort()
                 return
-            copiers = self._engine_copiers(pool)
+            copiers = self.slots.engine_copiers(pool)
             stores.gather(
                 lambda op, reply: self.slots.gather(op, reply, copiers),
                 reservation_ttl=pool.reservation_ttl,
-                count=self._add,
+                count=self.count,
                 server_failed=self._server_failed,
             )
         if stores.gathered:
             self._copier.submit(
-                stores.commit, pin_s=self.pin_s, count=self._add, chunk_bytes=self.chunk_bytes,
+                stores.commit, pin_s=self.pin_s, count=self.count, chunk_bytes=self.chunk_bytes,
                 server_failed=self._server_failed, before_commit=self.before_commit,
             )  # fmt: skip
 
@@ -351,24 +309,12 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(None: no request waits for a store, loads done or failed since the last call); the step's end."""
-        if self._paced:
-            with self.pools.for_engine() as pool:
-                self._paced.copy(pool, self.slots, whole=self._idle_step or self.load_step_share >= 1)
+        self.loads.copy_paced(idle=self._idle_step)
         self._between_steps.set()
-        if self._idle_step and self._loads:
-            # Nothing else runs in this step: its loads are reported from it rather than from a
-            # later one (waiting on the futures leaves the GIL to the copy thread meanwhile).
+        if self._idle_step and self.loads.in_flight:
             self._idle_step = False
-            wait([future for _, future in self._loads.values()], timeout=IDLE_STEP_LOAD_WAIT_S)
-        recving: set[str] = set()
-        for req_id, (op, future) in list(self._loads.items()):
-            if not future.done():
-                continue
-            del self._loads[req_id]
-            recving.add(req_id)
-            exc = future.exception()
-            if exc is not None:
-                self.failures.report(op, exc)
+            self.loads.wait_all()
+        recving = self.loads.take_done()
         return None, recving or None  # a store never holds a request's blocks past its step
 
     # -- sleep mode (vLLM 0.33+: `unregister_kv_caches`, `restore_kv_caches`) ------------------
@@ -379,77 +325,22 @@ class WorkerSide:
         Loads and stores already queued run to their end (a load's outcome is still reported in
         `get_finished`); until `resume`, loads fail (vLLM recomputes) and stores are skipped.
         """
-        self._suspended = True
+        self.suspended = True
         if self._step_stores is not None:
             self._step_stores.abort()
             self._step_stores = None
-        # The engine thread's loads not yet copied fail: vLLM recomputes them.
-        self._paced.fail_all(RuntimeError("the engine's KV cache was released (sleep mode) mid-load"))
+        self.loads.suspend()
         self._copier.submit(lambda: None).result()  # the copy thread runs its queue in order
         log.info("kvdepot worker rank %d: copies drained, the KV cache may be released", self.strategy.rank)
 
     def resume(self) -> None:
         """vLLM restored the KV cache (wake-up) at the same addresses: copies may run again."""
-        self._suspended = False
+        self.suspended = False
         log.info("kvdepot worker rank %d: KV cache restored, copies resume", self.strategy.rank)
 
-    @staticmethod
-    def _refuse_asleep() -> None:
-        raise RuntimeError("the engine's KV cache is released (sleep mode): nothing was loaded")
-
-    def _engine_event(self) -> Any:
-        """The end of the work the engine queued so far (on this, its thread's stream): the copy
-        thread's copies wait for it, on a GPU, or a store could read blocks before this step's
-        layers wrote them, and a load write blocks kernels queued earlier still use."""
-        from kvdepot.gpu import compute_event
-
-        return compute_event(self.layout.device) if self.layout is not None else None
-
-    # -- on the copy thread ------------------------------------------------------------
-
     def _load(self, op: LoadOp, after: Any = None) -> None:
-        if self.load_delay:
-            time.sleep(self.load_delay)
-        pool = self._mapped_pool()
-        checked = self._check_load(op, pool)
-        self.slots.scatter(op, pool, pool.copiers, checked, start=0, stop=len(checked.slots), after=after)
-        self._loaded(op, len(checked.slots))
-
-    def _loaded(self, op: LoadOp, num_chunks: int) -> None:
-        self._add("loaded_tokens", op.num_tokens)
-        self._add("loaded_bytes", num_chunks * self.chunk_bytes)
-
-    def _mapped_pool(self) -> _PoolMapping:
-        """The mapped pool, the newest first (copy thread only); RuntimeError if none is."""
-        pool = self._current_pool()
-        if self.layout is None or pool is None:
-            raise RuntimeError("the pool is not mapped")
-        return pool
-
-    def _check_load(self, op: LoadOp, pool: _PoolMapping) -> Checked:
-        """The load's slots, keys and blocks to skip per group, once it is checked against the mapped pool."""
-        if self.fail_loads:
-            raise RuntimeError("kvdepot.test.fail_loads is set")
-        return self.slots.check(op, pool, self.strategy.kv_rank)
-
-    def _handoff(self, paced: PacedLoad) -> None:
-        """Finish a paced load on the copy thread (its first chunks already copied, if any)."""
-
-        def finish() -> None:
-            pool = self._mapped_pool()
-            checked = self._check_load(paced.op, pool)
-            total = len(checked.slots)
-            self.slots.scatter(paced.op, pool, pool.copiers, checked, start=paced.done_chunks, stop=total)
-            self._loaded(paced.op, total)
-
-        def settle(done: Future[None]) -> None:
-            exc = done.exception()
-            if exc is None:
-                paced.future.set_result(None)
-            else:
-                paced.future.set_exception(exc)
-
-        self._copier.submit(finish).add_done_callback(settle)
+        """Copy a load on the copy thread (`WorkerLoads.load`)."""
+        self.loads.load(op, after)
 
     def _server_failed(self, exc: BaseException) -> None:
         if isinstance(exc, DeadlineExceededError):
