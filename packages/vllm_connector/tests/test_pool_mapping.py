@@ -8,12 +8,14 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from kvdepot.gpu import KVLayout
-from kvdepot.vllm_connector._pool_mapping import PREFAULT_STEP, _PoolMapping
+from kvdepot.vllm_connector._pool_mapping import PREFAULT_STEP, PoolSwitch, _PoolMapping
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -97,3 +99,67 @@ def test_a_paused_prefault_stops_when_the_mapping_closes(pool_file: Path) -> Non
     mapping.close()
     prefault.join(30)
     assert not prefault.is_alive()
+
+
+def _reply(path: Path | str, size: int = SIZE) -> Any:
+    """What the worker's `PoolSwitch` reads of a `RegisterReply`."""
+    return SimpleNamespace(pool=SimpleNamespace(path=str(path), size=size), reservation_ttl_s=3.0)
+
+
+def test_the_pool_switch_maps_a_registration_on_the_copy_thread_and_swaps_on_a_restart(pool_file: Path) -> None:
+    """A registration is mapped at the copy thread's next `current`; the same server's again keeps the
+    mapping, a restarted server's (a new id) replaces it, and the old one is closed. While one waits,
+    the engine's thread gets no mapping to copy with."""
+    pools = PoolSwitch(prefault=False, may_run=threading.Event())
+    layouts = [_layout()]
+    try:
+        pools.offer(_reply(pool_file), "s1")
+        assert pools.remap_pending()
+        with pools.for_engine() as pool:
+            assert pool is None  # a newer mapping waits for the copy thread
+        first = pools.current(layouts)
+        assert first is not None
+        assert (first.server_id, first.reservation_ttl, pools.remap_pending()) == ("s1", 3.0, False)
+        with pools.for_engine() as pool:
+            assert pool is first
+        pools.offer(_reply(pool_file), "s1")
+        assert pools.current(layouts) is first
+        pools.offer(_reply(pool_file), "s2")
+        second = pools.current(layouts)
+        assert second is not first
+        assert second is not None
+        assert second.server_id == "s2"
+        assert first.prefault is None
+        assert not hasattr(first, "tensor")  # closed
+    finally:
+        pools.close()
+    assert pools.mapping is None
+
+
+def test_the_first_registration_waits_behind_a_reconnects(pool_file: Path) -> None:
+    """The worker's own registration does not replace one a reconnect brought meanwhile (``unless_pending``)."""
+    pools = PoolSwitch(prefault=False, may_run=threading.Event())
+    try:
+        pools.offer(_reply(pool_file), "restarted")
+        pools.offer(_reply(pool_file), "old", unless_pending=True)
+        pool = pools.current([_layout()])
+        assert pool is not None
+        assert pool.server_id == "restarted"
+    finally:
+        pools.close()
+
+
+def test_a_pool_that_cannot_be_mapped_keeps_the_mapping_there_is(pool_file: Path, tmp_path: Path) -> None:
+    """A registration whose pool file is gone is logged and dropped: the copies go on with the old mapping
+    (or with none); and one that comes before the worker has any layout is dropped too."""
+    pools = PoolSwitch(prefault=False, may_run=threading.Event())
+    try:
+        pools.offer(_reply(pool_file), "s1")
+        assert pools.current([]) is None  # no layouts yet: nothing to map for
+        assert not pools.remap_pending()
+        pools.offer(_reply(pool_file), "s1")
+        first = pools.current([_layout()])
+        pools.offer(_reply(tmp_path / "gone"), "s2")
+        assert pools.current([_layout()]) is first
+    finally:
+        pools.close()
