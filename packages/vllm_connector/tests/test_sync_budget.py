@@ -78,3 +78,32 @@ def test_the_step_time_is_a_moving_average_of_busy_steps() -> None:
     assert budget.step_s == pytest.approx(0.010)
     budget.step_took(0.030)
     assert budget.step_s == pytest.approx(0.010 + SMOOTHING * 0.020)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "kept"),
+    [
+        ((8 * MIB, 0.004), (8 * MIB, 0.002), (8 * MIB, 0.004)),  # the slower worker's figures stand
+        ((0, 0.0), (4 * MIB, 0.001), (4 * MIB, 0.001)),  # a worker that copied nothing says nothing
+        ((0, 0.0), (0, 0.0), (0, 0.0)),
+    ],
+)
+def test_the_workers_copy_figures_aggregate_to_the_slowest(
+    a: tuple[int, float], b: tuple[int, float], kept: tuple[int, float]
+) -> None:
+    from kvdepot.vllm_connector._meta import KVDepotWorkerMetadata
+
+    for first, second in ((a, b), (b, a)):
+        meta = KVDepotWorkerMetadata({"x"}, *first).aggregate(KVDepotWorkerMetadata({"y"}, *second))
+        assert isinstance(meta, KVDepotWorkerMetadata)
+        assert (meta.failed, meta.copied_bytes, meta.copied_s) == ({"x", "y"}, *kept)
+
+
+def test_the_copy_meter_sums_until_taken() -> None:
+    from kvdepot.vllm_connector._loads import CopyMeter
+
+    meter = CopyMeter()
+    meter.add(MIB, 0.001)
+    meter.add(2 * MIB, 0.002)
+    assert meter.take() == (3 * MIB, pytest.approx(0.003))
+    assert meter.take() == (0, 0.0)

@@ -716,6 +716,12 @@ def test_a_synchronous_load_is_copied_before_start_load_kv_returns_and_never_rep
         assert torch.equal(kv[5:7], kv[1:3])
         assert worker.get_finished(set()) == (None, None)
         assert worker.take_failed_blocks() == set()
+        # The copy's bytes and time go to the scheduler side (the rate bounding synchronous loads).
+        meta = worker.take_worker_meta()
+        assert meta is not None
+        assert (meta.failed, meta.copied_bytes) == (set(), worker.chunk_bytes)
+        assert meta.copied_s > 0
+        assert worker.take_worker_meta() is None  # taken: nothing copied since
         client.release([hit.lease_id]).result(5)
     finally:
         worker.shutdown()
@@ -732,7 +738,7 @@ def test_a_synchronous_load_that_fails_reports_its_blocks_from_the_same_step(cli
         assert worker.take_failed_blocks() == {6}
         meta = worker.take_worker_meta()
         assert meta is not None
-        assert meta.failed == {"b"}
+        assert (meta.failed, meta.copied_bytes) == ({"b"}, 0)  # nothing was copied
         assert worker.get_finished(set()) == (None, None)
     finally:
         worker.shutdown()

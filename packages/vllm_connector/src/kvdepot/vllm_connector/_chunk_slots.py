@@ -12,6 +12,7 @@ blocks under the slot seqlock (`scatter`), and copy a store's blocks into its re
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ import attrs
 
 from kvdepot.core import SLOT_HEADER_BYTES, slot_digest, slot_header_holds
 from kvdepot.vllm_connector._groups import NULL_BLOCK_ID, CacheGroup
-from kvdepot.vllm_connector._loads import Checked, SlotChangedError, leading_nulls
+from kvdepot.vllm_connector._loads import Checked, CopyMeter, SlotChangedError, leading_nulls
 
 if TYPE_CHECKING:
     from kvdepot.gpu import KVLayout
@@ -41,13 +42,15 @@ class SlotLayout:
     group_bytes: tuple[int, ...]
     #: A slot's payload: every group's blocks of one chunk.
     chunk_bytes: int
+    #: Every load's copy, timed (whichever thread copies).
+    meter: CopyMeter = attrs.field(factory=CopyMeter, eq=False)
 
     @classmethod
-    def of(cls, layouts: Sequence[KVLayout], blocks_per_chunk: int) -> SlotLayout:
+    def of(cls, layouts: Sequence[KVLayout], blocks_per_chunk: int, meter: CopyMeter | None = None) -> SlotLayout:
         """The slots of ``layouts`` (none before the worker registered: no bytes)."""
         sizes = tuple(layout.chunk_bytes(blocks_per_chunk) for layout in layouts)
         offsets = tuple(sum(sizes[:i]) for i in range(len(sizes)))
-        return cls(tuple(layouts), blocks_per_chunk, offsets, sizes, sum(sizes))
+        return cls(tuple(layouts), blocks_per_chunk, offsets, sizes, sum(sizes), meter or CopyMeter())
 
     @property
     def on_cpu(self) -> bool:
@@ -116,6 +119,7 @@ class SlotLayout:
         ]
         good = start + (held.index(False) if False in held else len(held))
         if good > start:
+            began = time.perf_counter()
             for copier, ids, skip, at, size in zip(
                 copiers, op.block_ids, skips, self.group_offsets, self.group_bytes, strict=True
             ):
@@ -124,6 +128,7 @@ class SlotLayout:
                 # The load's first `skip` blocks are vLLM's (computed, or its null block): not written.
                 skip_blocks = max(0, skip - start * bpc)
                 copier.scatter(offsets, blocks, skip_blocks=skip_blocks, slot_size=size, after=after).wait()
+            self.meter.add((good - start) * self.chunk_bytes, time.perf_counter() - began)
             good = next((i for i in range(start, good) if pool.header(slots[i]) != before[i - start]), good)
         if good < stop:
             raise SlotChangedError(good, len(slots))

@@ -1,10 +1,11 @@
 """What the worker keeps about a load while it copies it: the checked slots, the engine-thread
-pacing record, the error a slot that changed under the copy raises, and the failures it
-reports to vLLM."""
+pacing record, the error a slot that changed under the copy raises, the failures it reports
+to vLLM, and how fast its copies ran."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from concurrent.futures import Future
 from typing import NamedTuple
 
@@ -86,4 +87,25 @@ class LoadFailures:
 
     def take_requests(self) -> set[str]:
         out, self.requests = self.requests, set()
+        return out
+
+
+class CopyMeter:
+    """The bytes of hits copied into the KV cache and the seconds the copies took, since they were
+    last taken (the engine's thread and the copy thread add; the engine's thread takes)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes = 0
+        self._seconds = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._bytes += nbytes
+            self._seconds += seconds
+
+    def take(self) -> tuple[int, float]:
+        with self._lock:
+            out = (self._bytes, self._seconds)
+            self._bytes, self._seconds = 0, 0.0
         return out

@@ -71,13 +71,24 @@ class KVDepotMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
-    """Which finished loads failed, on any worker (vLLM reports the finished ones itself)."""
+    """Which finished loads failed, on any worker (vLLM reports the finished ones itself); and
+    the bytes of hits a worker copied into its KV cache since its last report, and the seconds
+    those copies took: the rate that bounds the synchronous loads (`_sync_budget.py`)."""
 
     failed: set[str] = field(default_factory=set)
+    copied_bytes: int = 0
+    copied_s: float = 0.0
+
+    @property
+    def copy_rate(self) -> float:
+        """Bytes per second of the copies reported; infinite when none was timed."""
+        return self.copied_bytes / self.copied_s if self.copied_bytes and self.copied_s > 0 else float("inf")
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVDepotWorkerMetadata)
-        return KVDepotWorkerMetadata(self.failed | other.failed)
+        # The workers copy side by side and the step waits for the slowest: its figures stand.
+        slower = min((self, other), key=lambda meta: meta.copy_rate)
+        return KVDepotWorkerMetadata(self.failed | other.failed, slower.copied_bytes, slower.copied_s)
 
 
 #: Counters reported through vLLM's connector stats (summed over workers and steps).

@@ -135,7 +135,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layouts = self._layouts(kv_caches)
-        self.slots = SlotLayout.of(layouts, self.blocks_per_chunk)
+        self.slots = SlotLayout.of(layouts, self.blocks_per_chunk, self.slots.meter)
         self.layout = layouts[0]
         before = self.client.server_id
         try:
@@ -349,7 +349,12 @@ class WorkerSide:
     # -- step results -------------------------------------------------------------------
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
-        return self.failures.take_meta()
+        """The loads that failed, and how many bytes of hits were copied in how long, since the last call."""
+        failed = self.failures.take_meta()
+        nbytes, seconds = self.slots.meter.take()
+        if failed is None and not nbytes:
+            return None
+        return KVDepotWorkerMetadata(failed.failed if failed else set(), nbytes, seconds)
 
     def take_failed_blocks(self) -> set[int]:
         return self.failures.take_blocks()
