@@ -10,7 +10,7 @@ transport's settler thread (`release_on_arrival`); the book keeps no state for i
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -27,8 +27,10 @@ class LeaseBook:
         self.client = client
         self.kv_world_size = kv_world_size
 
-    def release(self, leases: Iterable[tuple[str, int]]) -> None:
+    def release(self, leases: Sequence[tuple[str, int]]) -> None:
         """Give back ``leases`` (server instance, lease id), those of the instance still serving."""
+        if not leases:
+            return
         current = self.client.server_id
         ids = [lease for server_id, lease in leases if server_id == current]
         if ids and current:

@@ -100,10 +100,7 @@ class SchedulerSide:
         self.handoff_timeout = handoff_timeout
         self.groups = groups
         self.events = events
-        self.client = client
         self.health = health
-        self.kv_world_size = namespace.kv_world_size
-        self.lookup_timeout = lookup_timeout
         # The engine's compute time per token, from its steps (sent with each lookup).
         self.prefill = PrefillRate()
         self.stats = KVDepotStats()
@@ -151,11 +148,24 @@ class SchedulerSide:
         self.planner.on_engine_hit(req_id, num_computed_tokens)
         if not self.loads or record.load_failed or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False  # a request that skips reading is still stored
+        if (not_now := self._look_up(record, tracker, num_computed_tokens)) is not None:
+            return not_now
+        num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
+        if record.handoff is not None and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
+            return None, False
+        record.sync_load = num > 0 and self._joins_this_step(record, num_computed_tokens, num)
+        return num, num > 0 and not record.sync_load
+
+    def _look_up(
+        self, record: Record, tracker: RequestTracker, num_computed_tokens: int
+    ) -> tuple[int | None, bool] | None:
+        """Look the request up, or again, until its reply is read; None once it is, else what vLLM
+        is told meanwhile: "not yet" while the reply is on its way, a miss if the server is not usable."""
         for _ in range(2):  # a reply answered for a local hit vLLM has lost since is asked again
-            outdated = tracker.state is RequestState.LOOKED_UP and self._outdated(
-                tracker, request.num_tokens, num_computed_tokens
+            stale = tracker.state is RequestState.LOOKED_UP and self._outdated(
+                tracker, record.request.num_tokens, num_computed_tokens
             )
-            if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or outdated) and not self.lookups.start(
+            if (tracker.state in (RequestState.NEW, RequestState.PREEMPTED) or stale) and not self.lookups.start(
                 record, num_computed_tokens
             ):
                 return 0, False
@@ -166,11 +176,7 @@ class SchedulerSide:
                     return None, False
             if num_computed_tokens >= tracker.lookup_first * self.planner.chunk_size:
                 break
-        num = self.planner.num_tokens_to_load(req_id, num_computed_tokens, request.num_tokens)
-        if record.handoff is not None and self._handoff_pending(record, num_computed_tokens, num_computed_tokens + num):
-            return None, False
-        record.sync_load = num > 0 and self._joins_this_step(record, num_computed_tokens, num)
-        return num, num > 0 and not record.sync_load
+        return None
 
     def _joins_this_step(self, record: Record, num_computed_tokens: int, num: int) -> bool:
         """Whether a hit loads before the forward pass of the step that schedules it: its chunks are
@@ -270,10 +276,10 @@ class SchedulerSide:
             self._plan_store(
                 meta, req_id, scheduled.get(req_id, 0), new_blocks[0] if new_blocks else [], replace=resumed
             )
+        self.sync.pass_planned(bool(meta.stores))
         # A request preempted outside `schedule` (reset_prefix_cache(reset_running_requests=True))
         # is named preempted by the very pass that resumes it: it was admitted again (a load, or
         # scheduled new or resumed), and must not be taken for preempted now.
-        self.sync.pass_planned(bool(meta.stores))
         readmitted = {op.req_id for op in meta.loads} | {new.req_id for new in scheduler_output.scheduled_new_reqs}
         for req_id in preempted - readmitted - set(cached.resumed_req_ids):
             if req_id in self.planner and self.planner.get(req_id).state in RUNNING:
@@ -401,8 +407,7 @@ class SchedulerSide:
         self.stats.add(name, value)
 
     def _flush_releases(self) -> None:
-        if leases := self.planner.take_leases():
-            self.leases.release(leases)
+        self.leases.release(self.planner.take_leases())
 
 
 def _handoff_wait(request: Request, planner: Planner, timeout: float) -> HandoffWait | None:
