@@ -98,6 +98,44 @@ MAX_KEY_SPACES = 4096
 
 #: A lease held for a request: the server instance that granted it, and its id there.
 Lease = tuple[str, int]
+#: A request's key space: its cache salt, LoRA adapter and extra key inputs.
+Space = tuple[str, str, tuple[bytes, ...]]
+
+
+def _store_plan(tracker: RequestTracker, first: int, end: int, blocks_per_chunk: int) -> StorePlan:
+    """A request's chunks ``first`` to ``end``, to store: their keys per rank and their blocks."""
+    chain = tracker.chain
+    return StorePlan(
+        req_id=tracker.req_id,
+        cache_salt=tracker.cache_salt,
+        first_chunk=first,
+        num_chunks=end - first,
+        keys=tuple(tuple(chain.keys(rank)[first:end]) for rank in range(chain.num_namespaces)),
+        block_ids=tuple(tracker.block_ids[first * blocks_per_chunk : end * blocks_per_chunk]),
+    )
+
+
+class _KeySpaces:
+    """The namespaces (one per KV rank) of each key space seen lately, kept ready."""
+
+    def __init__(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self._spaces: dict[Space, list[Namespace]] = {}
+
+    def reset(self, namespace: Namespace) -> None:
+        self.namespace = namespace
+        self._spaces.clear()
+
+    def __call__(self, space: Space) -> list[Namespace]:
+        spaces = self._spaces.get(space)
+        if spaces is None:
+            cache_salt, lora, extra = space
+            base = attrs.evolve(self.namespace, cache_salt=cache_salt, lora=lora, extra=extra, kv_rank=0)
+            spaces = [base.for_rank(rank) for rank in range(base.kv_world_size)]
+            if len(self._spaces) >= MAX_KEY_SPACES:
+                self._spaces.clear()
+            self._spaces[space] = spaces
+        return spaces
 
 
 def _leases(source: str, lease_ids: Sequence[int]) -> list[Lease]:
@@ -130,7 +168,7 @@ class Planner:
         self.chunk_size = chunk_size
         self.blocks_per_chunk = chunk_size // block_size
         self._requests: dict[str, RequestTracker] = {}
-        self._spaces: dict[tuple[str, str, tuple[bytes, ...]], list[Namespace]] = {}
+        self._namespaces = _KeySpaces(namespace)
         self._releases: list[Lease] = []
         # Requests that ended while their lookup was in flight: its lease is released on arrival.
         self._orphans: set[str] = set()
@@ -188,17 +226,6 @@ class Planner:
         self._releases.extend(_leases(tracker.hit_source, tracker.lease_ids))
         tracker.lease_ids = ()
 
-    def _namespaces(self, space: tuple[str, str, tuple[bytes, ...]]) -> list[Namespace]:
-        spaces = self._spaces.get(space)
-        if spaces is None:
-            cache_salt, lora, extra = space
-            base = attrs.evolve(self.namespace, cache_salt=cache_salt, lora=lora, extra=extra, kv_rank=0)
-            spaces = [base.for_rank(rank) for rank in range(base.kv_world_size)]
-            if len(self._spaces) >= MAX_KEY_SPACES:
-                self._spaces.clear()
-            self._spaces[space] = spaces
-        return spaces
-
     def new_epoch(self, epoch: str) -> None:
         """From now on every key is in ``epoch``: nothing stored before can be a hit, nor stored again.
 
@@ -206,7 +233,7 @@ class Planner:
         found under the old epoch are dropped (a load already in flight keeps its lease).
         """
         self.namespace = attrs.evolve(self.namespace, epoch=epoch)
-        self._spaces.clear()
+        self._namespaces.reset(self.namespace)
         for tracker in self._requests.values():
             tracker.chain = KeyChain(self._namespaces(tracker.space), self.chunk_size, tracker.marks)
             self._release(tracker)
@@ -398,15 +425,7 @@ class Planner:
         if end <= first:
             return None
         tracker.next_store_chunk = end
-        bpc = self.blocks_per_chunk
-        return StorePlan(
-            req_id=req_id,
-            cache_salt=tracker.cache_salt,
-            first_chunk=first,
-            num_chunks=end - first,
-            keys=tuple(tuple(chain.keys(rank)[first:end]) for rank in range(tracker.chain.num_namespaces)),
-            block_ids=tuple(tracker.block_ids[first * bpc : end * bpc]),
-        )
+        return _store_plan(tracker, first, end, self.blocks_per_chunk)
 
     def _load_ended(self, req_id: str) -> RequestTracker | None:
         """Gives the load's leases back; the tracker, or None if the request ended meanwhile."""
