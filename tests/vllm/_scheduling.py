@@ -18,6 +18,9 @@ CHUNK = 256
 # (vLLM 0.33 moved the CPU default out of the config, into the executor).
 CPU_BLOCK, CUDA_BLOCK = 128, 16
 NUM_BLOCKS = 64
+#: Hits load asynchronously (the connector's default loads a hit in RAM synchronously when it fits
+#: the step's budget: `_sync_budget.py`).
+ASYNC = {"kvdepot.sync_load_bytes": 0}
 
 
 def make_scheduler(
@@ -54,7 +57,8 @@ def make_scheduler(
             "kv_connector": "KVDepotConnector",
             "kv_connector_module_path": "kvdepot.vllm_connector",  # whatever the registry holds
             "kv_role": kv_role,
-            "kv_connector_extra_config": {"kvdepot.address": address, **(connector or {})},
+            # Asynchronous loads unless a test asks for synchronous ones (the default on an idle engine).
+            "kv_connector_extra_config": {"kvdepot.address": address, **ASYNC, **(connector or {})},
         },
         **engine,
     ).create_engine_config()
@@ -75,6 +79,15 @@ def make_scheduler(
         structured_output_manager=StructuredOutputManager(config),
         block_size=block,
     )
+
+
+def sync_loads_up_to_the_cap(scheduler: Any) -> None:
+    """Every pass may load up to `kvdepot.sync_load_bytes` synchronously, busy or not: the steps
+    driven here take microseconds, so a share of their time would fit no hit (`_sync_budget.py`)."""
+    budget = scheduler.connector._scheduler.sync.budget
+    budget.step_s, budget.rate = 1.0, float("inf")
+    budget.copied = lambda nbytes, seconds: None  # no worker reports a rate here
+    budget.step_took = lambda seconds: None
 
 
 def make_request(scheduler: Any, req_id: str, tokens: list[int], max_tokens: int, *, priority: int = 0) -> Any:

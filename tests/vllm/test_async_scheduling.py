@@ -27,6 +27,7 @@ from _scheduling import (
     make_scheduler,
     runner_output,
     store_prefix,
+    sync_loads_up_to_the_cap,
 )
 
 import kvdepot.server
@@ -462,6 +463,43 @@ def test_a_hit_in_ram_joins_the_step_that_finds_it_when_sync_loads_are_on(
     scheduler.shutdown()
 
 
+def test_while_others_run_a_hit_joins_its_step_only_within_the_steps_share(
+    tiny_llama, server, stub_connector_registry, patient_lookups
+):
+    """The default rule (`_sync_budget.py`): a hit in RAM on an idle engine joins the step that finds
+    it, up to `kvdepot.sync_load_bytes`; a hit found while another request runs joins only if its
+    copy fits `kvdepot.sync_load_share` of a step, else it loads asynchronously. Here the share is
+    so small that no hit fits it."""
+    from vllm.v1.request import RequestStatus
+
+    scheduler = make_scheduler(
+        tiny_llama,
+        server.address,
+        sync=True,
+        connector={"kvdepot.sync_load_bytes": 64 << 20, "kvdepot.sync_load_share": 1e-9},
+    )
+    first = [101 + i % 1900 for i in range(2 * CHUNK)]
+    second = [103 + i % 1900 for i in range(2 * CHUNK)]
+    store_prefix(scheduler, server.address, first)
+    store_prefix(scheduler, server.address, second)
+    alone = make_request(scheduler, "alone", [*first, 5, 6, 7], max_tokens=8)
+    scheduler.add_request(alone)
+    out = scheduler.schedule()  # nothing ran before: the hit joins this step
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("alone", True)]
+    assert out.num_scheduled_tokens == {"alone": 3}
+    scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+    busy = make_request(scheduler, "busy", [*second, 8, 9], max_tokens=1)
+    scheduler.add_request(busy)
+    for _ in range(3):  # "alone" decodes meanwhile
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, runner_output(out, prefilling=scheduler.requests))
+        if out.kv_connector_metadata.loads:
+            break
+    assert [(op.req_id, op.sync) for op in out.kv_connector_metadata.loads] == [("busy", False)]
+    assert busy.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    scheduler.shutdown()
+
+
 def test_a_request_sharing_a_sync_load_waits_until_it_is_known_good_and_a_failed_loads_blocks_leave_vllms_cache(
     tiny_llama, server, stub_connector_registry, patient_lookups
 ):
@@ -475,6 +513,7 @@ def test_a_request_sharing_a_sync_load_waits_until_it_is_known_good_and_a_failed
     from kvdepot.vllm_connector._meta import KVDepotWorkerMetadata
 
     scheduler = make_scheduler(tiny_llama, server.address, sync=True, connector={"kvdepot.sync_load_bytes": 64 << 20})
+    sync_loads_up_to_the_cap(scheduler)
     prefix = [89 + i % 1900 for i in range(2 * CHUNK)]
     store_prefix(scheduler, server.address, prefix)
     a = make_request(scheduler, "a", [*prefix, 5, 6, 7], max_tokens=2)
@@ -507,6 +546,7 @@ def test_a_request_preempted_before_its_sync_loads_step_ended_loads_again(
     its own step. (`test_planner.py` has the case that raised InvalidTransitionError inside vLLM's
     scheduler and killed the engine at concurrency 8: resumed without a load.)"""
     scheduler = make_scheduler(tiny_llama, server.address, sync=True, connector={"kvdepot.sync_load_bytes": 64 << 20})
+    sync_loads_up_to_the_cap(scheduler)
     prefix = [97 + i % 1900 for i in range(2 * CHUNK)]
     store_prefix(scheduler, server.address, prefix)
     request = make_request(scheduler, "r", [*prefix, 5, 6, 7], max_tokens=8)

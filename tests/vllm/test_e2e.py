@@ -70,9 +70,11 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(length)]
 
 
-#: Hits that load before the forward pass of the step that finds them (experimental, off by default).
+#: Hits that load before the forward pass of the step that finds them, as far as the step's budget
+#: allows (the default: `_sync_budget.py`), and hits that load asynchronously, after it.
 SYNC = {"kvdepot.sync_load_bytes": 64 << 20}
-BOTH_MODES = [pytest.param({}, id="async"), pytest.param(SYNC, id="sync")]
+ASYNC = {"kvdepot.sync_load_bytes": 0}
+BOTH_MODES = [pytest.param(ASYNC, id="async"), pytest.param(SYNC, id="sync")]
 
 
 def test_second_engine_loads_first_engines_prompt(tiny_llama, vllm_engine, kvdepot_server):

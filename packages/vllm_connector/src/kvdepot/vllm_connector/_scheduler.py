@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from kvdepot.core import Namespace, Planner, RequestState, RequestTracker
+from kvdepot.vllm_connector._config import DEFAULT_SYNC_LOAD_SHARE
 from kvdepot.vllm_connector._groups import CacheGroup, ours
 from kvdepot.vllm_connector._handoff import DEFAULT_HANDOFF_TIMEOUT, handoff_params, namespace_digest
 from kvdepot.vllm_connector._handoff_wait import Decision, HandoffWait
@@ -89,12 +90,14 @@ class SchedulerSide:
         producer: bool = False,
         handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT,
         sync_load_bytes: int = 0,
+        sync_load_share: float = DEFAULT_SYNC_LOAD_SHARE,
     ) -> None:
         """``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
         ``loads``, ``stores``: what the engine's ``kv_role`` lets it do; ``producer``: a prefill
         engine, whose finished requests name their chunks for a decode engine (`_handoff.py`);
         ``handoff_timeout``: how long a handed-over request waits at most for those chunks.
-        ``sync_load_bytes``: the most bytes of hits a step loads before its forward pass (0: none)."""
+        ``sync_load_bytes``: the most bytes of hits a step loads before its forward pass (0: none);
+        ``sync_load_share``: while others run, the most those copies may add to a step (`_sync_budget.py`)."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.loads, self.stores, self.producer = loads, stores, producer
         self.handoff_timeout = handoff_timeout
@@ -121,7 +124,7 @@ class SchedulerSide:
         )
         self.store_plans = StorePlans(self.planner, groups, events)
         # A load that may fail block by block alone joins its step: one full-attention group.
-        self.sync = SyncLoads(0 if self.store_plans.windowed else sync_load_bytes)
+        self.sync = SyncLoads(0 if self.store_plans.windowed else sync_load_bytes, sync_load_share)
         self._yielded = False
 
     # -- vLLM scheduler hooks --------------------------------------------------------
@@ -254,7 +257,8 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVDepotMetadata:
         self._yielded = False
         now = time.monotonic()
-        for req_id in self.sync.pass_started(now):  # the sync loads of the step that ended
+        idle = scheduler_output.total_num_scheduled_tokens == 0
+        for req_id in self.sync.pass_started(now, idle=idle):  # the sync loads of the step that ended
             if self.planner.end_preempted_load(req_id):
                 continue  # preempted before that step ended (and maybe loading again): its leases only
             if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
@@ -262,7 +266,6 @@ class SchedulerSide:
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, now)
         self.lookups.send()
         preempted = set(scheduler_output.preempted_req_ids or ())
-        idle = scheduler_output.total_num_scheduled_tokens == 0
         meta = KVDepotMetadata(loads=self._loads, idle=idle)
         self._loads = []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -288,9 +291,14 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self.prefill.step_done(time.monotonic())
+        step_s = self.prefill.step_done(time.monotonic())
+        if step_s is not None:
+            self.sync.budget.step_took(step_s)
         worker_meta = output.kv_connector_worker_meta
-        failed = worker_meta.failed if isinstance(worker_meta, KVDepotWorkerMetadata) else set()
+        failed: set[str] = set()
+        if isinstance(worker_meta, KVDepotWorkerMetadata):
+            failed = worker_meta.failed
+            self.sync.budget.copied(worker_meta.copied_bytes, worker_meta.copied_s)
         # A worker reports its failed load in the step it failed, and vLLM passes that on at once;
         # but it lists the load as finished only once every worker reported it, which with several
         # ranks can be steps later (and in a step whose reports say nothing of it): remember it.

@@ -59,7 +59,7 @@ class SyncBudget:
             return self.cap
         if self.step_s is None:
             return 0  # no busy step seen yet: nothing to bound the copy by
-        return min(self.cap, int(self.share * self.step_s * self.rate))
+        return int(min(self.cap, self.share * self.step_s * self.rate))
 
     def open(self, *, idle: bool) -> None:
         """A new scheduling pass begins; ``idle``: the engine computes nothing else in it."""

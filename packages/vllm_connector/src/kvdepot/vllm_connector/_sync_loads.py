@@ -1,7 +1,8 @@
 """Hits that join the step that finds them (`LoadOp.sync`): each pass's budget, and when their steps end.
 
 A hit wholly in the server's RAM loads before the forward pass of the step that schedules it,
-up to `kvdepot.sync_load_bytes` a scheduling pass. Its blocks are kept from other requests'
+as far as the pass's budget allows (`_sync_budget.py`: `kvdepot.sync_load_bytes` on an idle
+engine, else a share of the step's time at the workers' copy rate). Its blocks are kept from other requests'
 prefix hits until its step has ended (`_sync_guard.py`). A step has ended by the time the one
 after the next is scheduled, with async scheduling too (one step in flight): then its sync
 loads are done (the scheduler side gives their leases back), and if it stored, the scheduler
@@ -14,6 +15,7 @@ import collections
 import logging
 from typing import Any
 
+from kvdepot.vllm_connector._sync_budget import SyncBudget
 from kvdepot.vllm_connector._sync_guard import SyncGuard
 
 log = logging.getLogger("vllm.kvdepot.scheduler")
@@ -22,10 +24,11 @@ log = logging.getLogger("vllm.kvdepot.scheduler")
 class SyncLoads:
     """This pass's sync-load budget, the blocks of sync loads in flight, and the last two steps."""
 
-    def __init__(self, budget: int) -> None:
-        """``budget``: the most bytes of hits a pass loads before its forward pass (0: none)."""
-        self.budget = budget
-        self._left = budget
+    def __init__(self, cap: int, share: float) -> None:
+        """``cap``: the most bytes of hits a pass loads before its forward pass (0: none);
+        ``share``: while others run, the most those copies may add to a step, as a share of it."""
+        self.budget = SyncBudget(cap, share)
+        self.budget.open(idle=True)  # the first pass: nothing ran before it
         self._loading: list[str] = []  # this pass's sync loads
         self.guard = SyncGuard()  # their blocks, kept from other requests until known good
         # The last two steps scheduled: (whether it stored, its sync loads).
@@ -35,24 +38,19 @@ class SyncLoads:
     def joins(self, first_token: int, num_tokens: int, *, chunk_size: int, slot_bytes: int) -> bool:
         """Whether a hit of ``num_tokens`` from token ``first_token`` on, in chunks of
         ``slot_bytes``, fits in what is left of this pass's budget (it is then taken)."""
-        if not self.budget:
-            return False
         chunks = -(-(first_token + num_tokens) // chunk_size) - first_token // chunk_size
-        need = chunks * slot_bytes
-        if need > self._left:
-            return False
-        self._left -= need
-        return True
+        return self.budget.take(chunks * slot_bytes)
 
     def loading(self, req_id: str, hashes: list[Any], blocks: list[int]) -> None:
         """A sync load of this pass fills ``blocks`` (their hashes ``hashes``): guarded until its step ends."""
         self._loading.append(req_id)
         self.guard.loading(req_id, hashes, blocks)
 
-    def pass_started(self, now: float) -> list[str]:
-        """A scheduling pass starts: the budget is whole again; the sync loads of the step that
-        ended since (copied; a failure was reported already), settled."""
-        self._left = self.budget
+    def pass_started(self, now: float, *, idle: bool) -> list[str]:
+        """A scheduling pass starts (``idle``: the step before computed nothing): its budget is
+        whole again; the sync loads of the step that ended since (copied; a failure was reported
+        already), settled."""
+        self.budget.open(idle=idle)
         if len(self._recent) < 2:
             return []
         stored, synced = self._recent.popleft()
