@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,20 @@ def leased_load(client: CacheClient, req_id: str, hit: Any, keys: list[bytes], b
     return LoadOp(req_id, client.server_id or "", [slots], [block_ids], 0, tokens, hit.slots[0].length, "", [keys])
 
 
+def forward_pass(worker: WorkerSide) -> None:
+    """The step's forward pass. An engine's takes longer than the round trip that reserves the
+    step's slots; here it lasts until the replies landed (at most 10 s), so a store is not skipped
+    only because a loaded machine answered after the worker's own short wait (`RESERVE_WAIT_S`)."""
+    if worker._step_stores is not None:
+        futures.wait([future for _, future in worker._step_stores.pending], timeout=10)
+
+
 def save(worker: WorkerSide, *stores: StoreOp) -> None:
-    """One engine step with ``stores``, in vLLM's order: metadata bound, (the forward pass), its end."""
+    """One engine step with ``stores``, in vLLM's order: metadata bound, the forward pass, its end."""
     meta = KVDepotMetadata(stores=list(stores))
     worker.step_started(meta)
     worker.start_load_kv(meta)
+    forward_pass(worker)
     worker.wait_for_save(meta)
     worker.get_finished(set())
 
