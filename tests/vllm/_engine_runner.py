@@ -51,6 +51,7 @@ exactly max_tokens tokens.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -111,7 +112,9 @@ def _metrics_snapshot(llm: Any) -> dict[str, float]:
 def _pause(name: str, result: dict[str, Any], busy: Any = None) -> None:
     """Write NAME.paused (holding the prompts' `kv_transfer_params` so far, as JSON) and wait for
     NAME.go, calling `busy()` (one run of the busy prompt) meanwhile if given."""
-    Path(f"{name}.paused").write_text(json.dumps(result["kv_transfer_params"]))
+    # Written whole, then renamed into place: a test that sees the file reads all of it.
+    Path(f"{name}.paused.tmp").write_text(json.dumps(result["kv_transfer_params"]))
+    os.replace(f"{name}.paused.tmp", f"{name}.paused")
     go, deadline = Path(f"{name}.go"), time.monotonic() + MAX_PAUSE_S
     while not go.exists():
         if time.monotonic() > deadline:
