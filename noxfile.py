@@ -174,8 +174,14 @@ def tests(session: nox.Session, vllm: str) -> None:
         if session.posargs:  # the tests named, as pytest runs them
             session.run("pytest", *session.posargs, env=env)
             return
-        session.run("pytest", f"--ignore={ENGINE_TESTS}", env=env)
-        session.run("pytest", "-n", ENGINE_TEST_WORKERS, ENGINE_TESTS, env=env)
+        failed = []
+        for args in ([f"--ignore={ENGINE_TESTS}"], ["-n", ENGINE_TEST_WORKERS, ENGINE_TESTS]):
+            try:  # both parts run, whatever the first one found
+                session.run("pytest", *args, env=env)
+            except nox.command.CommandFailed:
+                failed.append(" ".join(args))
+        if failed:
+            session.error(f"tests failed in: pytest {'; pytest '.join(failed)}")
         return
     _install_workspace_vllm_cuda(session)
     env["VLLM_TARGET_DEVICE"] = "cpu"
