@@ -58,9 +58,9 @@ VLLM_CUDA_ONLY_PREFIXES = ["nvidia-"]
 VLLM_CUDA_TESTPATHS = ["packages/vllm_connector/tests", "packages/gpu/tests", "tests/vllm"]
 # The end-to-end tests on real vLLM (tests/vllm) run on this many pytest workers (pytest-xdist)
 # in the first lane. Most of such a test's time is a fresh process importing vLLM, on one core,
-# and an engine here computes on one thread, so two at once take about half as long on a
-# 2-core machine. The other tests run one at a time: their socket, flood and timing tests were
-# written for a machine to themselves.
+# and an engine here computes on one thread, so one of two cores sat idle: two at once took 35
+# against 44 minutes on this project's 2-core machine. The other tests run one at a time: their
+# socket, flood and timing tests were written for a machine to themselves.
 ENGINE_TEST_WORKERS = "2"
 ENGINE_TESTS = "tests/vllm"
 # The remote tier's tests run a real Valkey: redis-py (kvdepot-server[remote]) speaks to it, and
