@@ -29,7 +29,6 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -170,9 +169,7 @@ class V2Runner:
         """Each scheduled token's KV, written into its block in every layer. Like an engine's forward
         pass, it outlasts the round trip that reserves the step's slots: it waits for the replies
         (10 s at most), so a store is not skipped only because a loaded machine answered late."""
-        stores = self.worker._step_stores
-        if stores is not None:
-            futures.wait([future for _, future in stores.pending], timeout=10)
+        self.worker.wait_for_reservations(timeout=10)
         computed = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -71,8 +70,7 @@ def forward_pass(worker: WorkerSide) -> None:
     """The step's forward pass. An engine's takes longer than the round trip that reserves the
     step's slots; here it lasts until the replies landed (at most 10 s), so a store is not skipped
     only because a loaded machine answered after the worker's own short wait (`RESERVE_WAIT_S`)."""
-    if worker._step_stores is not None:
-        futures.wait([future for _, future in worker._step_stores.pending], timeout=10)
+    worker.wait_for_reservations(timeout=10)
 
 
 def save(worker: WorkerSide, *stores: StoreOp) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -300,6 +301,15 @@ class WorkerSide:
                 stores.commit, pin_s=self.pin_s, count=self.count, chunk_bytes=self.chunk_bytes,
                 server_failed=self._server_failed, before_commit=self.before_commit,
             )  # fmt: skip
+
+    def wait_for_reservations(self, timeout: float) -> None:
+        """Return once the server answered every reserve of the step bound last (at most
+        ``timeout`` seconds). An engine's forward pass outlasts that round trip; a test that drives
+        a step by hand calls this as its forward pass, so that a loaded machine's late answer does
+        not skip the store (``wait_for_save`` waits only ``RESERVE_WAIT_S``)."""
+        stores = self._step_stores
+        if stores is not None:
+            futures.wait([future for _, future in stores.pending], timeout=timeout)
 
     def wait_for_commits(self) -> None:
         """Return once every store gathered so far is committed (or aborted): the copy thread's
