@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
 
+from kvdepot.server._kept_pool import kept_pool_path
+from kvdepot.server._pool import default_pool_dir
+
 pytestmark = [pytest.mark.vllm, pytest.mark.engine, pytest.mark.integration, pytest.mark.slow]
 
 
 def test_demo_shows_a_hit_with_identical_output(tmp_path):
-    """The demo command finishes, reports a hit with identical outputs, and leaves no server behind."""
+    """The demo command finishes, reports a hit with identical outputs, and leaves no server
+    behind, nor its pool (a kept pool of an address nothing will serve again would hold memory)."""
     pytest.importorskip("vllm")
     code = "import sys; from kvdepot.server._cli import main; sys.exit(main(sys.argv[1:]))"
     out = subprocess.run(
@@ -27,3 +32,5 @@ def test_demo_shows_a_hit_with_identical_output(tmp_path):
     assert "nothing left running" in out.stdout
     leftover = subprocess.run(["pgrep", "-f", "kvdepot-demo-"], capture_output=True, text=True, check=False)
     assert leftover.stdout.strip() == ""
+    (address,) = re.findall(r"starting a kvdepot server at (\S+)", out.stdout)
+    assert not kept_pool_path(default_pool_dir(), address).exists()

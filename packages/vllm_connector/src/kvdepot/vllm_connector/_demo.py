@@ -85,7 +85,10 @@ def run(args: argparse.Namespace) -> int:
 
         address = f"ipc://{work}/kvdepot.sock"
         screen.step(2, f"starting a kvdepot server at {address}")
-        server = ServerProcess(address, capacity="1GiB", log_path=work / "server.log").start()
+        # A pool for this run only: nothing will start a server at this address again.
+        server = ServerProcess(
+            address, capacity="1GiB", args=("--no-metrics", "--no-keep-pool"), log_path=work / "server.log"
+        ).start()
 
         rng = random.Random(0)
         prompt = [rng.randrange(10, 2000) for _ in range(args.prompt_tokens)]
