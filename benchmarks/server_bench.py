@@ -137,7 +137,10 @@ def main() -> None:
         echo = subprocess.Popen([sys.executable, "-c", ECHO, echo_address], stdout=subprocess.PIPE, text=True)
         assert echo.stdout is not None
         echo.stdout.readline()
-        capacity_mib = max(256, (chunks * chunk) >> 20) * 2
+        # Room for every chunk pending at once (a pass reserves its next batch before it commits
+        # this one): the server bounds one client's pending bytes at half its capacity, and a
+        # slot is a little more than its chunk.
+        capacity_mib = max(256, (chunks * chunk) >> 20) * 4
         server, address = start_server(workdir, "--capacity", f"{capacity_mib}MiB", "--page-size", "64MiB")
         with CacheClient(address, timeout=10.0, client_name="bench") as client:
             reg = client.register("bench-layout", 256, chunk).result(10)
