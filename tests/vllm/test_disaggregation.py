@@ -67,9 +67,9 @@ def test_decode_engine_loads_what_the_prefill_engine_stored_and_computes_only_th
     before the second prompt's decode and loses its RAM (its kept pool removed): its chunks are
     gone, and the decode engine computes that prompt whole, with the same output."""
     whole = vllm_engine(tiny_llama, PROMPTS).check()
-    # The pins outlast the prefill engine's shutdown however slow the machine (the default 10 s
-    # did not, on a loaded CI machine running two engines at once).
-    producer = server.config("kv_producer", **{"kvdepot.handoff_pin": 600.0})
+    # The pins outlast the prefill engine's shutdown on a slow machine: the server's most, 60 s
+    # (the default 10 s did not, on a loaded CI machine running two engines at once).
+    producer = server.config("kv_producer", **{"kvdepot.handoff_pin": 60.0})
     prefill = vllm_engine(tiny_llama, PROMPTS, max_tokens=1, kv_transfer_config=producer).check()
     assert [out[0] for out in whole.outputs] == [out[0] for out in prefill.outputs]
     params = prefill.kv_transfer_params
