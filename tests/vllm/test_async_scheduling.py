@@ -168,10 +168,15 @@ def test_a_store_of_a_window_model_reads_only_blocks_its_request_holds_in_that_s
 @pytest.fixture
 def patient_lookups(monkeypatch):
     """The scheduler waits long enough for a lookup's reply to see a hit in the same pass, as it
-    does on an idle machine (the reply takes ~0.1 ms), also on a busy 2-core one."""
+    does on an idle machine (the reply takes ~0.1 ms), also on a busy 2-core one; the reply, not
+    the server's slot index, answers (`test_index_lookups.py` has those), so the reply's leases
+    are held from the pass that reads it."""
+    import _scheduling
+
     from kvdepot.vllm_connector import _scheduler
 
     monkeypatch.setattr(_scheduler, "LOOKUP_YIELD_S", 10.0)
+    monkeypatch.setitem(_scheduling.ASYNC, "kvdepot.slot_index", False)
 
 
 def test_a_request_resumed_with_a_hit_in_the_pass_that_names_it_preempted(

@@ -473,3 +473,31 @@ def test_take_releases_gives_the_ids_alone_and_drains_the_same_leases():
     admitted(p, "r", list(range(16)), hits=0)
     assert p.take_releases() == [7]
     assert p.take_leases() == []
+
+
+def test_leases_that_come_after_their_hit_are_held_with_it_or_given_back():
+    """A lookup answered without leases (from the server's slot index): the reply's leases, when
+    they land, are held with the hit while it waits for its blocks or loads, and go back with its
+    load; they go back at once when the hit is gone, or is another instance's."""
+    p = planner()
+    tokens = list(range(24))
+    p.add_request("r")
+    p.start_lookup("r", tokens)
+    p.on_lookup_done("r", [2], (0,), slots=[[0, 1]], source="a")
+    p.add_leases("r", "a", [7])  # waiting for its blocks
+    assert p.take_leases() == []
+    plan = p.on_allocated("r", list(range(6)), p.num_tokens_to_load("r", 0, 24))
+    assert plan is not None
+    assert plan.lease_ids == (7,)
+    p.add_leases("r", "a", [8])  # loading
+    assert p.take_leases() == []
+    p.on_load_done("r")
+    assert p.take_leases() == [("a", 7), ("a", 8)]
+    p.add_leases("r", "a", [9])  # loaded already
+    assert p.take_leases() == [("a", 9)]
+    p.add_request("s")
+    p.start_lookup("s", tokens)
+    p.on_lookup_done("s", [2], (0,), slots=[[0, 1]], source="a")
+    p.add_leases("s", "b", [10])  # another instance's
+    p.add_leases("gone", "a", [11])  # a request that ended
+    assert p.take_leases() == [("b", 10), ("a", 11)]

@@ -30,6 +30,7 @@ class FakeClient:
 
     server_id = "server-1"
     address = "ipc:///fake"
+    hello_reply = None  # offers no slot index: every lookup waits for its reply
 
     def __init__(self, fail: bool = False, answer=None) -> None:
         self.lookups: list[tuple[list, Future]] = []

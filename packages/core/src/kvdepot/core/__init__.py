@@ -15,6 +15,7 @@ from kvdepot.core._labels import LABEL_KEY_BYTES, SaltLabeler, salt_label
 from kvdepot.core._parallel import ParallelStrategy
 from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
 from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
+from kvdepot.core._slot_index import INDEX_ENTRY_BYTES, SlotIndexWriter, find_in_index, index_entries
 from kvdepot.core._slots import (
     SLOT_GENERATION_OFFSET,
     SLOT_HEADER_BYTES,
@@ -28,6 +29,7 @@ from kvdepot.core._version import __version__
 
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
+    "INDEX_ENTRY_BYTES",
     "KEY_SIZE",
     "LABEL_KEY_BYTES",
     "SLOT_GENERATION_OFFSET",
@@ -48,10 +50,13 @@ __all__ = [
     "RequestTracker",
     "RetrievePlan",
     "SaltLabeler",
+    "SlotIndexWriter",
     "StorePlan",
     "UnknownRequestError",
     "__version__",
     "chunk_keys",
+    "find_in_index",
+    "index_entries",
     "pack_slot_header",
     "pack_tokens",
     "recover_load_failures",

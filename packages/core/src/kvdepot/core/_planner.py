@@ -322,6 +322,25 @@ class Planner:
         tracker.hit_source = source
         tracker.hit_at = at
 
+    def add_leases(self, req_id: str, source: str, lease_ids: Sequence[int]) -> None:
+        """Leases that came after the hit they cover (its lookup was answered without them, from
+        the server's slot index): held with the hit wherever it is now, waiting to be allocated or
+        loading, and given back with it; given back at once when the hit is gone (loaded, failed,
+        ended, looked up again) or came from another server instance than ``source``."""
+        if req_id in self._loading:  # also after the request ended: its copy still reads the slots
+            self._loading[req_id].extend(_leases(source, lease_ids))
+            return
+        tracker = self._requests.get(req_id)
+        if (
+            tracker is not None
+            and tracker.state is RequestState.LOOKED_UP
+            and tracker.hit_chunks
+            and tracker.hit_source == source
+        ):
+            tracker.lease_ids = tuple(lease for lease in (*tracker.lease_ids, *lease_ids) if lease)
+            return
+        self._releases.extend(_leases(source, lease_ids))
+
     def on_engine_hit(self, req_id: str, engine_hit_tokens: int) -> None:
         """The engine's own prefix cache holds ``engine_hit_tokens`` of the request (counted as computed)."""
         _non_negative("engine_hit_tokens", engine_hit_tokens)

@@ -95,6 +95,7 @@ class CacheHandler:
         pool_path: str,
         pool_size: int,
         chunk_size: int,
+        slot_index: tuple[str, int, bool] | None = None,
         server_id: str = "",
         clock: Callable[[], float] = time.monotonic,
         tiers: TierSet | None = None,
@@ -107,8 +108,10 @@ class CacheHandler:
         looked_up: Callable[[Sequence[tuple[str, Sequence[bytes]]], Sequence[LookupOutcome]], None] | None = None,
         settings: SettingsFile | None = None,
     ) -> None:
-        """``tiers``: the tiers below RAM, if any (lookups that miss RAM ask them, commits are
-        written behind to them); ``extra_stats``: figures the server adds to Stats (pool path,
+        """``slot_index``: the path and size of the pool's slot index in shared memory, and
+        whether it holds every chunk a lookup could hit (`HelloReply.slot_index`); ``tiers``: the
+        tiers below RAM, if any (lookups that miss RAM ask them, commits are written behind to them);
+        ``extra_stats``: figures the server adds to Stats (pool path,
         transport counters); ``client_connected``: whether another live connection still speaks
         for a client id; ``admin_allowed``: whether every peer is the owner (an owner-only ipc
         socket, or tcp with a shared secret), so that Clear and SetQuota may be served, Stats may name salts
@@ -123,6 +126,10 @@ class CacheHandler:
         # layout name -> (fingerprint, chunk bytes) of the first client that registered it
         self.layouts: dict[str, tuple[str, int]] = {}
         self.pool_info = PoolInfo(kind="shm_file", path=pool_path, size=pool_size)
+        self.slot_index = (
+            None if slot_index is None else PoolInfo(kind="shm_file", path=slot_index[0], size=slot_index[1])
+        )
+        self.slot_index_complete = slot_index is not None and slot_index[2]
         self.chunk_size = chunk_size
         self.server_id = server_id
         self.reclaimed_leases = 0
@@ -229,6 +236,8 @@ class CacheHandler:
             server_version=__version__,
             server_id=self.server_id,
             label_key=self.label.key if self.admin_allowed else b"",  # an engine names salts as /metrics does
+            slot_index=self.slot_index if self.admin_allowed else None,
+            slot_index_complete=self.slot_index_complete and self.admin_allowed,
         )
 
     def _register(self, client: str, body: Register, now: float) -> ReplyBody:

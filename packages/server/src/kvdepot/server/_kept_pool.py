@@ -36,7 +36,7 @@ import attrs
 from kvdepot.server._adopt import Adopter, Adoption, adopt
 from kvdepot.server._errors import PoolError, ServerArgumentError
 from kvdepot.server._pool import SharedPool, SlotHeaders
-from kvdepot.server._pool_journal import JournalContents, JournalHeader, PoolJournal, read_journal
+from kvdepot.server._pool_journal import COMMITTED, JournalContents, JournalHeader, PoolJournal, read_journal
 from kvdepot.transport import get_logger
 
 log = get_logger(__name__)
@@ -96,6 +96,9 @@ class KeptPool:
             return Adoption(fresh=self.fresh), None
         adoption, records = adopt(index, self.pool.buffer, [] if self.fresh else self.journal.records, now)
         adoption = attrs.evolve(adoption, fresh=self.fresh)
+        for record in records:
+            if record.kind == COMMITTED:
+                headers.indexed(record.slot)  # engines find what was taken back without a round trip
         journal = PoolJournal(journal_path(self.pool.path), header, self.pool.buffer, records)
         headers.follow(journal, self.journal.max_generation + 2)
         if self.fresh:

@@ -21,7 +21,14 @@ import tempfile
 from pathlib import Path
 from typing import Protocol
 
-from kvdepot.core import SLOT_GENERATION_OFFSET, SLOT_HEADER_BYTES, pack_slot_header, slot_digest
+from kvdepot.core import (
+    SLOT_GENERATION_OFFSET,
+    SLOT_HEADER_BYTES,
+    SlotIndexWriter,
+    pack_slot_header,
+    slot_digest,
+    unpack_slot_header,
+)
 from kvdepot.server._errors import PoolError
 from kvdepot.transport import get_logger
 
@@ -286,17 +293,25 @@ class SlotHeaders:
 
     ``slot`` is the offset of a slot's header, the chunk's bytes follow it. A generation is
     stored with one aligned 8-byte write (a memoryview of 8-byte words), so a reader never
-    sees half of one. Without a buffer (unit tests of the index) it writes nothing.
+    sees half of one. Without a buffer (unit tests of the index) it writes nothing. With a
+    ``slot_index`` (`kvdepot.core.SlotIndexWriter`), every committed slot is in it until it is
+    freed, so that engines on the node find chunks without a round trip.
     """
 
     def __init__(
-        self, buffer: memoryview | None = None, *, journal: SlotJournal | None = None, generation: int = 1
+        self,
+        buffer: memoryview | None = None,
+        *,
+        journal: SlotJournal | None = None,
+        generation: int = 1,
+        slot_index: SlotIndexWriter | None = None,
     ) -> None:
         self._buf = buffer
         self._words = buffer.cast("Q") if buffer is not None else None
         self._generation = generation | 1  # the last odd generation handed out; +1 is its committed one
         #: A kept pool's journal (`_pool_journal.py`): told of every slot handed out, committed, freed.
         self._journal = journal
+        self._slot_index = slot_index
 
     def follow(self, journal: SlotJournal, generation: int) -> None:
         """Journal every slot from now on, with generations past `generation` (a kept pool's,
@@ -308,6 +323,7 @@ class SlotHeaders:
         """The slot now belongs to a reservation: odd generation first, then what it will hold."""
         if self._buf is None or self._words is None:
             return
+        self._unindex(slot)
         self._generation += 2
         self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
         self._buf[slot : slot + SLOT_HEADER_BYTES] = pack_slot_header(self._generation, length, slot_digest(salt, key))
@@ -326,10 +342,28 @@ class SlotHeaders:
             self._words[word] += 1
             if self._journal is not None:
                 self._journal.committed(slot, self._words[word])
+            self.indexed(slot)
+
+    def indexed(self, slot: int) -> None:
+        """Put a committed slot in the slot index (at commit, and a kept pool's adopted ones)."""
+        if self._slot_index is not None and (held := self._held(slot)) is not None:
+            generation, length, digest = held
+            if generation % 2 == 0:
+                self._slot_index.add(digest, slot + SLOT_HEADER_BYTES, length)
+
+    def _unindex(self, slot: int) -> None:
+        """Take the slot's chunk out of the slot index (before its header changes)."""
+        if self._slot_index is not None and (held := self._held(slot)) is not None:
+            self._slot_index.remove(held[2], slot + SLOT_HEADER_BYTES)
+
+    def _held(self, slot: int) -> tuple[int, int, bytes] | None:
+        """What the slot's header says it holds."""
+        return None if self._buf is None else unpack_slot_header(self._buf[slot : slot + SLOT_HEADER_BYTES])
 
     def freed(self, slot: int) -> None:
         """The slot left the index (evicted, cleared, aborted, expired): a new odd generation."""
         if self._words is not None:
+            self._unindex(slot)
             self._generation += 2
             self._words[(slot + SLOT_GENERATION_OFFSET) // 8] = self._generation
             if self._journal is not None:

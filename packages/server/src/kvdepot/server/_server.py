@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvdepot.core import INDEX_ENTRY_BYTES, SlotIndexWriter, index_entries
 from kvdepot.server._collector import Collector
 from kvdepot.server._disk_tier import DiskTier
 from kvdepot.server._errors import ServerArgumentError
@@ -34,7 +35,14 @@ from kvdepot.server._metrics import (
     SaltLookups,
 )
 from kvdepot.server._metrics_http import HTTPLimits, ListenerFigures
-from kvdepot.server._pool import SHM_DIR, SlotHeaders, default_pool_dir, pool_dir_free_bytes, remove_stale_pools
+from kvdepot.server._pool import (
+    SHM_DIR,
+    SharedPool,
+    SlotHeaders,
+    default_pool_dir,
+    pool_dir_free_bytes,
+    remove_stale_pools,
+)
 from kvdepot.server._ranking import SaltRanking
 from kvdepot.server._remote_tier import RemoteTier
 from kvdepot.server._server_config import ServerConfig
@@ -127,7 +135,12 @@ class CacheServer:
             parts.callback(self.pool.close)
             # A new kept pool is kept once the server is up: a start that fails leaves nothing behind.
             self.pool.keep = not kept_pool.fresh
-            headers = SlotHeaders(self.pool.buffer)
+            # Engines on the node find committed chunks here without a round trip (`HelloReply.slot_index`).
+            self.slot_index_pool = SharedPool.create(INDEX_ENTRY_BYTES * index_entries(self.pool.size), pool_dir)
+            parts.callback(self.slot_index_pool.close)
+            self.slot_index = SlotIndexWriter(self.slot_index_pool.buffer)
+            parts.callback(self.slot_index.close)
+            headers = SlotHeaders(self.pool.buffer, slot_index=self.slot_index)
             parts.callback(headers.close)
             self.index = ChunkIndex(
                 self.allocator,
@@ -156,6 +169,7 @@ class CacheServer:
                 self.index,
                 pool_path=str(self.pool.path),
                 pool_size=self.pool.size,
+                slot_index=(str(self.slot_index_pool.path), self.slot_index_pool.size, self.tiers is None),
                 chunk_size=config.chunk_size,
                 server_id=server_id,
                 tiers=self.tiers,
@@ -324,6 +338,8 @@ class CacheServer:
     def _extra_stats(self) -> dict[str, str | int | float | bool | None]:
         extra: dict[str, str | int | float | bool | None] = {
             "pool_path": str(self.pool.path),
+            "slot_index_path": str(self.slot_index_pool.path),
+            "slot_index_dropped": self.slot_index.dropped,  # chunks whose group was full: lookups ask the server
             "server_version": __version__,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }

@@ -245,6 +245,12 @@ class CacheClient(_Operations):
         return hello.label_key if hello is not None else b""
 
     @property
+    def hello_reply(self) -> HelloReply | None:
+        """The server's reply to the last handshake (None before it): what it offers this client,
+        such as its slot index (`HelloReply.slot_index`)."""
+        return self._conn.proto.hello_reply
+
+    @property
     def connected(self) -> bool:
         """True while the handshake is done and the connection is up."""
         return self._conn.state is State.READY

@@ -249,6 +249,12 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply", gc=False):
     server_version: str
     server_id: str
     label_key: LabelKey = b""
+    #: The server's index of committed chunks in shared memory (`kvdepot.core.find_in_index`),
+    #: sent, like `label_key`, only to a peer that proved it is the owner; None: not offered.
+    slot_index: PoolInfo | None = None
+    #: True when the index holds every chunk the server could hit (it has no tier below RAM), so
+    #: that a chunk missing from it is a miss.
+    slot_index_complete: bool = False
 
 
 class PoolInfo(msgspec.Struct, frozen=True, gc=False):

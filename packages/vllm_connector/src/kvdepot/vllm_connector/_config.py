@@ -59,6 +59,10 @@ KEYS = {
         "while other requests run, the most a step's synchronous loads may add to its time, as a share of it "
         f"(default {DEFAULT_SYNC_LOAD_SHARE}); see docs/vllm.md"
     ),
+    "kvdepot.slot_index": (
+        "answer lookups from the server's index of chunks in shared memory, in the scheduling pass that asks, "
+        "when the server offers one (default true; false: every lookup waits for the server's reply)"
+    ),
     "kvdepot.handoff_timeout": (
         "kv_consumer: seconds a handed-over request waits at most for the chunks its prefill engine stored "
         f"(default {DEFAULT_HANDOFF_TIMEOUT:g}); then it computes what is missing"
@@ -96,6 +100,7 @@ _KINDS: dict[str, tuple[Any, str]] = {
     "kvdepot.handoff_timeout": _SECONDS,
     "kvdepot.sync_load_bytes": (Annotated[int, msgspec.Meta(ge=0)], "a number of bytes, 0 or more"),
     "kvdepot.sync_load_share": (Annotated[float, msgspec.Meta(gt=0, le=1)], "a number more than 0 and at most 1"),
+    "kvdepot.slot_index": (bool, _BOOL),
     "kvdepot.handoff_pin": (Annotated[float, msgspec.Meta(ge=0)], "a number of seconds, 0 or more"),
     "kvdepot.consumer_stores": (bool, _BOOL),
     "kvdepot.test.fail_loads": (bool, _BOOL),
@@ -135,6 +140,7 @@ class ConnectorConfig:
     load_step_share: float = DEFAULT_LOAD_STEP_SHARE
     sync_load_bytes: int = DEFAULT_SYNC_LOAD_BYTES
     sync_load_share: float = DEFAULT_SYNC_LOAD_SHARE
+    slot_index: bool = True
     handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT
     handoff_pin: float = DEFAULT_HANDOFF_PIN
     consumer_stores: bool = False
@@ -173,6 +179,7 @@ class ConnectorConfig:
             load_step_share=got.get("kvdepot.load_step_share", DEFAULT_LOAD_STEP_SHARE),
             sync_load_bytes=got.get("kvdepot.sync_load_bytes", DEFAULT_SYNC_LOAD_BYTES),
             sync_load_share=got.get("kvdepot.sync_load_share", DEFAULT_SYNC_LOAD_SHARE),
+            slot_index=got.get("kvdepot.slot_index", True),
             handoff_timeout=got.get("kvdepot.handoff_timeout", DEFAULT_HANDOFF_TIMEOUT),
             handoff_pin=got.get("kvdepot.handoff_pin", DEFAULT_HANDOFF_PIN),
             consumer_stores=got.get("kvdepot.consumer_stores", False),

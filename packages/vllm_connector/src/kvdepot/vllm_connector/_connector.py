@@ -354,6 +354,7 @@ def _scheduler_side(setup: ConnectorSetup, client: CacheClient, health: ServerHe
         handoff_timeout=config.handoff_timeout,
         sync_load_bytes=setup.sync_load_bytes,
         sync_load_share=config.sync_load_share,
+        slot_index=config.slot_index,
     )
 
 

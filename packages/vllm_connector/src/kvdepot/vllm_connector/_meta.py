@@ -94,6 +94,7 @@ class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
 #: Counters reported through vLLM's connector stats (summed over workers and steps).
 STAT_COUNTERS = (
     "lookups",
+    "lookups_from_index",
     "lookup_hit_tokens",
     "lookup_misses_timeout",
     "lookup_misses_server_down",

@@ -91,13 +91,15 @@ class SchedulerSide:
         handoff_timeout: float = DEFAULT_HANDOFF_TIMEOUT,
         sync_load_bytes: int = 0,
         sync_load_share: float = DEFAULT_SYNC_LOAD_SHARE,
+        slot_index: bool = True,
     ) -> None:
         """``events``: announces what kvdepot holds in the engine's KV events (`_kv_events.py`).
         ``loads``, ``stores``: what the engine's ``kv_role`` lets it do; ``producer``: a prefill
         engine, whose finished requests name their chunks for a decode engine (`_handoff.py`);
         ``handoff_timeout``: how long a handed-over request waits at most for those chunks.
         ``sync_load_bytes``: the most bytes of hits a step loads before its forward pass (0: none);
-        ``sync_load_share``: while others run, the most those copies may add to a step (`_sync_budget.py`)."""
+        ``sync_load_share``: while others run, the most those copies may add to a step (`_sync_budget.py`);
+        ``slot_index``: answer lookups from the server's slot index when it offers one (`_index_lookups.py`)."""
         self.planner = Planner(namespace, block_size=block_size, chunk_size=chunk_size)
         self.loads, self.stores, self.producer = loads, stores, producer
         self.handoff_timeout = handoff_timeout
@@ -121,6 +123,7 @@ class SchedulerSide:
             events=events,
             lookup_timeout=lookup_timeout,
             count=self._count,
+            slot_index=slot_index,
         )
         self.store_plans = StorePlans(self.planner, groups, events)
         # A load that may fail block by block alone joins its step: one full-attention group.
@@ -174,9 +177,10 @@ class SchedulerSide:
                 return 0, False
             if tracker.state is RequestState.PREFETCHING:
                 self.lookups.send()
-                self._yield_to(record)
-                if not self.lookups.settle(record):
-                    return None, False
+                if not self.lookups.settle(record, from_index=True):
+                    self._yield_to(record)
+                    if not self.lookups.settle(record):
+                        return None, False
             if num_computed_tokens >= tracker.lookup_first * self.planner.chunk_size:
                 break
         return None
@@ -264,6 +268,7 @@ class SchedulerSide:
             if self.planner.is_loading(req_id):  # (also once the request finished: its leases go back)
                 self.planner.on_load_done(req_id)
         self.prefill.step_started(scheduler_output.total_num_scheduled_tokens, now)
+        self.lookups.collect_leases()  # given back at this pass's end when their hit is gone
         self.lookups.send()
         preempted = set(scheduler_output.preempted_req_ids or ())
         meta = KVDepotMetadata(loads=self._loads, idle=idle)
@@ -311,6 +316,7 @@ class SchedulerSide:
                     self.stats.add("load_failures")
                     self.planner.on_load_failed(req_id, record.request.num_computed_tokens)
         # vLLM has already cut a failed request's computed tokens back to its first failed block.
+        self.lookups.collect_leases()  # before the loads that ended give theirs back
         for req_id in output.finished_recving or ():
             if not self.planner.is_loading(req_id):
                 self.planner.end_preempted_load(req_id)  # preempted while it loaded: its leases go back
