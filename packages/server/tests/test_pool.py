@@ -56,12 +56,13 @@ def test_pool_larger_than_free_space_is_refused(tmp_path):
 
 
 def test_stale_pool_of_dead_server_is_removed(tmp_path):
-    """A pool file left by a dead process of this user is deleted; a live one is kept."""
+    """A pool file, or slot-index file, left by a dead process of this user is deleted; a live one is kept."""
     dead = tmp_path / f"kvdepot-{os.getuid()}-999999999-abc123.pool"
+    dead_index = tmp_path / f"kvdepot-{os.getuid()}-999999999-abc124.index"
     live = tmp_path / f"kvdepot-{os.getuid()}-{os.getppid()}-abc123.pool"
-    dead.write_bytes(b"x")
-    live.write_bytes(b"x")
-    assert remove_stale_pools(tmp_path) == [dead]
+    for path in (dead, dead_index, live):
+        path.write_bytes(b"x")
+    assert sorted(remove_stale_pools(tmp_path)) == [dead, dead_index]
     assert live.exists()
 
 

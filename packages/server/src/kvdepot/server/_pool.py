@@ -35,7 +35,7 @@ from kvdepot.transport import get_logger
 log = get_logger(__name__)
 
 SHM_DIR = Path("/dev/shm")  # noqa: S108 - the pool is created O_EXCL|O_NOFOLLOW, 0o600, random name
-_STALE_NAME = re.compile(r"^kvdepot-(\d+)-(\d+)-[0-9a-f]+\.pool$")
+_STALE_NAME = re.compile(r"^kvdepot-(\d+)-(\d+)-[0-9a-f]+\.(pool|index)$")
 
 
 def default_pool_dir() -> Path:
@@ -50,7 +50,7 @@ def pool_dir_free_bytes(directory: Path | None = None) -> int:
 
 
 def remove_stale_pools(directory: Path | None = None) -> list[Path]:
-    """Delete pool files this user left behind when a server died without cleaning up."""
+    """Delete pool and slot-index files this user left behind when a server died without cleaning up."""
     directory = directory or default_pool_dir()
     removed: list[Path] = []
     uid = os.getuid()
@@ -95,8 +95,9 @@ class SharedPool:
         self.keep = keep
 
     @classmethod
-    def create(cls, size: int, directory: Path | None = None) -> SharedPool:
-        """Create a new pool file of `size` bytes, readable and writable by this user only."""
+    def create(cls, size: int, directory: Path | None = None, *, suffix: str = ".pool") -> SharedPool:
+        """Create a new pool file of `size` bytes, readable and writable by this user only
+        (``suffix`` ".index": the server's slot index, made the same way)."""
         if size <= 0:
             raise PoolError(f"pool size must be positive, got {size}", size=size)
         directory = Path(directory) if directory is not None else default_pool_dir()
@@ -107,7 +108,7 @@ class SharedPool:
                 size=size,
                 free=free,
             )
-        path = directory / f"kvdepot-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}.pool"
+        path = directory / f"kvdepot-{os.getuid()}-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
         return cls.create_at(path, size)
 
     @classmethod

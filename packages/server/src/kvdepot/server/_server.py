@@ -136,7 +136,9 @@ class CacheServer:
             # A new kept pool is kept once the server is up: a start that fails leaves nothing behind.
             self.pool.keep = not kept_pool.fresh
             # Engines on the node find committed chunks here without a round trip (`HelloReply.slot_index`).
-            self.slot_index_pool = SharedPool.create(INDEX_ENTRY_BYTES * index_entries(self.pool.size), pool_dir)
+            self.slot_index_pool = SharedPool.create(
+                INDEX_ENTRY_BYTES * index_entries(self.pool.size), pool_dir, suffix=".index"
+            )
             parts.callback(self.slot_index_pool.close)
             self.slot_index = SlotIndexWriter(self.slot_index_pool.buffer)
             parts.callback(self.slot_index.close)
