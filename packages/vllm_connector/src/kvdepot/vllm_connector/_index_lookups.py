@@ -11,6 +11,9 @@ yet (`IndexReader.read`):
   the index is complete (the server has no tier below RAM, so a chunk not in it is a miss);
 - otherwise it waits for the reply, as without the index (a tier below may hold the rest).
 
+It asks the index once per lookup, in the pass that sends it: by a later pass a tier below may
+have read chunks back into RAM for this very lookup, and the reply says where they came from.
+
 An answer from the index has no lease yet: the reply, when it lands, brings the server's leases,
 and the scheduler side holds them with the hit from its next step boundary on
 (`Lookups.collect_leases`, `kvdepot.core.Planner.add_leases`). The load checks every slot's

@@ -84,6 +84,7 @@ class Lookups:
         self.leases.release(self.planner.take_leases())  # a repeated lookup gives back the old leases
         if keys is not None:
             record.lookup, record.sent_at, record.keys = None, time.monotonic(), keys
+            record.index_asked = False
             self._queued.append((record, self.planner.get(req_id).cache_salt, keys))
         return True
 
@@ -135,7 +136,8 @@ class Lookups:
         future = record.lookup
         assert future is not None
         status = lookup_status(future.done(), time.monotonic() - record.sent_at, self.lookup_timeout)
-        if status is LookupStatus.WAITING and from_index and self.index is not None:
+        if status is LookupStatus.WAITING and from_index and self.index is not None and not record.index_asked:
+            record.index_asked = True
             reading = self.index.read(
                 self.planner.get(record.request.request_id).cache_salt,
                 record.keys,

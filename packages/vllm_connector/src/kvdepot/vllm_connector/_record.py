@@ -29,6 +29,9 @@ class Record:
     first_item: int = 0
     sent_at: float = 0.0
     server_id: str = ""
+    #: The server's slot index was asked for this lookup (once: in the pass that sent it; later,
+    #: chunks a tier below has read back into RAM meanwhile are the reply's to count).
+    index_asked: bool = False
     #: The length of the hit's slots (the server's word; the worker checks it against its chunks).
     slot_bytes: int = 0
     #: A load of this request failed: it is never offered a hit again.
