@@ -120,3 +120,18 @@ def test_a_server_with_a_tier_below_ram_says_its_slot_index_is_not_complete(make
         assert hello is not None
         assert hello.slot_index is not None
         assert not hello.slot_index_complete
+
+
+def test_a_server_without_room_for_its_slot_index_serves_without_one(tmp_path, monkeypatch):
+    """The index's file cannot be made (the pool took the room): the server starts, logs it, and
+    offers no index; engines then ask it for every lookup."""
+    from kvdepot.server import _pool
+
+    monkeypatch.setattr(_pool, "pool_dir_free_bytes", lambda _directory=None: 0)  # only the kept pool fits
+    config = ServerConfig(
+        address=f"ipc://{tmp_path}/s.sock", keep_pool=True, capacity=1 << 20, page_size=4096, pool_dir=tmp_path
+    )
+    with CacheServer(config) as server:
+        assert server.slot_index is None
+        assert server.handler.slot_index is None
+        assert not list(tmp_path.glob("*.index"))

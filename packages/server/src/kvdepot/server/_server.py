@@ -18,7 +18,7 @@ from typing import Any
 from kvdepot.core import INDEX_ENTRY_BYTES, SlotIndexWriter, index_entries
 from kvdepot.server._collector import Collector
 from kvdepot.server._disk_tier import DiskTier
-from kvdepot.server._errors import ServerArgumentError
+from kvdepot.server._errors import PoolError, ServerArgumentError
 from kvdepot.server._file_limit import cache_connections
 from kvdepot.server._handler import CacheHandler
 from kvdepot.server._index import ChunkIndex
@@ -136,12 +136,7 @@ class CacheServer:
             # A new kept pool is kept once the server is up: a start that fails leaves nothing behind.
             self.pool.keep = not kept_pool.fresh
             # Engines on the node find committed chunks here without a round trip (`HelloReply.slot_index`).
-            self.slot_index_pool = SharedPool.create(
-                INDEX_ENTRY_BYTES * index_entries(self.pool.size), pool_dir, suffix=".index"
-            )
-            parts.callback(self.slot_index_pool.close)
-            self.slot_index = SlotIndexWriter(self.slot_index_pool.buffer)
-            parts.callback(self.slot_index.close)
+            self.slot_index_pool, self.slot_index = self._open_slot_index(pool_dir, parts)
             headers = SlotHeaders(self.pool.buffer, slot_index=self.slot_index)
             parts.callback(headers.close)
             self.index = ChunkIndex(
@@ -171,7 +166,9 @@ class CacheServer:
                 self.index,
                 pool_path=str(self.pool.path),
                 pool_size=self.pool.size,
-                slot_index=(str(self.slot_index_pool.path), self.slot_index_pool.size, self.tiers is None),
+                slot_index=None
+                if self.slot_index_pool is None
+                else (str(self.slot_index_pool.path), self.slot_index_pool.size, self.tiers is None),
                 chunk_size=config.chunk_size,
                 server_id=server_id,
                 tiers=self.tiers,
@@ -188,6 +185,21 @@ class CacheServer:
             self._publish()
             self.pool.keep = self.journal is not None
             self._parts = parts.pop_all()
+
+    def _open_slot_index(
+        self, pool_dir: Path, parts: contextlib.ExitStack
+    ) -> tuple[SharedPool | None, SlotIndexWriter | None]:
+        """The pool's slot index (closed with `parts`), or none when its file cannot be made (the
+        pool took the room): engines then ask the server for every lookup, as before."""
+        try:
+            pool = SharedPool.create(INDEX_ENTRY_BYTES * index_entries(self.pool.size), pool_dir, suffix=".index")
+        except PoolError as exc:
+            log.warning("slot_index_unavailable", reason=exc.message, effect="every lookup waits for the server")
+            return None, None
+        parts.callback(pool.close)
+        writer = SlotIndexWriter(pool.buffer)
+        parts.callback(writer.close)
+        return pool, writer
 
     def _forget_journal_unless_kept(self) -> None:
         """A new kept pool whose server never came up is not kept: its journal goes with it."""
@@ -340,8 +352,9 @@ class CacheServer:
     def _extra_stats(self) -> dict[str, str | int | float | bool | None]:
         extra: dict[str, str | int | float | bool | None] = {
             "pool_path": str(self.pool.path),
-            "slot_index_path": str(self.slot_index_pool.path),
-            "slot_index_dropped": self.slot_index.dropped,  # chunks whose group was full: lookups ask the server
+            "slot_index_path": None if self.slot_index_pool is None else str(self.slot_index_pool.path),
+            # chunks whose group was full: lookups ask the server
+            "slot_index_dropped": None if self.slot_index is None else self.slot_index.dropped,
             "server_version": __version__,
             "uptime_s": round(time.monotonic() - self.started_at, 3),
         }
