@@ -13,7 +13,8 @@ from kvdepot.core._errors import (
 from kvdepot.core._keys import DEFAULT_CHUNK_SIZE, KEY_SIZE, KeyChain, Namespace, chunk_keys, pack_tokens
 from kvdepot.core._labels import LABEL_KEY_BYTES, SaltLabeler, salt_label
 from kvdepot.core._parallel import ParallelStrategy
-from kvdepot.core._planner import Planner, RequestTracker, RetrievePlan, StorePlan
+from kvdepot.core._planner import Planner, RequestTracker
+from kvdepot.core._plans import RetrievePlan, StorePlan
 from kvdepot.core._recovery import LoadedRequest, Recovery, recover_load_failures
 from kvdepot.core._slot_index import INDEX_ENTRY_BYTES, SlotIndexWriter, find_in_index, index_entries
 from kvdepot.core._slots import (

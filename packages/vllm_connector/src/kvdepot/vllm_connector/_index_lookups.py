@@ -23,14 +23,11 @@ load (recomputed), never loads wrong bytes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
-import os
 from typing import TYPE_CHECKING
 
 from kvdepot.core import find_in_index, slot_digest
-from kvdepot.server import PoolError, open_pool_file
+from kvdepot.server import PoolError, PoolMapping
 from kvdepot.vllm_connector._lookup_reply import LookupReading
 
 if TYPE_CHECKING:
@@ -48,6 +45,7 @@ class IndexReader:
         self.client = client
         # (server instance, its index mapped or None when it cannot be, whether it is complete)
         self._mapped: tuple[str, memoryview | None, bool] | None = None
+        self._mapping: PoolMapping | None = None
 
     def read(
         self, salt: str, keys: Sequence[Sequence[bytes]], *, lookup_first: int, server_id: str
@@ -92,39 +90,19 @@ class IndexReader:
             return None
         if self._mapped is None or self._mapped[0] != hello.server_id:
             self.close()
-            self._mapped = (
-                hello.server_id,
-                _map(hello.slot_index.path, hello.slot_index.size),
-                hello.slot_index_complete,
-            )
+            try:  # the pool's own checks: this user's file alone, no symlink, the size announced
+                self._mapping = PoolMapping(hello.slot_index.path, hello.slot_index.size, writable=False)
+                view: memoryview | None = self._mapping.view(0, hello.slot_index.size)
+            except PoolError as exc:
+                log.info("kvdepot reads no slot index (%s); lookups wait for the server's reply", exc)
+                view = None
+            self._mapped = (hello.server_id, view, hello.slot_index_complete)
         return self._mapped
 
     def close(self) -> None:
         """Unmap the index."""
-        if self._mapped is not None and (view := self._mapped[1]) is not None:
-            mapping = view.obj
-            view.release()
-            if isinstance(mapping, mmap.mmap):
-                with contextlib.suppress(BufferError):
-                    mapping.close()
-        self._mapped = None
-
-
-def _map(path: str, size: int) -> memoryview | None:
-    """The index file mapped read-only, or None (logged) when it cannot be: lookups then wait
-    for the server's reply."""
-    try:
-        fd = open_pool_file(path, writable=False)
-    except PoolError as exc:
-        log.info("kvdepot reads no slot index (%s); lookups wait for the server's reply", exc)
-        return None
-    try:
-        if os.fstat(fd).st_size < size:
-            log.info("kvdepot reads no slot index: %s is shorter than announced", path)
-            return None
-        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
-    except OSError as exc:
-        log.info("kvdepot reads no slot index (%s); lookups wait for the server's reply", exc)
-        return None
-    finally:
-        os.close(fd)
+        if self._mapped is not None and self._mapped[1] is not None:
+            self._mapped[1].release()
+        if self._mapping is not None:
+            self._mapping.close()
+        self._mapped, self._mapping = None, None

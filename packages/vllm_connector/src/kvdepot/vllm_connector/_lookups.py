@@ -138,15 +138,13 @@ class Lookups:
         status = lookup_status(future.done(), time.monotonic() - record.sent_at, self.lookup_timeout)
         if status is LookupStatus.WAITING and from_index and self.index is not None and not record.index_asked:
             record.index_asked = True
+            req_id = record.request.request_id
+            tracker = self.planner.get(req_id)
             reading = self.index.read(
-                self.planner.get(record.request.request_id).cache_salt,
-                record.keys,
-                lookup_first=self.planner.get(record.request.request_id).lookup_first,
-                server_id=record.server_id,
+                tracker.cache_salt, record.keys, lookup_first=tracker.lookup_first, server_id=record.server_id
             )
             if reading is not None:
                 # The answer has no lease; the reply's join the hit when it lands (`collect_leases`).
-                req_id = record.request.request_id
                 self._unleased[req_id] = (future, record.first_item, record.server_id)
                 record.lookup = None
                 self.count("lookups_from_index", 1)
