@@ -556,14 +556,31 @@ def test_chunked_prefill_under_a_small_kv_cache_stores_what_recompute_computes(
     config = kvdepot_server.connector_config()
     baseline = vllm_engine(tiny_gemma2, [LONG, *others], max_tokens=8).check()
     run = vllm_engine(
-        tiny_gemma2, [LONG, *others], max_tokens=8, sequential=False, engine_kwargs=small, kv_transfer_config=config
+        tiny_gemma2,
+        [LONG, *others],
+        max_tokens=8,
+        sequential=False,
+        engine_kwargs=small,
+        kv_transfer_config=config,
+        collect_metrics=True,
     ).check()
     assert run.outputs == baseline.outputs
-    assert kvdepot_server.stats().chunks == len(LONG) // CHUNK + 3 * (700 // CHUNK)
+    # A store whose slots the server had not reserved by the step's end is skipped, and counted: on
+    # a busy host (the CI's two test workers on two cores) that happens. Every chunk is stored or
+    # counted as skipped, none lost silently; a window's chunk cannot be stored later by that run.
+    counted = [v for k, v in (run.metrics or {}).items() if "kvdepot_store_skipped" in k]
+    assert counted  # the connector's counter reaches vLLM's metrics
+    skipped = sum(counted)
+    stored = kvdepot_server.stats().chunks
+    assert stored + skipped == len(LONG) // CHUNK + 3 * (700 // CHUNK)
     again = vllm_engine(tiny_gemma2, [LONG, *others], max_tokens=8, engine_kwargs=CHUNKED, kv_transfer_config=config)
     again.check()
-    assert again.num_cached_tokens == [1280, 512, 512, 512]
     assert again.outputs == baseline.outputs
+    if not skipped:
+        assert again.num_cached_tokens == [1280, 512, 512, 512]
+    else:  # a prompt's hit ends at its first chunk skipped
+        assert all(n % CHUNK == 0 for n in again.num_cached_tokens)
+        assert sum(again.num_cached_tokens) <= stored * CHUNK
     assert_nothing_left(kvdepot_server.stats())
 
 

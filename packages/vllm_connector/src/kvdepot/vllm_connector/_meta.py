@@ -153,6 +153,7 @@ PROM_COUNTERS = {
     "loaded_bytes": "Bytes loaded from kvdepot into the KV cache",
     "stored_bytes": "Bytes stored from the KV cache into kvdepot",
     "load_failures": "Loads from kvdepot that failed and were recomputed",
+    "store_skipped": "Stores skipped because the kvdepot server had not reserved their slots in time",
     "lookups": "Lookups answered by kvdepot",
     "lookup_seconds_sum": "Seconds spent waiting for kvdepot lookups",
 }
