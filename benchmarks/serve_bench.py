@@ -11,7 +11,9 @@ in four configurations:
 - ``kvdepot``: the same, with kvdepot (a fresh `kvdepot serve` per round);
 - ``floor``: no connector, a KV cache of `--floor-kv-cache` (256 MiB) that keeps every prefix:
   reuse as good as it gets, the target;
-- ``lmcache``: LMCache's connector, where the ``lmcache`` package is installed;
+- ``lmcache``: LMCache's multi-process mode (its `lmcache server`, a fresh one per round, and
+  vLLM's ``LMCacheMPConnector``), where `--lmcache-python` imports lmcache and vllm (LMCache's
+  in-process connector has no CPU path: it starts, and serves no hit);
 - `--variant NAME:KEY=VALUE,...`: kvdepot again with these connector settings (measured beside
   the default, never instead).
 
