@@ -127,6 +127,17 @@ def lmcache_installed(python: str) -> bool:
     return done.returncode == 0
 
 
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """Stop ``proc``'s process group: SIGINT, then SIGKILL if it has not ended within 30 s."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log_path: Path) -> None:
     """Return once something listens on 127.0.0.1:``port``; raise if ``proc`` exits first."""
     deadline = time.monotonic() + SERVER_START_S
@@ -158,13 +169,7 @@ def lmcache_server(args: argparse.Namespace, workdir: Path) -> Iterator[int]:
             wait_for_port(port, proc, "lmcache server", log_path)
             yield port
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
             for leftover in Path("/dev/shm").glob(f"*{shm_name}*"):
                 leftover.unlink(missing_ok=True)
 
@@ -227,13 +232,7 @@ def vllm_server(args: argparse.Namespace, config: str, workdir: Path) -> Iterato
                 progress(f"vllm serve ({config}) failed; the end of its log:\n{log_tail(log_path)}")
                 raise
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
 
 
 def bench_serve(args: argparse.Namespace, port: int, concurrency: int, prompts: int, out: Path) -> dict[str, Any]:
