@@ -362,4 +362,7 @@ def test_a_one_thread_copy_on_a_thread_of_its_own_starts_no_second_openmp_team()
     assert added == 0
     added, right = _copy_on_a_thread_of_its_own(None)  # torch's thread count: a second team
     assert right
-    assert added == torch.get_num_threads() - 1
+    # The copy's 64 pieces of 4 KiB go out in 4 batches of 64 KiB, and a team has at most one
+    # thread per batch and per core it may run on (16 cores ran 4 threads on the GPU machine).
+    team = min(torch.get_num_threads(), len(os.sched_getaffinity(0)), 4)
+    assert added == team - 1

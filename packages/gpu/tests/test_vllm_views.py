@@ -209,15 +209,13 @@ def test_the_packed_layout_that_corrupted_lmcache_0_5_2_round_trips_bit_exact(la
     [("FLASH_ATTN", "LBNHC", None), ("FLASHINFER_HND", "BLHNC", None), ("FLASHMLA", "LBNHC", ENGINE_BLOCK // 2)],
 )
 def test_the_cuda_kernel_run_by_tritons_interpreter_fills_the_slots_as_the_reference(
-    backend: str, layout_name: str, kernel_block: int | None, monkeypatch: pytest.MonkeyPatch
+    backend: str, layout_name: str, kernel_block: int | None, triton_interpreter: None
 ) -> None:
     """The CUDA path's Triton kernel, run on the CPU by Triton's interpreter, gathers vLLM 0.33's
     views into the same slot bytes as the plain-torch reference, and scatters them back whole."""
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
     from kvdepot.gpu import open_copier
     from kvdepot.gpu._copy import plan_copy
-    from kvdepot.gpu._cuda import pool_words, triton_copy
+    from kvdepot.gpu._cuda import KernelTables, pool_words, triton_copy
     from kvdepot.gpu._table import CopyTables
 
     kind, hint, _takes = BACKENDS[backend]
@@ -228,13 +226,13 @@ def test_the_cuda_kernel_run_by_tritons_interpreter_fills_the_slots_as_the_refer
     with open_copier(layout, reference, method="reference") as copier:
         copier.gather([[7, 2]], [0], slot_size=size).wait()
     pool = torch.zeros(size, dtype=torch.uint8)
-    tables = CopyTables(layout)
+    tables = KernelTables(layout, CopyTables(layout))
     plan = plan_copy(layout, pool, [0], [[7, 2]], writes_kv=False)
-    triton_copy(layout, plan, pool, lambda width: pool_words(pool, width), tables, to_pool=True)
+    triton_copy(plan, pool.data_ptr(), lambda width: pool_words(pool, width), tables, to_pool=True)
     assert torch.equal(pool, reference)
     before = {name: _bits(view).clone() for name, view in kv.items()}
     plan = plan_copy(layout, pool, [0], [[1, 9]], writes_kv=True)
-    triton_copy(layout, plan, pool, lambda width: pool_words(pool, width), tables, to_pool=False)
+    triton_copy(plan, pool.data_ptr(), lambda width: pool_words(pool, width), tables, to_pool=False)
     per_block = next(iter(kv.values())).shape[0] // BLOCKS
     for name, view in kv.items():
         for target, source in ((1, 7), (9, 2)):

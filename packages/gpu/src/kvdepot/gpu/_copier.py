@@ -243,19 +243,22 @@ def open_copier(
     method: Method = "auto",
     register: bool = True,
     cpu_threads: int | None = None,
+    programs: int | None = None,
 ) -> CpuCopier | CudaCopier | ReferenceCopier:
     """The copier of this layout's device (same methods on each); see the module docstring.
 
     `method` picks the CUDA path ("triton" or "dma"; "auto": Triton where it can run) or,
     on any device, "reference". `register` (CUDA): register the pool for DMA. `cpu_threads`
     (CPU): threads per copy; pass 1 when copies run on a thread other than the one that runs
-    torch's operators (see `native_threads`).
+    torch's operators (see `native_threads`). `programs` (CUDA, Triton): at most this many of
+    the kernel's programs at once, each holding a share of one SM while it copies (default
+    `_triton.PROGRAMS`; 0: one per tile, the fastest copy and the most SMs taken from the engine).
     """
     if method == "reference" or layout.device.type not in ("cpu", "cuda"):
         return ReferenceCopier(layout, pool)
     if layout.device.type == "cpu":
         return CpuCopier(layout, pool, threads=cpu_threads)
-    return CudaCopier(layout, pool, method=method, register=register)
+    return CudaCopier(layout, pool, method=method, register=register, programs=programs)
 
 
 def gather(

@@ -1,17 +1,18 @@
-"""The CUDA copier: the copy table expanded into segments, moved by the Triton kernel or by DMA.
+"""The CUDA copier: the copy table, moved by the Triton kernel or by DMA.
 
 Each gather or scatter runs on the copier's side stream after an event of the compute
 stream, and completes asynchronously. The path is fixed when the copier opens:
 
 - **Triton** (`_triton.py`) when Triton is installed and the pool is registered (or
-  pinned): one kernel launch per plane group writes or reads the registered host memory
-  directly, whatever the number of segments.
+  pinned): one kernel launch per call writes or reads the registered host memory
+  directly, whatever the number of layers, segments and chunks. The kernel reads the copy
+  table from the device (`KernelTables`, built once per chunk size) and the call's block
+  ids and slot offsets from one small host-to-device copy.
 - **DMA** otherwise: segments that follow each other on both sides are merged into runs,
   and each run is one `cudaMemcpyAsync` (`copy_(non_blocking=True)`).
 
-Both take the same segments, (KV offset, pool offset) pairs from `CopyTable.segments`, and
-both run on CPU tensors too (the kernel under `TRITON_INTERPRET=1`), which is how they are
-tested without a GPU.
+Both follow the same copy table (`_table.py`), and both run on CPU tensors too (the kernel
+under `TRITON_INTERPRET=1`), which is how they are tested without a GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import structlog
 import torch
 
@@ -26,7 +28,7 @@ from kvdepot.gpu import _triton
 from kvdepot.gpu._copy import BlockIds, CopyPlan, check_pool, plan_copy, require_writable
 from kvdepot.gpu._errors import CopierClosedError, CopyArgumentError
 from kvdepot.gpu._layout import KVLayout, PlaneGroup, dtype_of_width, width_of
-from kvdepot.gpu._table import LENGTH, CopyTable, CopyTables, merge_runs
+from kvdepot.gpu._table import KV, KV_STEP, LENGTH, SLOT, SLOT_STEP, CopyTable, CopyTables, merge_runs
 
 log = structlog.get_logger(__name__)
 
@@ -56,28 +58,67 @@ def plane_group_segments(
             yield group, width, seg_bytes, torch.cat([k for _, k, _ in pieces]), torch.cat([s for _, _, s in pieces])
 
 
-def triton_copy(
-    layout: KVLayout, plan: CopyPlan, pool: torch.Tensor, pool_arg: Any, tables: Callable[[int], CopyTable], *,
-    to_pool: bool,
-) -> list[Any]:  # fmt: skip
-    """Run `plan` through the Triton kernel, one launch per plane group.
+class KernelTables:
+    """The copy tables as the Triton kernel reads them: in words from the pool's first byte,
+    every plane group's rows in one table, on the KV cache's device; one per chunk size,
+    word width and pool address, built on first use."""
 
-    `pool_arg(width)` is what the kernel gets for the pool: a word view of the pool
-    tensor (CPU, under TRITON_INTERPRET=1) or a `DevicePointer` (CUDA). Returns the
-    tensors that must stay alive until the copy completes.
+    def __init__(self, layout: KVLayout, tables: CopyTables) -> None:
+        self.layout = layout
+        self.tables = tables
+        self._rows: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}
+
+    def width(self, blocks: int, base: int, offsets: Sequence[int]) -> int:
+        """The widest word, at most 8 bytes, dividing every offset the kernel adds to `base`."""
+        return width_of(min(part.width for part in self.tables(blocks).parts), 8, base, *offsets)
+
+    def rows(self, blocks: int, width: int, base: int) -> tuple[torch.Tensor, int]:
+        """(kernel table [rows, ROW_COLUMNS] int64 on the device, its longest row in words)."""
+        key = (blocks, width, base)
+        cached = self._rows.get(key)
+        if cached is None:
+            table = self.tables(blocks).rows
+            words = np.stack(
+                [table[:, KV] - base, table[:, KV_STEP], table[:, SLOT], table[:, SLOT_STEP], table[:, LENGTH]], axis=1
+            )
+            assert not (words % width).any(), "the word width divides every offset"
+            words //= width
+            rows = torch.from_numpy(np.ascontiguousarray(words)).to(self.layout.device)
+            cached = self._rows[key] = (rows, int(words[:, 4].max()))
+        return cached
+
+
+def triton_copy(
+    plan: CopyPlan, base: int, base_arg: Callable[[int], Any], tables: KernelTables, *, to_pool: bool,
+    programs: int = _triton.PROGRAMS,
+) -> list[Any]:  # fmt: skip
+    """Run `plan` through the Triton kernel: one launch per chunk size (a step's chunks have one).
+
+    `base` is the pool's address and `base_arg(width)` what the kernel gets for it: a word
+    view of the pool tensor (CPU, under TRITON_INTERPRET=1) or a `DevicePointer` (CUDA).
+    Returns the tensors that must stay alive until the copy completes.
     """
+    by_size: dict[int, list[tuple[int, list[int], int]]] = {}
+    for offset, ids, skip in plan.chunks():
+        by_size.setdefault(len(ids), []).append((offset, ids, skip))
     keep: list[Any] = []
-    for group, width, seg_bytes, kv, slot in plane_group_segments(layout, plan, tables, pool.data_ptr()):
-        kv_words, pool_words_ = group.base(width), pool_arg(width)
-        kv_offsets, slot_offsets = kv // width, slot // width
-        if layout.device.type != "cpu":
-            both = torch.stack([kv_offsets, slot_offsets]).pin_memory().to(layout.device, non_blocking=True)
-            kv_offsets, slot_offsets = both[0], both[1]
-        if to_pool:
-            _triton.copy_segments(kv_words, pool_words_, kv_offsets, slot_offsets, seg_bytes // width)
-        else:
-            _triton.copy_segments(pool_words_, kv_words, slot_offsets, kv_offsets, seg_bytes // width)
-        keep += [kv_offsets, slot_offsets]
+    device = tables.layout.device
+    for blocks, chunks in by_size.items():
+        width = tables.width(blocks, base, [offset for offset, _, _ in chunks])
+        rows, longest = tables.rows(blocks, width, base)
+        count = len(chunks)
+        packed = torch.tensor(
+            [offset // width for offset, _, _ in chunks] + [skip for _, _, skip in chunks]
+            + [block for _, ids, _ in chunks for block in ids],
+            dtype=torch.int64,
+        )  # fmt: skip
+        if device.type != "cpu":
+            packed = packed.pin_memory().to(device, non_blocking=True)
+        _triton.copy_blocks(
+            base_arg(width), rows, packed[2 * count :], packed[:count], packed[count : 2 * count],
+            blocks=blocks, tile_words=longest, to_pool=to_pool, programs=programs,
+        )  # fmt: skip
+        keep.append(packed)
     return keep
 
 
@@ -133,8 +174,9 @@ class CudaCopier:
     """
 
     def __init__(
-        self, layout: KVLayout, pool: torch.Tensor, *, method: CudaMethod = "auto", register: bool = True
-    ) -> None:
+        self, layout: KVLayout, pool: torch.Tensor, *, method: CudaMethod = "auto", register: bool = True,
+        programs: int | None = None,
+    ) -> None:  # fmt: skip
         if layout.device.type != "cuda":
             raise CopyArgumentError(f"CudaCopier needs a CUDA KV cache, got {layout.device}.", got=str(layout.device))
         if method not in ("auto", "triton", "dma"):
@@ -146,12 +188,17 @@ class CudaCopier:
         self.registered = register and not pool.is_pinned() and _host_register(pool)
         self.method = _pick_method(method, can_zero_copy=(self.registered or pool.is_pinned()) and _triton.available())
         self.tables = CopyTables(layout)
+        self.kernel_tables = KernelTables(layout, self.tables)
+        self.programs = _triton.PROGRAMS if programs is None else programs
+        if self.programs < 0:
+            raise CopyArgumentError(f"programs must be >= 0 (0: one per tile), got {programs}.", got=programs)
         self._closed = False
         self._writable = False  # checked at the first gather: a reader's pool may be read-only
 
     def describe(self) -> str:
         """How copies run, for logs."""
-        return f"cuda: {self.method}, pool {'registered for DMA' if self.registered else 'pageable'}"
+        programs = f" ({self.programs or 'a program per tile'} programs)" if self.method == "triton" else ""
+        return f"cuda: {self.method}{programs}, pool {'registered for DMA' if self.registered else 'pageable'}"
 
     def gather(
         self,
@@ -200,7 +247,7 @@ class CudaCopier:
             if self.method == "triton":
                 address = self.pool.data_ptr()
                 pool_arg = lambda width: _triton.DevicePointer(address, dtype_of_width(width))  # noqa: E731
-                keep = triton_copy(self.layout, plan, self.pool, pool_arg, self.tables, to_pool=to_pool)
+                keep = triton_copy(plan, address, pool_arg, self.kernel_tables, to_pool=to_pool, programs=self.programs)
             else:
                 dma_copy(self.layout, plan, self.pool, self.tables, to_pool=to_pool)
             done = torch.cuda.Event()
