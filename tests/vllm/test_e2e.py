@@ -566,13 +566,15 @@ def test_chunked_prefill_under_a_small_kv_cache_stores_what_recompute_computes(
     ).check()
     assert run.outputs == baseline.outputs
     # A store whose slots the server had not reserved by the step's end is skipped, and counted: on
-    # a busy host (the CI's two test workers on two cores) that happens. Every chunk is stored or
-    # counted as skipped, none lost silently; a window's chunk cannot be stored later by that run.
+    # a busy host (the CI's two test workers on two cores) that happens. It is planned again while
+    # its request runs, but a window's chunk may have left the window by then. Every chunk is
+    # stored or was counted as skipped, none lost silently.
     counted = [v for k, v in (run.metrics or {}).items() if "kvdepot_store_skipped" in k]
     assert counted  # the connector's counter reaches vLLM's metrics
     skipped = sum(counted)
     stored = kvdepot_server.stats().chunks
-    assert stored + skipped == len(LONG) // CHUNK + 3 * (700 // CHUNK)
+    chunks = len(LONG) // CHUNK + 3 * (700 // CHUNK)
+    assert stored == chunks if not skipped else chunks - skipped <= stored <= chunks
     again = vllm_engine(tiny_gemma2, [LONG, *others], max_tokens=8, engine_kwargs=CHUNKED, kv_transfer_config=config)
     again.check()
     assert again.outputs == baseline.outputs

@@ -118,6 +118,29 @@ def test_store_grows_by_scheduled_tokens_for_new_and_running():
     assert plan.keys == (tuple(chunk_keys(NS, tokens, CHUNK)[1:2]),)
 
 
+def test_a_skipped_store_is_planned_again_from_its_first_chunk():
+    """A store the worker skipped is planned again at the request's next step, with the same keys
+    and blocks; never for a request that no longer runs, nor for chunks not planned yet."""
+    p = planner()
+    tokens = list(range(24))
+    admitted(p, "r", tokens, hits=0, leases=())
+    first = p.on_scheduled("r", 16, tokens)
+    assert (first.first_chunk, first.num_chunks) == (0, 2)
+    assert p.store_again("r", 2) is False  # chunk 2 was never planned
+    assert p.store_again("r", 1) is True
+    plan = p.on_scheduled("r", 8, tokens)  # the next step: chunk 1 again, and the new chunk 2
+    assert (plan.first_chunk, plan.num_chunks) == (1, 2)
+    assert plan.keys[0][0] == first.keys[0][1]
+    assert plan.block_ids[:2] == first.block_ids[2:]
+    assert p.store_again("unknown", 0) is False
+    with pytest.raises(InvalidArgumentError):
+        p.store_again("r", -1)
+    p.on_preempted("r")
+    assert p.store_again("r", 0) is False  # its blocks went back to the engine
+    p.finish("r")
+    assert p.store_again("r", 0) is False
+
+
 def test_store_bounded_by_known_tokens():
     """A chunk whose tokens are not all known yet is not stored."""
     p = planner()

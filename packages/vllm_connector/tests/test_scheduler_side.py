@@ -660,3 +660,43 @@ def test_a_kv_both_engine_names_its_chunks_only_when_asked_and_an_aborted_reques
     gone.status = RequestStatus.FINISHED_ABORTED
     producer.on_new_request(gone)
     assert producer.request_finished(gone)[1] is None
+
+
+def test_a_store_a_worker_skipped_is_planned_again_while_the_request_runs():
+    """A worker that got a store's slots too late (a busy server) names the store in its report; the
+    request plans it again at its next step, same keys and blocks, at most STORE_AGAIN_MAX times."""
+    from kvdepot.vllm_connector._scheduler import STORE_AGAIN_MAX
+
+    client = FakeClient(answer=lambda items: reply(*[(0, 0) for _ in items]))
+    s = side(client)  # blocks of 4 tokens, chunks of 8
+    a = request("a", 24)
+    s.on_new_request(a)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    blocks = list(range(1, 7))
+    s.update_state_after_alloc(a, (blocks,), 0)
+    first = s.build_connector_meta(output(new=[("a", blocks)], scheduled={"a": 16}))
+    assert [(op.req_id, op.first_chunk, op.block_ids[0]) for op in first.stores] == [("a", 0, blocks[:4])]
+
+    def skipped(chunk: int) -> SimpleNamespace:
+        report = KVDepotWorkerMetadata(skipped={"a": chunk})
+        return SimpleNamespace(finished_recving=set(), kv_connector_worker_meta=report)
+
+    s.update_connector_output(skipped(1))  # chunk 1 of that store came late on some worker
+    meta = s.build_connector_meta(output(cached=[("a", None)], scheduled={"a": 8}))
+    (again,) = meta.stores
+    assert (again.first_chunk, again.keys[0][0], again.block_ids[0]) == (1, first.stores[0].keys[0][1], blocks[2:6])
+    for _ in range(STORE_AGAIN_MAX):  # later steps' stores skipped too
+        s.update_connector_output(skipped(1))
+        s.build_connector_meta(output(cached=[("a", None)], scheduled={"a": 1}))
+    assert s.stats.data["store_again"] == STORE_AGAIN_MAX
+    assert s.build_connector_meta(output(cached=[("a", None)], scheduled={"a": 1})).stores == []
+    s.update_connector_output(skipped(0))  # no more: the server is slow for good
+    assert s.build_connector_meta(output(cached=[("a", None)], scheduled={"a": 1})).stores == []
+    assert s.stats.data["store_again"] == STORE_AGAIN_MAX
+
+
+def test_skipped_stores_of_several_workers_aggregate_to_the_earliest_chunk():
+    """Each worker names the stores it skipped; vLLM's aggregate keeps each request's earliest chunk."""
+    one = KVDepotWorkerMetadata(skipped={"r": 3, "s": 1})
+    other = KVDepotWorkerMetadata(skipped={"r": 2, "t": 5})
+    assert one.aggregate(other).skipped == {"r": 2, "s": 1, "t": 5}

@@ -750,3 +750,49 @@ def test_a_synchronous_load_that_fails_reports_its_blocks_from_the_same_step(cli
         assert worker.get_finished(set()) == (None, None)
     finally:
         worker.shutdown()
+
+
+def _frozen(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_store_whose_slots_come_late_is_reported_for_planning_again(
+    server: kvdepot.server.ServerProcess, client: CacheClient
+) -> None:
+    """A server that cannot answer before the step's end (frozen here, busy in real life) costs the
+    store, not the step: it is skipped, counted, and named to the scheduler with its first chunk,
+    which plans it again; the late reply's slots go back, and the store made again commits."""
+    import os
+    import signal
+
+    worker = make_worker(client, torch.randn((8, 2, BLOCK, 64)))
+    assert server.pid is not None
+    try:
+        meta = KVDepotMetadata(stores=[StoreOp("a", "", [[KEY]], [[1, 2]], first_chunk=3)])
+        os.kill(server.pid, signal.SIGSTOP)
+        try:
+            while not _frozen(server.pid):
+                time.sleep(0.001)
+            worker.step_started(meta)  # the reserve waits in the frozen server's socket
+            worker.start_load_kv(meta)
+            worker.wait_for_save(meta)  # the step's end: no slots, the store is skipped
+            worker.get_finished(set())
+        finally:
+            os.kill(server.pid, signal.SIGCONT)
+        report = worker.take_worker_meta()
+        assert report is not None
+        assert report.skipped == {"a": 3}
+        assert worker.take_worker_meta() is None  # reported once
+        stats = worker.take_stats()
+        assert stats is not None
+        assert stats.data["store_skipped"] == 1
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 0
+        while client.stats().result(5).reservations:  # the late reply's slots go back as it lands
+            time.sleep(0.01)
+        save(worker, StoreOp("a", "", [[KEY]], [[1, 2]], first_chunk=3))  # the scheduler's plan, again
+        worker.wait_for_commits()
+        assert client.lookup([("", [KEY])]).result(5).results[0].num_hits == 1
+        assert worker.take_worker_meta() is None
+    finally:
+        worker.shutdown()

@@ -439,6 +439,21 @@ class Planner:
         tracker.next_store_chunk = min(tracker.next_store_chunk, tracker.num_computed_tokens // self.chunk_size)
         tracker.hit_chunks = min(tracker.hit_chunks, tracker.next_store_chunk)
 
+    def store_again(self, req_id: str, first_chunk: int) -> bool:
+        """A worker skipped the store of chunks ``first_chunk`` on (its slots came too late): plan
+        them again, from the request's next scheduled step, while it still holds their blocks.
+
+        True if the request will store them again; False if it is not tracked, is not running
+        (finished, preempted, still waiting for its load: its blocks are gone or not its own
+        yet), or plans nothing from there anyway. The server skips any chunk it already has.
+        """
+        _non_negative("first_chunk", first_chunk)
+        tracker = self._requests.get(req_id)
+        if tracker is None or tracker.state is not RequestState.READY or first_chunk >= tracker.next_store_chunk:
+            return False
+        tracker.next_store_chunk = first_chunk
+        return True
+
     def on_preempted(self, req_id: str) -> None:
         """The engine took the request's blocks back; it will look up again when resumed.
 

@@ -53,6 +53,7 @@ class StoreOp:
     salt: str
     keys: list[list[bytes]]  # per KV rank
     block_ids: list[list[int]]  # per KV-cache group: blocks_per_chunk blocks per chunk, in order
+    first_chunk: int = 0  # the request's chunk the first key is (a skipped store is planned again from it)
 
 
 @dataclass
@@ -71,13 +72,15 @@ class KVDepotMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
-    """Which finished loads failed, on any worker (vLLM reports the finished ones itself); and
-    the bytes of hits a worker copied into its KV cache since its last report, and the seconds
-    those copies took: the rate that bounds the synchronous loads (`_sync_budget.py`)."""
+    """Which finished loads failed, on any worker (vLLM reports the finished ones itself); the
+    bytes of hits a worker copied into its KV cache since its last report, and the seconds those
+    copies took: the rate that bounds the synchronous loads (`_sync_budget.py`); and the stores a
+    worker skipped because their slots came too late, by request: the first chunk skipped."""
 
     failed: set[str] = field(default_factory=set)
     copied_bytes: int = 0
     copied_s: float = 0.0
+    skipped: dict[str, int] = field(default_factory=dict)
 
     @property
     def copy_rate(self) -> float:
@@ -88,7 +91,10 @@ class KVDepotWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, KVDepotWorkerMetadata)
         # The workers copy side by side and the step waits for the slowest: its figures stand.
         slower = min((self, other), key=lambda meta: meta.copy_rate)
-        return KVDepotWorkerMetadata(self.failed | other.failed, slower.copied_bytes, slower.copied_s)
+        skipped = dict(self.skipped)
+        for req_id, chunk in other.skipped.items():
+            skipped[req_id] = min(chunk, skipped.get(req_id, chunk))
+        return KVDepotWorkerMetadata(self.failed | other.failed, slower.copied_bytes, slower.copied_s, skipped)
 
 
 #: Counters reported through vLLM's connector stats (summed over workers and steps).
@@ -106,6 +112,7 @@ STAT_COUNTERS = (
     "stored_bytes",
     "store_skipped",
     "store_late",
+    "store_again",
     "handoff_polls",
     "handoff_timeouts",
 )
@@ -154,6 +161,7 @@ PROM_COUNTERS = {
     "stored_bytes": "Bytes stored from the KV cache into kvdepot",
     "load_failures": "Loads from kvdepot that failed and were recomputed",
     "store_skipped": "Stores skipped because the kvdepot server had not reserved their slots in time",
+    "store_again": "Skipped stores planned again while their requests still held the blocks",
     "lookups": "Lookups answered by kvdepot",
     "lookup_seconds_sum": "Seconds spent waiting for kvdepot lookups",
 }

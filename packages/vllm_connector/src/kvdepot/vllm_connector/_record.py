@@ -45,3 +45,5 @@ class Record:
     keys: list[list[bytes]] = attrs.Factory(list)
     #: A handed-over request (prefill elsewhere): its wait for the chunks its producer stored.
     handoff: HandoffWait | None = None
+    #: How often a store of this request that a worker skipped was planned again (`STORE_AGAIN_MAX`).
+    stores_again: int = 0

@@ -69,6 +69,10 @@ LEASE_REFRESH_S = 20.0
 #: future reads it on the engine thread, so a hit or a miss costs the request no extra
 #: engine step. The scheduler never waits longer than this for the server.
 LOOKUP_YIELD_S = 0.002
+#: A request's skipped stores (their slots came after the step's end, `_stores.py`) are planned
+#: again at most this many times: enough for a busy moment, and no endless retries against a
+#: server that is slow for good.
+STORE_AGAIN_MAX = 3
 
 
 class SchedulerSide:
@@ -304,6 +308,7 @@ class SchedulerSide:
         if isinstance(worker_meta, KVDepotWorkerMetadata):
             failed = worker_meta.failed
             self.sync.budget.copied(worker_meta.copied_bytes, worker_meta.copied_s)
+            self._store_again(worker_meta.skipped)
         # A worker reports its failed load in the step it failed, and vLLM passes that on at once;
         # but it lists the load as finished only once every worker reported it, which with several
         # ranks can be steps later (and in a step whose reports say nothing of it): remember it.
@@ -331,6 +336,18 @@ class SchedulerSide:
             else:
                 self.planner.on_load_done(req_id)
         self._flush_releases()
+
+    def _store_again(self, skipped: dict[str, int]) -> None:
+        """Plan again the stores a worker skipped because their slots came late (a busy server or
+        host), from the request's next scheduled step, while it holds their blocks; at most
+        `STORE_AGAIN_MAX` times a request, so a server slow for good is not asked again and again."""
+        for req_id, first_chunk in skipped.items():
+            record = self._records.get(req_id)
+            if record is None or record.stores_again >= STORE_AGAIN_MAX:
+                continue
+            if self.planner.store_again(req_id, first_chunk):
+                record.stores_again += 1
+                self.stats.add("store_again")
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...] = ()

@@ -77,7 +77,7 @@ class StorePlans:
             keys, blocks = self._windowed(table, plan.first_chunk, keys)
             if not blocks[0]:
                 return None
-        return StoreOp(req_id=req_id, salt=plan.cache_salt, keys=keys, block_ids=blocks)
+        return StoreOp(req_id=req_id, salt=plan.cache_salt, keys=keys, block_ids=blocks, first_chunk=plan.first_chunk)
 
     def _windowed(
         self, table: tuple[list[int], ...], first_chunk: int, keys: list[list[bytes]]

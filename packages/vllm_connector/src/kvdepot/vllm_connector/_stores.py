@@ -16,7 +16,10 @@ blocks and a preempted or finished request's go back to vLLM's pool at once). So
    may still run on the device and commits them: only then are the chunks visible to lookups.
 
 A reply that has not landed when the step ends (`RESERVE_WAIT_S`) skips its store, and its
-slots are given back when it lands: the step never waits on the server for longer.
+slots are given back when it lands: the step never waits on the server for longer. Such a store,
+and one whose reservation grew too old, is named in `skipped`: the worker reports it to the
+scheduler, which plans it again while the request still holds its blocks (`STORE_AGAIN_MAX`
+times at most).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class StepStores:
         self.server_id = server_id
         self.asked = time.monotonic()  # the reservations expire no sooner than their TTL from now
         self.pending = list(zip(ops, futures, strict=True))
+        # Stores skipped because the server was slow, not down: they may be planned again.
+        self.skipped: list[StoreOp] = []
         # Gathered stores, with the copies' handles: the copy thread commits them.
         self.gathered: list[tuple[StoreOp, Any, list[Any]]] = []
 
@@ -87,6 +92,7 @@ class StepStores:
                     "kvdepot store of %s skipped: the server had not reserved its slots by the step's end", op.req_id
                 )
                 self._abort_on_arrival(future)
+                self.skipped.append(op)
                 continue
             except Exception as exc:
                 server_failed(exc)
@@ -104,6 +110,7 @@ class StepStores:
                     op.req_id, age, reservation_ttl,
                 )  # fmt: skip
                 self._abort(reply)
+                self.skipped.append(op)
                 continue
             try:
                 handles = copy(op, reply)

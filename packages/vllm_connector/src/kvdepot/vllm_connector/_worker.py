@@ -115,6 +115,8 @@ class WorkerSide:
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvdepot-copy")
         # Engine thread only: this step's stores from `step_started` to `wait_for_save`.
         self._step_stores: StepStores | None = None
+        # Stores skipped since the last report because their slots came late: request -> first chunk.
+        self._skipped: dict[str, int] = {}
         self.loads = WorkerLoads(
             self, fail_loads=fail_loads, load_delay=load_delay, load_step_share=load_step_share,
             engine_thread_loads=engine_thread_loads,
@@ -296,6 +298,8 @@ class WorkerSide:
                 count=self.count,
                 server_failed=self._server_failed,
             )
+        for op in stores.skipped:  # the scheduler plans them again (`take_worker_meta`)
+            self._skipped[op.req_id] = min(op.first_chunk, self._skipped.get(op.req_id, op.first_chunk))
         if stores.gathered:
             self._copier.submit(
                 stores.commit, pin_s=self.pin_s, count=self.count, chunk_bytes=self.chunk_bytes,
@@ -359,12 +363,14 @@ class WorkerSide:
     # -- step results -------------------------------------------------------------------
 
     def take_worker_meta(self) -> KVDepotWorkerMetadata | None:
-        """The loads that failed, and how many bytes of hits were copied in how long, since the last call."""
+        """The loads that failed, how many bytes of hits were copied in how long, and the stores
+        skipped because their slots came late, since the last call."""
         failed = self.failures.take_meta()
         nbytes, seconds = self.slots.meter.take()
-        if failed is None and not nbytes:
+        skipped, self._skipped = self._skipped, {}
+        if failed is None and not nbytes and not skipped:
             return None
-        return KVDepotWorkerMetadata(failed.failed if failed else set(), nbytes, seconds)
+        return KVDepotWorkerMetadata(failed.failed if failed else set(), nbytes, seconds, skipped)
 
     def take_failed_blocks(self) -> set[int]:
         return self.failures.take_blocks()
