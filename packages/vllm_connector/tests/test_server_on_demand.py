@@ -26,8 +26,8 @@ def test_without_a_size_the_pool_is_modest(tmp_path: Path, monkeypatch: pytest.M
         _server.ensure_server(address, capacity="1GiB", timeout=30)  # one answers: nothing new starts
         assert ServerProcess(address).stats().capacity_bytes == stats.capacity_bytes
     finally:
-        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-            os.kill(int(_server.pid_path(address).read_text()), signal.SIGTERM)
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            _stop(int(_server.pid_path(address).read_text()), address)
 
 
 def test_the_started_server_is_no_descendant_of_this_process(tmp_path: Path) -> None:
@@ -40,8 +40,7 @@ def test_the_started_server_is_no_descendant_of_this_process(tmp_path: Path) -> 
         assert pid not in {c.pid for c in _children(os.getpid())}
         assert ServerProcess(address).answers()
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+        _stop(pid, address)
 
 
 def _libgomp() -> str | None:
@@ -81,8 +80,7 @@ def test_the_started_server_is_not_bound_to_the_cpu_of_the_vllm_thread_that_star
     try:
         assert os.sched_getaffinity(pid) >= everything
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
+        _stop(pid, address)
 
 
 def test_the_openmp_settings_of_vllm_are_not_passed_to_the_server() -> None:
@@ -95,6 +93,18 @@ def test_the_openmp_settings_of_vllm_are_not_passed_to_the_server() -> None:
     }
     assert _server._without_openmp(environ) == {"PATH": "/usr/bin", "LD_PRELOAD": "/x/libtcmalloc.so.4"}
     assert "LD_PRELOAD" not in _server._without_openmp({"LD_PRELOAD": "/x/libgomp.so.1"})
+
+
+def _stop(pid: int, address: str) -> None:
+    """Stop a server started on demand (SIGTERM: a clean stop keeps its pool for the next start),
+    then remove the pool it kept: a test leaves nothing in /dev/shm."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(Exception):
+        import psutil
+
+        psutil.Process(pid).wait(timeout=30)
+    ServerProcess(address).remove_kept_pool()
 
 
 def _children(pid: int) -> list:
@@ -117,8 +127,8 @@ def test_the_files_of_the_on_demand_start_are_never_opened_through_a_symlink(tmp
         assert victim.read_text() == "precious\n"
     finally:
         if name != "s.pid" and _server.pid_path(address).exists():
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(_server.pid_path(address).read_text()), signal.SIGTERM)
+            with contextlib.suppress(ValueError):
+                _stop(int(_server.pid_path(address).read_text()), address)
         for proc in _children(os.getpid()):
             with contextlib.suppress(Exception):
                 proc.kill()
